@@ -1,0 +1,15 @@
+"""replicate: train one Estimator `model_fn` on every device of a machine.
+
+```python
+estimator = tf.estimator.Estimator(
+    model_fn=replicate.replicate_model_fn(model_fn), ...)
+```
+with the `model_fn`'s optimizer wrapped in `replicate.TowerOptimizer`.
+"""
+
+from replicate.model_fn import replicate_model_fn
+from replicate.optimizer import TowerOptimizer
+
+__version__ = "0.1.0"
+
+__all__ = ["replicate_model_fn", "TowerOptimizer", "__version__"]

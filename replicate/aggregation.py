@@ -1,0 +1,81 @@
+"""Summing the towers' gradients into one update.
+
+On dense gradients: one `add_n` per variable, placed with the variable, so
+each tower sends its gradient once to where the update runs.
+
+On sparse gradients (`IndexedSlices`, from embedding lookups): the towers'
+slices are concatenated, duplicates allowed, `dense_shape` kept; the
+optimizer's sparse update sums duplicate indices itself. Nothing is densified.
+
+On empty towers: a tower with no rows contributes nothing. When that is only
+known at run time its dense gradient is selected away with `tf.where` (not
+multiplied by 0, which would keep a NaN).
+"""
+
+from typing import Any, List, Sequence, Tuple
+
+import tensorflow as tf
+
+GradsAndVars = List[Tuple[Any, tf.Variable]]
+
+
+def sum_grads_and_vars(per_tower: Sequence[GradsAndVars],
+                       has_rows: Sequence[Any]) -> GradsAndVars:
+  """Sums each variable's gradient over towers; all-`None` stays `None`.
+
+  `per_tower[i]` is tower i's `(gradient, variable)` list; every tower lists
+  the same variables in the same order (checked by the caller).
+  """
+  summed = []
+  for position, (_, variable) in enumerate(per_tower[0]):
+    grads = [(tower[position][0], rows)
+             for tower, rows in zip(per_tower, has_rows)
+             if tower[position][0] is not None and rows is not False]
+    if not grads:
+      summed.append((None, variable))
+      continue
+    with tf.device(variable.device), tf.name_scope(
+        _op_name(variable) + "_sum_over_towers"):
+      summed.append((_sum([_keep_if_rows(g, rows) for g, rows in grads]),
+                     variable))
+  return summed
+
+
+def _sum(grads):
+  if len(grads) == 1:
+    return grads[0]
+  if any(isinstance(g, tf.IndexedSlices) for g in grads):
+    return _concat_slices(grads)
+  return tf.math.add_n(grads)
+
+
+def _concat_slices(grads):
+  slices = [g if isinstance(g, tf.IndexedSlices) else _as_slices(g)
+            for g in grads]
+  dense_shape = next(
+      (s.dense_shape for s in slices if s.dense_shape is not None), None)
+  return tf.IndexedSlices(
+      tf.concat([s.values for s in slices], axis=0),
+      tf.concat([tf.cast(s.indices, tf.int64) for s in slices], axis=0),
+      dense_shape)
+
+
+def _as_slices(dense):
+  """A dense gradient as slices of every row, so it can join sparse ones."""
+  rows = tf.shape(dense, out_type=tf.int64)[0]
+  return tf.IndexedSlices(dense, tf.range(rows),
+                          tf.shape(dense, out_type=tf.int64))
+
+
+def _keep_if_rows(grad, has_rows):
+  """The gradient, or zeros where the tower turned out to have no rows."""
+  if isinstance(has_rows, bool):
+    return grad
+  if isinstance(grad, tf.IndexedSlices):
+    values = tf.where(has_rows, grad.values, tf.zeros_like(grad.values))
+    return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+  return tf.where(has_rows, grad, tf.zeros_like(grad))
+
+
+def _op_name(variable):
+  return variable.op.name.replace(":", "_")

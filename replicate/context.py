@@ -1,0 +1,189 @@
+"""The replication context: the state of one wrapped `model_fn` call.
+
+On lifetime: `replication_context(...)` creates one `ReplicationContext` for
+the graph being built, makes it findable by `current_context()` while the
+towers are built, and removes every trace of it from the graph in `finally`,
+whether the towers were built or raised. Nothing is kept in module globals.
+
+On towers: `tower_scope(i)` enters what tower i is built in: its device
+function, no name-scope prefix for tower 0 and `tower_i` for the others,
+variable reuse for towers 1..N-1, and the same fresh name counters tower 0
+had, so that default-named scopes and layers (`dense`, `accuracy`) get the
+names tower 0 gave them and resolve to tower 0's variables.
+"""
+
+import contextlib
+import copy
+from typing import Any, List, NamedTuple, Optional
+
+import tensorflow as tf
+from keras.src import backend as keras_backend
+from tensorflow.python.ops import variable_scope as variable_scope_lib
+
+# The graph collection that holds the active context while towers are built;
+# emptied again before the wrapped model_fn returns.
+_CONTEXT_COLLECTION = "replicate.replication_context"
+
+
+class OptimizerCall(NamedTuple):
+  """One `TowerOptimizer.apply_gradients` call made by one tower."""
+  optimizer: Any
+  grads_and_vars: List[Any]
+
+
+class ReplicationContext:
+  """Which tower is being built, how many there are, and what they did."""
+
+  def __init__(self, graph, devices, device_functions, weights, has_rows):
+    self.graph = graph
+    self.devices = list(devices)
+    self.num_towers = len(devices)
+    self.weights = weights  # loss weight per tower (float or scalar tensor)
+    self.has_rows = has_rows  # per tower: bool or scalar bool tensor
+    self.tower_index = None  # the tower being built, or None
+    self.optimizer_calls = [[] for _ in devices]  # per tower, in order
+    self._device_functions = device_functions
+    self._outer_name_scope = graph.get_name_scope()
+    self._outer_variable_scope = tf.compat.v1.get_variable_scope()
+    self._counters = _NameCounters(graph)
+
+  @property
+  def is_last_tower(self) -> bool:
+    return self.tower_index == self.num_towers - 1
+
+  def tower_name_scope(self, index: int) -> str:
+    """The name-scope prefix of tower `index` ('' for tower 0 at top level)."""
+    if index == 0:
+      return self._outer_name_scope
+    return _join(self._outer_name_scope, "tower_{}".format(index))
+
+  def to_tower0_name(self, name: str, index: int) -> str:
+    """The name tower 0 gives to what tower `index` named `name`."""
+    prefix = self.tower_name_scope(index)
+    if index == 0 or not (name == prefix or name.startswith(prefix + "/")):
+      return name
+    return _join(self._outer_name_scope, name[len(prefix) + 1:])
+
+  @contextlib.contextmanager
+  def tower_scope(self, index: int):
+    """Builds tower `index`: device, name scope, variable reuse, counters."""
+    self.tower_index = index
+    if index == 0:
+      self._counters.save_start()
+    else:
+      self._counters.restore_start()
+    try:
+      with self.graph.device(self._device_functions[index]):
+        if index == 0:
+          yield
+        else:
+          with tf.compat.v1.variable_scope(
+              self._outer_variable_scope, reuse=True,
+              auxiliary_name_scope=False), self.graph.name_scope(
+                  self.tower_name_scope(index) + "/"):
+            yield
+    finally:
+      if index == 0:
+        self._counters.save_end_of_tower0()
+      self.tower_index = None
+
+  def finish_towers(self):
+    """Leaves the name counters as the unwrapped model_fn would have."""
+    self._counters.restore_end_of_tower0()
+
+  @contextlib.contextmanager
+  def tower0_equivalent_scope(self):
+    """Enters tower 0's equivalent of where the current tower is now.
+
+    The aggregated update is built here, in the last tower, so that slots and
+    accumulators get the names the unwrapped model_fn gives them: the name
+    scope loses its `tower_i/` prefix, and the variable scope keeps its name
+    but no longer reuses (new slot variables must be creatable).
+    """
+    name_scope = self.to_tower0_name(self.graph.get_name_scope(),
+                                     self.tower_index)
+    variable_scope = copy.copy(tf.compat.v1.get_variable_scope())
+    # VariableScope has no public setter that can turn reuse off again.
+    variable_scope._reuse = self._outer_variable_scope.reuse  # pylint: disable=protected-access
+    with self.graph.device(self._device_functions[0]), tf.compat.v1.variable_scope(
+        variable_scope, auxiliary_name_scope=False), self.graph.name_scope(
+            name_scope + "/" if name_scope else ""):
+      yield
+
+
+@contextlib.contextmanager
+def replication_context(devices, device_functions, weights, has_rows):
+  """Makes a `ReplicationContext` current for the default graph, then clears it."""
+  graph = tf.compat.v1.get_default_graph()
+  if graph.get_collection(_CONTEXT_COLLECTION):
+    raise ValueError(
+        "replicate_model_fn was called while another replicated model_fn was "
+        "being built in the same graph; wrap the model_fn once (nested "
+        "replicate_model_fn calls are not supported).")
+  context = ReplicationContext(graph, devices, device_functions, weights,
+                               has_rows)
+  graph.add_to_collection(_CONTEXT_COLLECTION, context)
+  try:
+    yield context
+  finally:
+    graph.clear_collection(_CONTEXT_COLLECTION)
+
+
+def current_context() -> Optional[ReplicationContext]:
+  """The context of the towers being built in the default graph, if any."""
+  found = tf.compat.v1.get_default_graph().get_collection(_CONTEXT_COLLECTION)
+  return found[0] if found else None
+
+
+class _NameCounters:
+  """Snapshots of the graph's name counters, and of its losses collection.
+
+  Default names (`tf.compat.v1.variable_scope(None, default_name='dense')`,
+  unnamed `tf.compat.v1.layers` layers, `tf.compat.v1.metrics`) are made
+  unique with per-graph counters. Each tower starts from the counters tower 0
+  started from, so tower i picks the same names as tower 0 and shares its
+  variables; afterwards the counters are left as tower 0 left them.
+  TensorFlow keeps these counters in private places; this class is the only
+  code that touches them.
+
+  The `LOSSES` collection is treated the same way, so that
+  `tf.compat.v1.losses.get_total_loss()` in tower i sums tower i's losses,
+  not tower 0's too. (Regularization losses are left alone: they belong to
+  the shared variables, and every tower must see them.)
+  """
+
+  def __init__(self, graph):
+    with graph.as_default():
+      self._scope_store = variable_scope_lib.get_variable_scope_store()
+      self._layer_uids = keras_backend.get_default_graph_uid_map()
+    self._losses = graph.get_collection_ref(tf.compat.v1.GraphKeys.LOSSES)
+    self._start = None
+    self._end = None
+
+  def save_start(self):
+    self._start = self._snapshot()
+
+  def save_end_of_tower0(self):
+    self._end = self._snapshot()
+
+  def restore_start(self):
+    self._restore(self._start)
+
+  def restore_end_of_tower0(self):
+    if self._end is not None:
+      self._restore(self._end)
+
+  def _snapshot(self):
+    return (dict(self._scope_store.variable_scopes_count),
+            dict(self._layer_uids), list(self._losses))
+
+  def _restore(self, snapshot):
+    scopes, layers, losses = snapshot
+    self._scope_store.variable_scopes_count = dict(scopes)
+    self._layer_uids.clear()
+    self._layer_uids.update(layers)
+    self._losses[:] = losses
+
+
+def _join(scope: str, name: str) -> str:
+  return scope + "/" + name if scope else name

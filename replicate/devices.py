@@ -1,0 +1,126 @@
+"""Which devices the towers use and where their variables live.
+
+On device strings: any spelling TensorFlow accepts (`'/gpu:0'`, `'/GPU:0'`,
+`'/device:GPU:0'`, `'cpu:1'`, with or without `/job:.../task:...`) is normalised
+to TensorFlow's canonical form, so `'/gpu:0'` and `'/GPU:0'` are one device.
+
+On placement: a device function puts every op of a tower on the tower's
+device, except the ops that create variables, which go where the
+`variable_strategy` says.
+"""
+
+from typing import Callable, List, Optional, Sequence
+
+import tensorflow as tf
+from tensorflow.python.client import device_lib
+
+PARAMETER_SERVER = "parameter_server"
+ROUND_ROBIN = "round_robin"
+REPLICATED = "replicated"
+VARIABLE_STRATEGIES = (PARAMETER_SERVER, ROUND_ROBIN, REPLICATED)
+
+# Op types that create a variable's storage; these are the ops a variable
+# strategy places, everything else follows its tower.
+_VARIABLE_OP_TYPES = frozenset(
+    ["Variable", "VariableV2", "VarHandleOp", "AutoReloadVariable"])
+
+
+def normalize_devices(devices: Optional[Sequence[str]]) -> Optional[List[str]]:
+  """Returns `devices` in canonical spelling, or None; raises on bad entries."""
+  if devices is None:
+    return None
+  if isinstance(devices, str) or not hasattr(devices, "__iter__"):
+    raise ValueError(
+        "devices must be a list of device strings such as ['/gpu:0', "
+        "'/gpu:1'], or None for every local device. Received: {!r}.".format(
+            devices))
+  devices = list(devices)
+  if not devices:
+    raise ValueError(
+        "devices is empty; give at least one device, e.g. ['/gpu:0'], or "
+        "None for every local device. Received: [].")
+  normalized = []
+  for device in devices:
+    canonical = _canonical_device(device, devices)
+    if canonical in normalized:
+      raise ValueError(
+          "devices contains {!r} twice (as {!r}); each device may appear "
+          "once. Received: {!r}.".format(device, canonical, devices))
+    normalized.append(canonical)
+  return normalized
+
+
+def local_devices(session_config=None) -> List[str]:
+  """Every local GPU, or with none every local CPU, as the session sees them.
+
+  The devices are counted with the session config the Estimator will use, so
+  `ConfigProto(device_count={'CPU': N})` gives N CPU devices.
+  """
+  found = device_lib.list_local_devices(session_config)
+  gpus = [d.name for d in found if d.device_type == "GPU"]
+  if gpus:
+    return gpus
+  return [d.name for d in found if d.device_type == "CPU"]
+
+
+def variable_device_chooser(strategy: str, devices: Sequence[str]
+                           ) -> Callable[[tf.Operation], str]:
+  """Returns a function that picks the device of each variable op, in turn."""
+  if strategy == PARAMETER_SERVER:
+    device = devices[0] if len(devices) == 1 else _cpu_of(devices[0])
+    return lambda op: device
+  order = {}  # variable op name -> its place in creation order
+
+  def round_robin(op):
+    position = order.setdefault(op.name, len(order))
+    return devices[position % len(devices)]
+
+  return round_robin
+
+
+def tower_device_function(tower_device: str,
+                          choose_variable_device: Callable[[tf.Operation], str]
+                         ) -> Callable[[tf.Operation], str]:
+  """Places a tower's ops on `tower_device` and its variables by strategy.
+
+  A device the model_fn sets itself (`with tf.device(...)`) is kept: it is
+  merged over the chosen one, as `tf.compat.v1.train.replica_device_setter`
+  does.
+  """
+
+  def choose(op):
+    if op.type in _VARIABLE_OP_TYPES:
+      spec = tf.DeviceSpec.from_string(choose_variable_device(op))
+    else:
+      spec = tf.DeviceSpec.from_string(tower_device)
+    return spec.make_merged_spec(
+        tf.DeviceSpec.from_string(op.device or "")).to_string()
+
+  return choose
+
+
+def _canonical_device(device, devices) -> str:
+  if not isinstance(device, str):
+    raise ValueError(
+        "devices must hold device strings such as '/gpu:0'; {!r} is a {}. "
+        "Received: {!r}.".format(device, type(device).__name__, devices))
+  try:
+    spec = tf.DeviceSpec.from_string(device)
+  except ValueError as error:
+    raise ValueError(
+        "devices contains {!r}, which TensorFlow cannot parse as a device "
+        "({}). Use a form like '/gpu:0' or '/device:CPU:1'. Received: "
+        "{!r}.".format(device, error, devices)) from None
+  if spec.device_type is None:
+    raise ValueError(
+        "devices contains {!r}, which names no device type; use a form like "
+        "'/gpu:0' or '/device:CPU:1'. Received: {!r}.".format(device, devices))
+  if spec.device_index is None:
+    spec = spec.replace(device_index=0)
+  return spec.to_string()
+
+
+def _cpu_of(device: str) -> str:
+  """The first CPU of the task that holds `device` (the parameter device)."""
+  spec = tf.DeviceSpec.from_string(device)
+  return spec.replace(device_type="CPU", device_index=0).to_string()

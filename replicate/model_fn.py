@@ -1,0 +1,198 @@
+"""`replicate_model_fn`: one `model_fn`, one tower per device.
+
+The pipeline, per call: split the batch (`sharding`), build the `model_fn` once
+per device inside the replication context (`context`, `devices`), then combine
+the towers' specs into one (`specs`). `TowerOptimizer` does the gradient side.
+"""
+
+from typing import Callable, Optional, Sequence
+
+import tensorflow as tf
+from tensorflow.python.util import function_utils
+
+from replicate import context as context_lib
+from replicate import devices as devices_lib
+from replicate import sharding
+from replicate import specs as specs_lib
+
+Reduction = tf.compat.v1.losses.Reduction
+
+# Ops that feed an input pipeline's batches; features that come from these
+# are training or prediction input, not a serving signature's placeholders.
+_PIPELINE_OP_TYPES = frozenset([
+    "IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional",
+    "QueueDequeue", "QueueDequeueV2", "QueueDequeueMany", "QueueDequeueManyV2",
+    "QueueDequeueUpTo", "QueueDequeueUpToV2"
+])
+_PLACEHOLDER_OP_TYPES = frozenset(["Placeholder", "PlaceholderWithDefault"])
+
+
+def replicate_model_fn(
+    model_fn: Callable,
+    loss_reduction: str = Reduction.SUM_BY_NONZERO_WEIGHTS,
+    devices: Optional[Sequence[str]] = None,
+    variable_strategy: str = devices_lib.PARAMETER_SERVER) -> Callable:
+  """Replicates `model_fn` over devices: one tower per device, one update.
+
+  Args:
+    model_fn: an Estimator `model_fn` whose optimizers are wrapped in
+      `replicate.TowerOptimizer`.
+    loss_reduction: how the `model_fn` reduces its loss over the batch.
+      `Reduction.SUM`: tower losses and gradients are summed. Any other
+      (the default `SUM_BY_NONZERO_WEIGHTS`, `MEAN`, ...): tower i's loss is
+      weighted by its share of the batch `n_i / n`. `Reduction.NONE` is an
+      error: a loss must be a scalar.
+    devices: device strings, e.g. `['/gpu:0', '/gpu:1']`. None: every local
+      GPU, or with no GPU every local CPU device, counted with the
+      Estimator's `session_config` (so `ConfigProto(device_count={'CPU': 4})`
+      gives 4 towers on a CPU-only machine).
+    variable_strategy: where variables live. `"parameter_server"`: on the one
+      device, or with several on `/device:CPU:0`. `"round_robin"`: on the
+      tower devices in turn, in creation order.
+
+  Returns:
+    A `model_fn(features, labels, mode, params=None, config=None)` for
+    `tf.estimator.Estimator`.
+
+  On sharding: features and labels are split along dimension 0, unevenly if
+  needed (the first `n % N` towers get one extra row); towers left with no
+  rows weigh 0. Tower 0 is built under the `model_fn`'s own names, towers
+  1..N-1 under name scopes `tower_1`, ..., sharing tower 0's variables, so
+  checkpoints are the unwrapped `model_fn`'s.
+
+  On modes: TRAIN returns the whole batch's loss and a `train_op` that
+  applies the summed gradients once per step; EVAL reports every metric over
+  the whole batch; PREDICT concatenates predictions and export outputs in
+  input order. A serving graph (PREDICT with features fed by placeholders, as
+  `export_saved_model` builds) is built as one tower with no device
+  placement, so the SavedModel serves any batch size on any machine.
+
+  Example:
+
+  ```python
+  config = tf.estimator.RunConfig(session_config=tf.compat.v1.ConfigProto(
+      device_count={"CPU": 2}))  # two towers on a CPU-only machine
+  estimator = tf.estimator.Estimator(
+      model_fn=replicate.replicate_model_fn(model_fn), config=config)
+  estimator.train(input_fn, steps=100)
+  ```
+  """
+  _check_loss_reduction(loss_reduction)
+  fixed_devices = devices_lib.normalize_devices(devices)
+  _check_variable_strategy(variable_strategy)
+  model_fn_args = function_utils.fn_args(model_fn)
+
+  def replicated_model_fn(features, labels, mode, params=None, config=None):
+    kwargs = _model_fn_kwargs(model_fn, model_fn_args, labels, mode, params,
+                              config)
+    if mode == tf.estimator.ModeKeys.PREDICT and _is_serving_input(features):
+      return model_fn(features, **kwargs)
+    tower_devices = fixed_devices or devices_lib.local_devices(
+        config.session_config if config is not None else None)
+    if len(tower_devices) == 1:
+      with tf.device(tower_devices[0]):
+        return model_fn(features, **kwargs)
+    return _build_towers(model_fn, features, labels, mode, kwargs,
+                         tower_devices, loss_reduction, variable_strategy)
+
+  replicated_model_fn.__name__ = "replicated_" + getattr(
+      model_fn, "__name__", "model_fn")
+  return replicated_model_fn
+
+
+def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
+                  loss_reduction, variable_strategy):
+  """Builds one tower per device and combines their specs."""
+  num_towers = len(tower_devices)
+  shards = sharding.split_batch(features, labels, num_towers)
+  choose_variable_device = devices_lib.variable_device_chooser(
+      variable_strategy, tower_devices)
+  device_functions = [
+      devices_lib.tower_device_function(device, choose_variable_device)
+      for device in tower_devices
+  ]
+  with context_lib.replication_context(
+      tower_devices, device_functions,
+      weights=sharding.shard_weights(shards.sizes, shards.batch_size,
+                                     loss_reduction),
+      has_rows=sharding.shard_has_rows(shards.sizes)) as context:
+    tower_specs = []
+    for index in range(num_towers):
+      tower_kwargs = dict(kwargs)
+      if "labels" in tower_kwargs:
+        tower_kwargs["labels"] = shards.labels[index]
+      with context.tower_scope(index):
+        spec = model_fn(shards.features[index], **tower_kwargs)
+      if not isinstance(spec, tf.estimator.EstimatorSpec):
+        raise ValueError(
+            "replicate_model_fn needs the model_fn to return a "
+            "tf.estimator.EstimatorSpec; tower {} returned a {}.".format(
+                index, type(spec).__name__))
+      tower_specs.append(spec)
+    context.finish_towers()
+    return specs_lib.combine_specs(mode, tower_specs, context)
+
+
+def _check_loss_reduction(loss_reduction):
+  if loss_reduction == Reduction.NONE:
+    raise ValueError(
+        "loss_reduction=Reduction.NONE: a none reduction is specified, but "
+        "each tower's loss must be a scalar to be weighted and summed. Use Reduction.SUM or Reduction.SUM_BY_NONZERO_WEIGHTS "
+        "(the default) to match how the model_fn reduces its loss.")
+  if loss_reduction not in Reduction.all():
+    raise ValueError(
+        "loss_reduction must be one of {}. Received: {!r}.".format(
+            sorted(set(Reduction.all()) - {Reduction.NONE}), loss_reduction))
+
+
+def _check_variable_strategy(variable_strategy):
+  if variable_strategy not in devices_lib.VARIABLE_STRATEGIES:
+    raise ValueError(
+        "variable_strategy must be one of {}. Received: {!r}.".format(
+            ", ".join(repr(s) for s in devices_lib.VARIABLE_STRATEGIES),
+            variable_strategy))
+  if variable_strategy == devices_lib.REPLICATED:
+    raise NotImplementedError(
+        "variable_strategy='replicated' is not implemented yet; use "
+        "'parameter_server' (the default) or 'round_robin'.")
+
+
+def _model_fn_kwargs(model_fn, model_fn_args, labels, mode, params, config):
+  """The arguments the Estimator would pass `model_fn`, checked the same way."""
+  kwargs = {}
+  if "mode" in model_fn_args:
+    kwargs["mode"] = mode
+  if "labels" in model_fn_args:
+    kwargs["labels"] = labels
+  elif labels is not None:
+    raise ValueError(
+        "The model_fn {!r} does not take labels, but the input_fn returns "
+        "labels. Add a labels argument to the model_fn or return features "
+        "only.".format(model_fn))
+  if "params" in model_fn_args:
+    kwargs["params"] = params
+  elif params:
+    raise ValueError(
+        "The model_fn {!r} does not take params, but params {!r} were given "
+        "to the Estimator. Add a params argument to the model_fn.".format(
+            model_fn, params))
+  if "config" in model_fn_args:
+    kwargs["config"] = config
+  return kwargs
+
+
+def _is_serving_input(features):
+  """Whether features come from placeholders rather than an input pipeline."""
+  pending = [t.op for t in tf.nest.flatten(features, expand_composites=True)
+             if isinstance(t, tf.Tensor)]
+  seen, has_placeholder = set(), False
+  while pending:
+    op = pending.pop()
+    if op in seen:
+      continue
+    seen.add(op)
+    if op.type in _PIPELINE_OP_TYPES:
+      return False
+    has_placeholder = has_placeholder or op.type in _PLACEHOLDER_OP_TYPES
+    pending.extend(t.op for t in op.inputs)
+  return has_placeholder

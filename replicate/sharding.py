@@ -1,0 +1,201 @@
+"""Splitting a batch into one shard per tower, and each shard's weight.
+
+On sharding: every dense tensor (or numpy value) and every `SparseTensor` in
+`features` and `labels` is split along dimension 0 into N contiguous shards, in
+order. When the batch size n does not divide evenly, the first `n % N` shards
+get one extra row; when n < N, the last towers get no rows at all.
+
+On weights: with `Reduction.SUM` every tower's loss counts fully (weight 1);
+with any other reduction tower i's loss is weighted by `n_i / n`, so that the
+weighted sum of per-shard means is the mean over the whole batch. An empty
+batch gives every tower weight 0, never NaN.
+"""
+
+from typing import Any, List, NamedTuple, Optional, Union
+
+import numpy as np
+import tensorflow as tf
+
+Reduction = tf.compat.v1.losses.Reduction
+
+
+class Shards(NamedTuple):
+  """One batch split for N towers."""
+  features: List[Any]  # features[i] is tower i's features
+  labels: List[Any]  # labels[i] is tower i's labels (None when labels are)
+  sizes: Union[tf.Tensor, List[int]]  # rows per tower, int32 [N]
+  batch_size: Union[tf.Tensor, int]
+
+
+def split_batch(features, labels, num_shards: int) -> Shards:
+  """Splits `features` and `labels` (tensors, numpy values, nested dicts)."""
+  features = _to_tensors("features", features)
+  labels = _to_tensors("labels", labels)
+  named_leaves = (_named_leaves("features", features) +
+                  _named_leaves("labels", labels))
+  if not named_leaves:
+    raise ValueError(
+        "features and labels hold no tensor to split into {} shards; "
+        "replicate_model_fn needs batch-major tensors in features. "
+        "Received features={!r}, labels={!r}.".format(
+            num_shards, features, labels))
+  batch_size = _batch_size(named_leaves)
+  sizes = shard_sizes(batch_size, num_shards)
+  features_shards = _split_structure(features, sizes, num_shards)
+  labels_shards = ([None] * num_shards if labels is None else
+                   _split_structure(labels, sizes, num_shards))
+  return Shards(features_shards, labels_shards, sizes, batch_size)
+
+
+def shard_sizes(batch_size, num_shards: int):
+  """Rows per shard: `n // N` each, plus one for the first `n % N`."""
+  if isinstance(batch_size, int):
+    base, extra = divmod(batch_size, num_shards)
+    return [base + (1 if i < extra else 0) for i in range(num_shards)]
+  base = batch_size // num_shards
+  extra = batch_size % num_shards
+  return base + tf.cast(tf.range(num_shards) < extra, tf.int32)
+
+
+def shard_weights(sizes, batch_size, loss_reduction: str) -> List[Any]:
+  """Each tower's loss weight: 1 for SUM, else its share `n_i / n`."""
+  num_shards = len(sizes) if isinstance(sizes, list) else int(sizes.shape[0])
+  if loss_reduction == Reduction.SUM:
+    return [1.0] * num_shards
+  if isinstance(batch_size, int):
+    return [size / batch_size if batch_size else 0.0 for size in sizes]
+  shares = tf.math.divide_no_nan(
+      tf.cast(sizes, tf.float32), tf.cast(batch_size, tf.float32))
+  return tf.unstack(shares, num=num_shards, name="tower_weights")
+
+
+def shard_has_rows(sizes) -> List[Any]:
+  """Whether each shard has at least one row (Python bools when known)."""
+  if isinstance(sizes, list):
+    return [size > 0 for size in sizes]
+  return tf.unstack(sizes > 0, num=int(sizes.shape[0]))
+
+
+def _to_tensors(prefix, structure):
+  """The same structure with every leaf a Tensor or SparseTensor."""
+  if structure is None:
+    return None
+  leaves = [_as_tensor(name, value) for name, value in
+            zip(_leaf_names(prefix, structure), tf.nest.flatten(structure))]
+  return tf.nest.pack_sequence_as(structure, leaves)
+
+
+def _named_leaves(prefix, structure):
+  if structure is None:
+    return []
+  return list(zip(_leaf_names(prefix, structure), tf.nest.flatten(structure)))
+
+
+def _leaf_names(prefix, structure):
+  """A readable name per leaf, e.g. "features['age']", in tf.nest order."""
+  if isinstance(structure, dict):
+    return [name for key in sorted(structure)
+            for name in _leaf_names("{}[{!r}]".format(prefix, key),
+                                    structure[key])]
+  if isinstance(structure, (list, tuple)) and tf.nest.is_nested(structure):
+    return [name for index, value in enumerate(structure)
+            for name in _leaf_names("{}[{}]".format(prefix, index), value)]
+  return [prefix]
+
+
+def _as_tensor(name, value):
+  if isinstance(value, tf.RaggedTensor):
+    raise ValueError(
+        "{} is a RaggedTensor, which replicate_model_fn cannot split by row "
+        "yet; convert it in the input_fn with .to_sparse() or "
+        ".to_tensor().".format(name))
+  if isinstance(value, (tf.SparseTensor, tf.compat.v1.SparseTensorValue)):
+    return tf.compat.v1.convert_to_tensor_or_sparse_tensor(value)
+  if isinstance(value, (np.ndarray, np.generic, list, tuple, int, float)):
+    value = tf.convert_to_tensor(value)
+  if not isinstance(value, tf.Tensor):
+    raise ValueError(
+        "{} is a {}; replicate_model_fn splits Tensors, numpy arrays and "
+        "SparseTensors along dimension 0. Received: {!r}.".format(
+            name, type(value).__name__, value))
+  if value.shape.rank == 0:
+    raise ValueError(
+        "{} is a scalar ({!r}); replicate_model_fn splits every feature and "
+        "label along dimension 0 (the batch), so each needs shape [batch, "
+        "...]. Batch it in the input_fn or give it a leading dimension of "
+        "the batch size.".format(name, value))
+  return value
+
+
+def _batch_size(named_leaves):
+  """The common dimension 0: a Python int when known, else a checked tensor."""
+  static = {}
+  for name, value in named_leaves:
+    dim = _static_dim0(value)
+    if dim is not None:
+      static.setdefault(dim, name)
+  if len(static) > 1:
+    (size_a, name_a), (size_b, name_b) = list(static.items())[:2]
+    raise ValueError(
+        "features and labels must share dimension 0 (the batch) to be split "
+        "across towers, but {} has {} rows and {} has {}. Give every feature "
+        "and label the same batch size.".format(name_a, size_a, name_b,
+                                                size_b))
+  if static and len(static) == 1 and all(
+      _static_dim0(value) is not None for _, value in named_leaves):
+    return next(iter(static))
+  first_name, first = named_leaves[0]
+  batch_size = _dynamic_dim0(first)
+  checks = [
+      tf.debugging.assert_equal(
+          _dynamic_dim0(value), batch_size,
+          message="replicate_model_fn: {} and {} must share dimension 0 (the "
+          "batch) to be split across towers; give every feature and label the "
+          "same batch size.".format(name, first_name))
+      for name, value in named_leaves[1:]
+  ]
+  with tf.control_dependencies(checks):
+    return tf.identity(batch_size, name="batch_size")
+
+
+def _static_dim0(value):
+  if isinstance(value, tf.SparseTensor):
+    return tf.get_static_value(value.dense_shape[0])
+  return value.shape[0]
+
+
+def _dynamic_dim0(value):
+  if isinstance(value, tf.SparseTensor):
+    return tf.cast(value.dense_shape[0], tf.int32)
+  return tf.shape(value, out_type=tf.int32)[0]
+
+
+def _split_structure(structure, sizes, num_shards):
+  split = [_split_one(value, sizes, num_shards)
+           for value in tf.nest.flatten(structure)]
+  return [tf.nest.pack_sequence_as(structure, [parts[i] for parts in split])
+          for i in range(num_shards)]
+
+
+def _split_one(value, sizes, num_shards):
+  if isinstance(value, tf.SparseTensor):
+    return _split_sparse(value, sizes, num_shards)
+  return tf.split(value, sizes, num=num_shards, axis=0)
+
+
+def _split_sparse(value, sizes, num_shards):
+  """Row slices of a SparseTensor; `tf.sparse.split` refuses n < N."""
+  sizes = tf.cast(tf.convert_to_tensor(sizes), tf.int64)
+  starts = tf.cumsum(sizes, exclusive=True)
+  rank = tf.size(value.dense_shape)
+  trailing_zeros = tf.zeros([rank - 1], tf.int64)
+  parts = []
+  for i in range(num_shards):
+    start = tf.concat([starts[i:i + 1], trailing_zeros], axis=0)
+    size = tf.concat([sizes[i:i + 1], value.dense_shape[1:]], axis=0)
+    part = tf.sparse.slice(value, start, size)
+    # sparse.slice clips dense_shape to the last row that holds a value;
+    # the shard must keep its full row count so it lines up with the
+    # dense features.
+    parts.append(tf.SparseTensor(part.indices, part.values, size))
+  return parts

@@ -1,0 +1,214 @@
+"""Combining the towers' `EstimatorSpec`s into the one the Estimator sees.
+
+On loss: the sum of the towers' weighted losses, the loss of the whole batch;
+a tower with no rows adds exactly 0.
+
+On TRAIN: `train_op` runs every tower's `train_op`; the last tower's holds the
+one aggregated update (see `TowerOptimizer`).
+
+On EVAL: each metric's update op runs every tower's update, then moves what
+towers 1..N-1 accumulated into tower 0's metric variables (matched by name)
+and zeroes theirs. So tower 0's value op, read any number of times, reports
+the metric over every row seen, with no side effect on read. This holds for
+metrics whose variables are sums (every `tf.compat.v1.metrics` function and
+Keras metric states such as `total`, `count`, true positives).
+
+On PREDICT: predictions and every export output are concatenated along
+dimension 0 in tower order, so they line up with the input rows.
+
+Scaffold and hooks are tower 0's: each tower makes the same ones, and tower
+0's are what the unwrapped model_fn makes.
+"""
+
+from typing import Any, List
+
+import tensorflow as tf
+
+ModeKeys = tf.estimator.ModeKeys
+_export_outputs = tf.estimator.export
+
+# Op types that own a variable's storage: a metric's value leads back to these.
+_VARIABLE_OP_TYPES = frozenset(["VarHandleOp", "VariableV2", "Variable"])
+
+
+def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
+                  context) -> tf.estimator.EstimatorSpec:
+  """The EstimatorSpec of the whole batch, from one spec per tower."""
+  fields = tower_specs[0]._asdict()
+  fields["mode"] = mode
+  fields["predictions"] = _concat_structure(
+      "predictions", [spec.predictions for spec in tower_specs])
+  fields["export_outputs"] = _concat_export_outputs(tower_specs)
+  if tower_specs[0].loss is not None:
+    fields["loss"] = _weighted_loss(tower_specs, context)
+  fields.update(_COMBINERS[mode](tower_specs, context))
+  return tf.estimator.EstimatorSpec(**fields)
+
+
+def _weighted_loss(tower_specs, context):
+  with tf.name_scope("loss_over_towers"):
+    terms = []
+    for spec, weight, rows in zip(tower_specs, context.weights,
+                                  context.has_rows):
+      if rows is False:
+        continue
+      loss = tf.convert_to_tensor(spec.loss)
+      term = loss * tf.cast(weight, loss.dtype)
+      if rows is not True:
+        term = tf.where(rows, term, tf.zeros_like(term))
+      terms.append(term)
+    return tf.math.add_n(terms, name="sum")
+
+
+def _train_fields(tower_specs, context):
+  train_ops = [spec.train_op for spec in tower_specs]
+  if all(op is None for op in train_ops):
+    return {}
+  counts = [len(calls) for calls in context.optimizer_calls]
+  if not any(counts):
+    raise ValueError(
+        "The model_fn built a train_op on {} towers without a "
+        "TowerOptimizer, so each tower would update the variables with its "
+        "own gradients. Please wrap optimizers with TowerOptimizer: "
+        "replicate.TowerOptimizer(tf.compat.v1.train.AdamOptimizer(...)).".
+        format(context.num_towers))
+  if len(set(counts)) > 1:
+    raise ValueError(
+        "The towers made different numbers of TowerOptimizer.apply_gradients "
+        "calls ({}): each tower's model_fn was supposed to make the same "
+        "optimizer calls in the same order. Make the calls independent of "
+        "the tower's data.".format(", ".join(
+            "tower {}: {}".format(i, n) for i, n in enumerate(counts))))
+  return {"train_op": tf.group(*[op for op in train_ops if op is not None],
+                               name="train_op_over_towers")}
+
+
+def _eval_fields(tower_specs, context):
+  metrics = tower_specs[0].eval_metric_ops or {}
+  return {
+      "eval_metric_ops": {
+          key: _reduced_metric(key, [spec.eval_metric_ops[key]
+                                     for spec in tower_specs], context)
+          for key in metrics
+      }
+  }
+
+
+def _predict_fields(tower_specs, context):
+  del tower_specs, context  # predictions and exports are done for every mode
+  return {}
+
+
+_COMBINERS = {
+    ModeKeys.TRAIN: _train_fields,
+    ModeKeys.EVAL: _eval_fields,
+    ModeKeys.PREDICT: _predict_fields,
+}
+
+
+def _concat_export_outputs(tower_specs):
+  outputs = tower_specs[0].export_outputs
+  if not outputs:
+    return outputs
+  return {
+      key: _concat_export_output(key, [spec.export_outputs[key]
+                                       for spec in tower_specs])
+      for key in outputs
+  }
+
+
+def _reduced_metric(key, tower_metrics, context):
+  """(tower 0's value, an update that also sums the towers into tower 0's)."""
+  value, _ = tower_metrics[0]
+  variables = _metric_variables(value)
+  tower0_by_name = {v.op.name: v for v in variables}
+  moves = {name: [] for name in tower0_by_name}
+  for index, (other_value, _) in enumerate(tower_metrics[1:], start=1):
+    for variable in _metric_variables(other_value):
+      name = context.to_tower0_name(variable.op.name, index)
+      if name not in moves:
+        raise ValueError(
+            "eval_metric_ops[{!r}]: tower {}'s metric variable {!r} has no "
+            "counterpart named {!r} in tower 0 (tower 0 has {}). Create the "
+            "metric the same way in every tower, e.g. with a fixed name.".
+            format(key, index, variable.op.name, name, sorted(moves)))
+      moves[name].append(variable)
+  with tf.name_scope("metric_over_towers"):
+    with tf.control_dependencies([update for _, update in tower_metrics]):
+      moved = [_move_into(tower0_by_name[name], others)
+               for name, others in sorted(moves.items()) if others]
+    return value, tf.group(*moved, *[u for _, u in tower_metrics])
+
+
+def _move_into(target, sources):
+  """Adds `sources` into `target`, then zeroes them (reads happen first)."""
+  total = tf.math.add_n([tf.convert_to_tensor(s) for s in sources])
+  added = tf.compat.v1.assign_add(target, total)
+  with tf.control_dependencies([added]):
+    return tf.group(*[
+        tf.compat.v1.assign(s, tf.zeros(s.shape, s.dtype.base_dtype))
+        for s in sources
+    ])
+
+
+def _metric_variables(value):
+  """The local and metric variables a metric's value is computed from."""
+  graph = tf.compat.v1.get_default_graph()
+  candidates = {
+      v.op: v for collection in (tf.compat.v1.GraphKeys.LOCAL_VARIABLES,
+                                 tf.compat.v1.GraphKeys.METRIC_VARIABLES)
+      for v in graph.get_collection(collection)
+  }
+  found, seen = [], set()
+  pending = [t.op for t in tf.nest.flatten(value)
+             if isinstance(t, (tf.Tensor, tf.Variable))]
+  while pending:
+    op = pending.pop()
+    if op in seen:
+      continue
+    seen.add(op)
+    if op.type in _VARIABLE_OP_TYPES:
+      if op in candidates and candidates[op] not in found:
+        found.append(candidates[op])
+      continue
+    pending.extend(t.op for t in op.inputs)
+  return found
+
+
+def _concat_structure(name, values):
+  if values[0] is None:
+    return None
+  if isinstance(values[0], dict):
+    return {key: _concat(name + "[{!r}]".format(key), [v[key] for v in values])
+            for key in values[0]}
+  return _concat(name, values)
+
+
+def _concat(name, tensors):
+  tensors = [tf.convert_to_tensor(t) for t in tensors]
+  if tensors[0].shape.rank == 0:
+    raise ValueError(
+        "{} is a scalar in each tower, so it cannot be put back together "
+        "along the batch; return batch-major values (shape [batch, ...]) "
+        "from the model_fn. Received: {!r}.".format(name, tensors[0]))
+  return tf.concat(tensors, axis=0)
+
+
+def _concat_export_output(key, outputs):
+  first = outputs[0]
+  name = "export_outputs[{!r}]".format(key)
+  if isinstance(first, _export_outputs.ClassificationOutput):
+    return _export_outputs.ClassificationOutput(
+        scores=_concat_structure(name + ".scores", [o.scores for o in outputs]),
+        classes=_concat_structure(name + ".classes",
+                                  [o.classes for o in outputs]))
+  if isinstance(first, _export_outputs.RegressionOutput):
+    return _export_outputs.RegressionOutput(
+        _concat(name + ".value", [o.value for o in outputs]))
+  if isinstance(first, _export_outputs.PredictOutput):
+    return _export_outputs.PredictOutput(
+        _concat_structure(name, [o.outputs for o in outputs]))
+  raise ValueError(
+      "{} is a {}; replicate_model_fn can put back together PredictOutput, "
+      "RegressionOutput and ClassificationOutput.".format(
+          name, type(first).__name__))
