@@ -1,0 +1,49 @@
+"""Shared test set-up: quiet TensorFlow, virtual CPU devices, small graphs."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+
+TRAIN = tf.estimator.ModeKeys.TRAIN
+EVAL = tf.estimator.ModeKeys.EVAL
+PREDICT = tf.estimator.ModeKeys.PREDICT
+
+MAX_CPUS = 4
+
+
+def cpus(count):
+  """['/cpu:0', ..., '/cpu:{count-1}']: virtual devices of `session_config`."""
+  return ["/cpu:{}".format(i) for i in range(count)]
+
+
+def session_config(count=MAX_CPUS):
+  """A session with `count` virtual CPU devices, as the Estimator would get."""
+  return tf.compat.v1.ConfigProto(device_count={"CPU": count})
+
+
+@pytest.fixture
+def graph():
+  """A fresh default graph with a global step, as an Estimator builds."""
+  with tf.Graph().as_default() as g:
+    tf.compat.v1.train.get_or_create_global_step()
+    yield g
+
+
+def run_initialized(fetches, feed_dict=None, steps=1):
+  """Initialises the default graph's variables, runs `fetches` `steps` times."""
+  with tf.compat.v1.Session(config=session_config()) as session:
+    session.run([tf.compat.v1.global_variables_initializer(),
+                 tf.compat.v1.local_variables_initializer()])
+    results = [session.run(fetches, feed_dict) for _ in range(steps)]
+  return results if steps > 1 else results[0]
+
+
+def assert_all_finite(values):
+  for value in tf.nest.flatten(values):
+    assert np.all(np.isfinite(value)), value
