@@ -156,7 +156,7 @@ class _NameCounters:
     with graph.as_default():
       self._scope_store = variable_scope_lib.get_variable_scope_store()
       self._layer_uids = keras_backend.get_default_graph_uid_map()
-    self._losses = graph.get_collection_ref(tf.compat.v1.GraphKeys.LOSSES)
+    self._graph = graph
     self._start = None
     self._end = None
 
@@ -175,14 +175,17 @@ class _NameCounters:
 
   def _snapshot(self):
     return (dict(self._scope_store.variable_scopes_count),
-            dict(self._layer_uids), list(self._losses))
+            dict(self._layer_uids),
+            self._graph.get_collection(tf.compat.v1.GraphKeys.LOSSES))
 
   def _restore(self, snapshot):
     scopes, layers, losses = snapshot
     self._scope_store.variable_scopes_count = dict(scopes)
     self._layer_uids.clear()
     self._layer_uids.update(layers)
-    self._losses[:] = losses
+    key = tf.compat.v1.GraphKeys.LOSSES
+    if losses or self._graph.get_collection(key):
+      self._graph.get_collection_ref(key)[:] = losses
 
 
 def _join(scope: str, name: str) -> str:

@@ -4,7 +4,7 @@ On towers: outside `replicate_model_fn`, or with one tower, every call is
 forwarded unchanged. Inside, `compute_gradients` weights the tower's loss by
 its share of the batch (see `replicate.sharding`), `apply_gradients` records
 the tower's gradients, and the last tower's call sums every tower's gradients
-and applies them with the wrapped optimizer, in tower 0's scopes. Towers must
+and applies them with tower 0's wrapped optimizer, in tower 0's scopes. Towers must
 make the same calls in the same order; each call is matched by its position.
 """
 
@@ -101,9 +101,13 @@ class TowerOptimizer(_V1Optimizer):
     if not context.is_last_tower:
       return tf.no_op(name="tower_optimizer_collect")
     per_tower = _same_call_in_every_tower(context, len(calls) - 1)
+    # Tower 0's optimizer applies: its object is the one the returned spec's
+    # hooks (tower 0's) refer to, e.g. a SyncReplicasOptimizer's hook.
+    tower0_optimizer = context.optimizer_calls[0][len(calls) - 1].optimizer
     with context.tower0_equivalent_scope():
       summed = aggregation.sum_grads_and_vars(per_tower, context.has_rows)
-      return self.optimizer.apply_gradients(summed, global_step, name)
+      return tower0_optimizer.optimizer.apply_gradients(
+          summed, global_step, name)
 
   def get_slot(self, *args, **kwargs):
     return self.optimizer.get_slot(*args, **kwargs)

@@ -1,0 +1,86 @@
+"""The replication context: scoped, per graph, and gone afterwards."""
+
+import pytest
+import tensorflow as tf
+
+from conftest import cpus, run_initialized
+from replicate import context as context_lib
+
+
+def _context(graph, count=2):
+  functions = [lambda op, d=d: d for d in cpus(count)]
+  return context_lib.replication_context(
+      cpus(count), functions, weights=[1.0] * count, has_rows=[True] * count)
+
+
+def test_context_exists_only_while_towers_are_built(graph):
+  keys_before = set(graph.get_all_collection_keys())
+  assert context_lib.current_context() is None
+  with _context(graph) as context:
+    assert context_lib.current_context() is context
+    with tf.Graph().as_default():  # another graph does not see it
+      assert context_lib.current_context() is None
+  assert context_lib.current_context() is None
+  assert not graph.get_collection(context_lib._CONTEXT_COLLECTION)
+  assert set(graph.get_all_collection_keys()) <= keys_before | {
+      context_lib._CONTEXT_COLLECTION
+  }
+
+
+def test_context_is_cleared_when_a_tower_raises(graph):
+  with pytest.raises(RuntimeError, match="model_fn failed"):
+    with _context(graph) as context:
+      with context.tower_scope(0):
+        raise RuntimeError("model_fn failed")
+  assert context_lib.current_context() is None
+
+
+def test_nested_contexts_are_refused(graph):
+  with _context(graph):
+    with pytest.raises(ValueError, match="nested replicate_model_fn"):
+      with _context(graph):
+        pass
+
+
+def test_towers_get_name_scopes_devices_and_tower_0s_variables(graph):
+  ops, kernels = [], []
+  with _context(graph, 3) as context:
+    for index in range(3):
+      with context.tower_scope(index):
+        assert context.tower_index == index
+        ops.append(tf.identity(1.0, name="x"))
+        # Unnamed layers and default-named scopes resolve to tower 0's.
+        tf.compat.v1.layers.dense(tf.ones([1, 2]), 1)
+        with tf.compat.v1.variable_scope(None, default_name="block"):
+          kernels.append(tf.compat.v1.get_variable("w", []))
+    context.finish_towers()
+  assert [op.name for op in ops] == ["x:0", "tower_1/x:0", "tower_2/x:0"]
+  assert [op.device for op in ops] == ["/cpu:0", "/cpu:1", "/cpu:2"]
+  assert kernels[0] is kernels[1] is kernels[2]
+  names = sorted(v.op.name for v in tf.compat.v1.global_variables())
+  assert names == ["block/w", "dense/bias", "dense/kernel", "global_step"]
+  # After the towers, default names continue as after the unwrapped model_fn.
+  with tf.compat.v1.variable_scope(None, default_name="block") as scope:
+    assert scope.name == "block_1"
+
+
+def test_get_total_loss_in_a_tower_sees_that_towers_losses_only(graph):
+  totals = []
+  with _context(graph) as context:
+    for index in range(2):
+      with context.tower_scope(index):
+        tf.compat.v1.losses.add_loss(tf.constant(float(index + 1)))
+        totals.append(tf.compat.v1.losses.get_total_loss(
+            add_regularization_losses=False))
+    context.finish_towers()
+  assert run_initialized(totals) == [1.0, 2.0]
+  # Afterwards the collection holds what the unwrapped model_fn leaves.
+  assert len(tf.compat.v1.losses.get_losses()) == 1
+
+
+def test_tower0_name_strips_only_the_tower_prefix(graph):
+  with _context(graph, 3) as context:
+    assert context.to_tower0_name("tower_2/accuracy/total", 2) == (
+        "accuracy/total")
+    assert context.to_tower0_name("tower_20/x", 2) == "tower_20/x"
+    assert context.to_tower0_name("accuracy/total", 0) == "accuracy/total"

@@ -1,0 +1,76 @@
+"""Device strings, local device discovery and variable placement."""
+
+import pytest
+import tensorflow as tf
+
+from conftest import session_config
+from replicate import devices
+
+
+def test_any_spelling_is_normalised():
+  assert devices.normalize_devices(
+      ["/gpu:0", "/device:GPU:1", "cpu:1", "/job:worker/task:2/gpu:0"]) == [
+          "/device:GPU:0", "/device:GPU:1", "/device:CPU:1",
+          "/job:worker/task:2/device:GPU:0"
+      ]
+  assert devices.normalize_devices(None) is None
+
+
+@pytest.mark.parametrize("bad, expected", [
+    (["/gpu:0", "/GPU:0"], r"contains '/GPU:0' twice \(as '/device:GPU:0'\)"),
+    ([], "devices is empty"),
+    (["/gpu:0", "foo"], "contains 'foo', which TensorFlow cannot parse"),
+    ([""], "contains '', which names no device type"),
+    (["/gpu:0", 1], "1 is a int"),
+    ("/gpu:0", "must be a list of device strings"),
+])
+def test_bad_devices_are_named_in_the_error(bad, expected):
+  with pytest.raises(ValueError, match=expected):
+    devices.normalize_devices(bad)
+
+
+def test_local_devices_counts_what_the_session_config_gives():
+  # No GPU here: every local CPU device, as many as device_count asks for.
+  assert devices.local_devices(session_config(3)) == [
+      "/device:CPU:0", "/device:CPU:1", "/device:CPU:2"
+  ]
+
+
+def _placed(strategy, tower_devices, variable_names):
+  """Creates variables in tower 0's device scope; returns their devices."""
+  chooser = devices.variable_device_chooser(strategy, tower_devices)
+  with tf.Graph().as_default() as graph:
+    with graph.device(devices.tower_device_function(tower_devices[0],
+                                                    chooser)):
+      variables = [tf.compat.v1.get_variable(name, []) for name in
+                   variable_names]
+      op = tf.identity(variables[0])
+  return [v.op.device for v in variables], op.device
+
+
+def test_parameter_server_puts_variables_on_cpu_0_with_several_devices():
+  placed, op_device = _placed(
+      "parameter_server", ["/device:GPU:0", "/device:GPU:1"], ["a", "b"])
+  assert placed == ["/device:CPU:0", "/device:CPU:0"]
+  assert op_device == "/device:GPU:0"  # the tower's own ops stay on its device
+
+
+def test_parameter_server_with_one_device_keeps_variables_there():
+  placed, _ = _placed("parameter_server", ["/device:GPU:1"], ["a"])
+  assert placed == ["/device:GPU:1"]
+
+
+def test_round_robin_places_variables_in_creation_order():
+  placed, _ = _placed("round_robin", ["/device:CPU:0", "/device:CPU:1"],
+                      ["a", "b", "c"])
+  assert placed == ["/device:CPU:0", "/device:CPU:1", "/device:CPU:0"]
+
+
+def test_a_device_the_model_fn_sets_itself_is_kept():
+  chooser = devices.variable_device_chooser("parameter_server",
+                                            ["/device:GPU:0", "/device:GPU:1"])
+  with tf.Graph().as_default() as graph:
+    with graph.device(devices.tower_device_function("/device:GPU:1", chooser)):
+      with tf.device("/cpu:0"):
+        pinned = tf.constant(1.0)
+  assert pinned.op.device == "/device:CPU:0"

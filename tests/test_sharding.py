@@ -1,0 +1,130 @@
+"""Splitting batches into tower shards, and each shard's loss weight."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import run_initialized
+from replicate import sharding
+
+Reduction = tf.compat.v1.losses.Reduction
+
+
+@pytest.mark.parametrize("batch_size, towers, expected", [
+    (12, 3, [4, 4, 4]),
+    (7, 3, [3, 2, 2]),  # 7 = 3*2 + 1: the first shard takes the extra row
+    (8, 3, [3, 3, 2]),
+    (2, 3, [1, 1, 0]),  # fewer rows than towers: the last tower is empty
+    (0, 2, [0, 0]),
+])
+def test_shard_sizes_static_and_dynamic_agree(graph, batch_size, towers,
+                                              expected):
+  assert sharding.shard_sizes(batch_size, towers) == expected
+  dynamic = sharding.shard_sizes(tf.constant(batch_size), towers)
+  assert run_initialized(dynamic).tolist() == expected
+
+
+def test_dense_rows_split_in_order_unevenly(graph):
+  x = np.arange(14, dtype=np.float32).reshape(7, 2)
+  shards = sharding.split_batch({"x": x}, x[:, :1], 3)
+  assert shards.sizes == [3, 2, 2]
+  assert shards.batch_size == 7
+  features, labels = run_initialized((shards.features, shards.labels))
+  np.testing.assert_array_equal(features[0]["x"], x[0:3])
+  np.testing.assert_array_equal(features[1]["x"], x[3:5])
+  np.testing.assert_array_equal(features[2]["x"], x[5:7])
+  np.testing.assert_array_equal(np.concatenate(labels), x[:, :1])
+
+
+def test_unknown_batch_size_is_split_at_run_time(graph):
+  x = tf.compat.v1.placeholder(tf.float32, [None, 2])
+  shards = sharding.split_batch(x, None, 3)
+  assert shards.labels == [None, None, None]
+  values = np.arange(10, dtype=np.float32).reshape(5, 2)
+  parts = run_initialized(shards.features, {x: values})
+  assert [len(p) for p in parts] == [2, 2, 1]  # 5 = 3*1 + 2
+  np.testing.assert_array_equal(np.concatenate(parts), values)
+
+
+def test_nested_dict_features_are_split_leaf_by_leaf(graph):
+  features = {"a": {"b": np.arange(4.0), "c": np.ones([4, 3])}}
+  shards = sharding.split_batch(features, None, 2)
+  first = run_initialized(shards.features[0])
+  np.testing.assert_array_equal(first["a"]["b"], [0.0, 1.0])
+  assert first["a"]["c"].shape == (2, 3)
+
+
+def _sparse_rows(rows, columns=4):
+  """A SparseTensorValue with rows[i] ids in row i."""
+  indices = [[r, c] for r, ids in enumerate(rows) for c in range(len(ids))]
+  values = [v for ids in rows for v in ids]
+  return tf.compat.v1.SparseTensorValue(
+      np.array(indices, np.int64).reshape(-1, 2), np.array(values, np.int64),
+      [len(rows), columns])
+
+
+@pytest.mark.parametrize("rows, towers", [
+    ([[1], [2, 3], [], [4, 5, 6], [7]], 2),  # uneven: 3 + 2 rows
+    ([[1, 2], [3]], 3),  # fewer rows than towers: tf.sparse.split refuses
+])
+def test_sparse_rows_split_like_dense_rows(graph, rows, towers):
+  placeholder = tf.compat.v1.sparse_placeholder(tf.int64)
+  dense = tf.compat.v1.placeholder(tf.float32, [None])
+  shards = sharding.split_batch({"ids": placeholder, "x": dense}, None, towers)
+  value = _sparse_rows(rows)
+  parts = run_initialized(
+      [tf.sparse.to_dense(f["ids"]) for f in shards.features],
+      {placeholder: value, dense: np.zeros(len(rows))})
+  expected = run_initialized(tf.sparse.to_dense(value))
+  sizes = sharding.shard_sizes(len(rows), towers)
+  # Each shard keeps its row count, empty rows and empty shards included.
+  assert [p.shape[0] for p in parts] == sizes
+  np.testing.assert_array_equal(np.concatenate(parts), expected)
+
+
+def test_weights_are_shares_of_the_batch_or_one_for_sum(graph):
+  assert sharding.shard_weights([3, 2, 2], 7, Reduction.MEAN) == [
+      3 / 7, 2 / 7, 2 / 7
+  ]
+  assert sharding.shard_weights([1, 1, 0], 2, Reduction.SUM) == [1.0] * 3
+  sizes = sharding.shard_sizes(tf.constant(7), 3)
+  dynamic = sharding.shard_weights(sizes, tf.constant(7),
+                                   Reduction.SUM_BY_NONZERO_WEIGHTS)
+  np.testing.assert_allclose(run_initialized(dynamic), [3 / 7, 2 / 7, 2 / 7])
+
+
+def test_empty_batch_weighs_zero_not_nan(graph):
+  batch_size = tf.constant(0)
+  sizes = sharding.shard_sizes(batch_size, 2)
+  weights = run_initialized(
+      sharding.shard_weights(sizes, batch_size, Reduction.MEAN))
+  assert weights == [0.0, 0.0]
+  assert sharding.shard_weights([0, 0], 0, Reduction.MEAN) == [0.0, 0.0]
+  assert run_initialized(sharding.shard_has_rows(sizes)) == [False, False]
+
+
+def test_static_dimension_0_mismatch_names_both(graph):
+  with pytest.raises(ValueError) as error:
+    sharding.split_batch({"a": np.ones([4, 2])}, np.ones([5]), 2)
+  message = str(error.value)
+  assert "features['a'] has 4 rows" in message and "labels has 5" in message
+
+
+def test_run_time_dimension_0_mismatch_is_invalid_argument(graph):
+  a = tf.compat.v1.placeholder(tf.float32, [None])
+  b = tf.compat.v1.placeholder(tf.float32, [None])
+  shards = sharding.split_batch({"a": a, "b": b}, None, 2)
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match="must share dimension 0"):
+    run_initialized(shards.features, {a: np.ones(4), b: np.ones(3)})
+
+
+@pytest.mark.parametrize("make_features, expected", [
+    (lambda: {"age": tf.constant(3.0)}, r"features\['age'\] is a scalar"),
+    (lambda: {"r": tf.ragged.constant([[1], [2, 3]])}, "is a RaggedTensor"),
+    (lambda: {"s": "text"}, "is a str"),
+    (lambda: {}, "hold no tensor"),
+])
+def test_unsplittable_inputs_are_clear_errors(graph, make_features, expected):
+  with pytest.raises(ValueError, match=expected):
+    sharding.split_batch(make_features(), None, 2)
