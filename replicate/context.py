@@ -13,7 +13,6 @@ names tower 0 gave them and resolve to tower 0's variables.
 """
 
 import contextlib
-import copy
 from typing import Any, List, NamedTuple, Optional
 
 import tensorflow as tf
@@ -29,6 +28,8 @@ class OptimizerCall(NamedTuple):
   """One `TowerOptimizer.apply_gradients` call made by one tower."""
   optimizer: Any
   grads_and_vars: List[Any]
+  name_scope: str  # the name scope the call was made in
+  variable_scope: Any  # the tf.compat.v1.VariableScope it was made in
 
 
 class ReplicationContext:
@@ -91,23 +92,27 @@ class ReplicationContext:
     """Leaves the name counters as the unwrapped model_fn would have."""
     self._counters.restore_end_of_tower0()
 
-  @contextlib.contextmanager
-  def tower0_equivalent_scope(self):
-    """Enters tower 0's equivalent of where the current tower is now.
+  def record_optimizer_call(self, optimizer, grads_and_vars) -> int:
+    """Records the current tower's call; returns its position in the tower."""
+    calls = self.optimizer_calls[self.tower_index]
+    calls.append(OptimizerCall(optimizer, list(grads_and_vars),
+                               self.graph.get_name_scope(),
+                               tf.compat.v1.get_variable_scope()))
+    return len(calls) - 1
 
-    The aggregated update is built here, in the last tower, so that slots and
-    accumulators get the names the unwrapped model_fn gives them: the name
-    scope loses its `tower_i/` prefix, and the variable scope keeps its name
-    but no longer reuses (new slot variables must be creatable).
+  @contextlib.contextmanager
+  def scopes_of(self, call: OptimizerCall):
+    """Re-enters the device, variable scope and name scope of tower 0's `call`.
+
+    The aggregated update is built in the last tower but belongs to tower 0,
+    so that slots and accumulators get the names, and the reuse setting, the
+    unwrapped model_fn gives them.
     """
-    name_scope = self.to_tower0_name(self.graph.get_name_scope(),
-                                     self.tower_index)
-    variable_scope = copy.copy(tf.compat.v1.get_variable_scope())
-    # VariableScope has no public setter that can turn reuse off again.
-    variable_scope._reuse = self._outer_variable_scope.reuse  # pylint: disable=protected-access
-    with self.graph.device(self._device_functions[0]), tf.compat.v1.variable_scope(
-        variable_scope, auxiliary_name_scope=False), self.graph.name_scope(
-            name_scope + "/" if name_scope else ""):
+    name_scope = call.name_scope + "/" if call.name_scope else ""
+    with self.graph.device(self._device_functions[0]), \
+        tf.compat.v1.variable_scope(call.variable_scope,
+                                    auxiliary_name_scope=False), \
+        self.graph.name_scope(name_scope):
       yield
 
 

@@ -96,17 +96,17 @@ class TowerOptimizer(_V1Optimizer):
     context = _active_context()
     if context is None:
       return self.optimizer.apply_gradients(grads_and_vars, global_step, name)
-    calls = context.optimizer_calls[context.tower_index]
-    calls.append(context_lib.OptimizerCall(self, list(grads_and_vars)))
+    position = context.record_optimizer_call(self, grads_and_vars)
     if not context.is_last_tower:
       return tf.no_op(name="tower_optimizer_collect")
-    per_tower = _same_call_in_every_tower(context, len(calls) - 1)
-    # Tower 0's optimizer applies: its object is the one the returned spec's
-    # hooks (tower 0's) refer to, e.g. a SyncReplicasOptimizer's hook.
-    tower0_optimizer = context.optimizer_calls[0][len(calls) - 1].optimizer
-    with context.tower0_equivalent_scope():
+    per_tower = _same_call_in_every_tower(context, position)
+    # Tower 0's optimizer applies, in tower 0's scopes: its object is the one
+    # the returned spec's hooks (tower 0's) refer to, e.g. a
+    # SyncReplicasOptimizer's hook.
+    tower0_call = context.optimizer_calls[0][position]
+    with context.scopes_of(tower0_call):
       summed = aggregation.sum_grads_and_vars(per_tower, context.has_rows)
-      return tower0_optimizer.optimizer.apply_gradients(
+      return tower0_call.optimizer.optimizer.apply_gradients(
           summed, global_step, name)
 
   def get_slot(self, *args, **kwargs):
