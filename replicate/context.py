@@ -35,18 +35,23 @@ class OptimizerCall(NamedTuple):
 class ReplicationContext:
   """Which tower is being built, how many there are, and what they did."""
 
-  def __init__(self, graph, devices, device_functions, weights, has_rows):
+  def __init__(self, graph, devices, device_functions, weights, has_rows,
+               sizes, may_stand_in):
     self.graph = graph
     self.devices = list(devices)
     self.num_towers = len(devices)
     self.weights = weights  # loss weight per tower (float or scalar tensor)
     self.has_rows = has_rows  # per tower: bool or scalar bool tensor
+    self.sizes = sizes  # real rows per tower (list of ints or int32 [N])
+    self.may_stand_in = may_stand_in  # a tower may run on a stand-in row
     self.tower_index = None  # the tower being built, or None
     self.optimizer_calls = [[] for _ in devices]  # per tower, in order
     self._device_functions = device_functions
     self._outer_name_scope = graph.get_name_scope()
     self._outer_variable_scope = tf.compat.v1.get_variable_scope()
     self._counters = _NameCounters(graph)
+    self._tower0_variables = {}  # op name -> variable, as tower 0 made them
+    self._is_applying = False  # building an aggregated update
 
   @property
   def is_last_tower(self) -> bool:
@@ -59,11 +64,17 @@ class ReplicationContext:
     return _join(self._outer_name_scope, "tower_{}".format(index))
 
   def to_tower0_name(self, name: str, index: int) -> str:
-    """The name tower 0 gives to what tower `index` named `name`."""
-    prefix = self.tower_name_scope(index)
-    if index == 0 or not (name == prefix or name.startswith(prefix + "/")):
+    """The name tower 0 gives to what tower `index` named `name`.
+
+    Tower i's names are tower 0's with a `tower_i` scope added: at the front,
+    and again wherever a model captured the absolute name scope it was built
+    in (the TF 2 canned DNN names a layer that way). Every such component
+    goes.
+    """
+    if index == 0:
       return name
-    return _join(self._outer_name_scope, name[len(prefix) + 1:])
+    tower = "tower_{}".format(index)
+    return "/".join(part for part in name.split("/") if part != tower)
 
   @contextlib.contextmanager
   def tower_scope(self, index: int):
@@ -74,7 +85,8 @@ class ReplicationContext:
     else:
       self._counters.restore_start()
     try:
-      with self.graph.device(self._device_functions[index]):
+      with self.graph.device(self._device_functions[index]), \
+          tf.compat.v1.variable_creator_scope(self._variable_creator(index)):
         if index == 0:
           yield
         else:
@@ -109,15 +121,50 @@ class ReplicationContext:
     unwrapped model_fn gives them.
     """
     name_scope = call.name_scope + "/" if call.name_scope else ""
-    with self.graph.device(self._device_functions[0]), \
-        tf.compat.v1.variable_scope(call.variable_scope,
-                                    auxiliary_name_scope=False), \
-        self.graph.name_scope(name_scope):
-      yield
+    self._is_applying = True
+    try:
+      with self.graph.device(self._device_functions[0]), \
+          tf.compat.v1.variable_scope(call.variable_scope,
+                                      auxiliary_name_scope=False), \
+          self.graph.name_scope(name_scope):
+        yield
+    finally:
+      self._is_applying = False
+
+  def _variable_creator(self, index):
+    """Tower 0 records its variables; towers 1..N-1 get tower 0's.
+
+    `reuse=True` shares what `tf.compat.v1.get_variable` makes; this shares
+    the rest (Keras layers, as in the TF 2 canned estimators), matched by the
+    name tower 0 gave them. Tower-local variables (metrics: created with
+    collections that leave out GLOBAL_VARIABLES) and the optimizer's own
+    variables made by the aggregated update are created as usual.
+    """
+
+    def creator(next_creator, **kwargs):
+      if self._is_applying or _is_tower_local(kwargs):
+        return next_creator(**kwargs)
+      if index == 0:
+        variable = next_creator(**kwargs)
+        self._tower0_variables[variable.op.name] = variable
+        return variable
+      own_name = self.graph.unique_name(kwargs.get("name") or "Variable",
+                                        mark_as_used=False)
+      name = self.to_tower0_name(own_name, index)
+      if name not in self._tower0_variables:
+        raise ValueError(
+            "Tower {} creates the variable {!r}, but tower 0 made no variable "
+            "named {!r}: each tower's model_fn must create the same "
+            "variables, so that every tower trains tower 0's.".format(
+                index, own_name, name))
+      return self._tower0_variables[name]
+
+    return creator
 
 
 @contextlib.contextmanager
-def replication_context(devices, device_functions, weights, has_rows):
+def replication_context(devices, device_functions, weights, has_rows, sizes,
+                        may_stand_in):
   """Makes a `ReplicationContext` current for the default graph, then clears it."""
   graph = tf.compat.v1.get_default_graph()
   if graph.get_collection(_CONTEXT_COLLECTION):
@@ -126,7 +173,7 @@ def replication_context(devices, device_functions, weights, has_rows):
         "being built in the same graph; wrap the model_fn once (nested "
         "replicate_model_fn calls are not supported).")
   context = ReplicationContext(graph, devices, device_functions, weights,
-                               has_rows)
+                               has_rows, sizes, may_stand_in)
   graph.add_to_collection(_CONTEXT_COLLECTION, context)
   try:
     yield context
@@ -191,6 +238,13 @@ class _NameCounters:
     key = tf.compat.v1.GraphKeys.LOSSES
     if losses or self._graph.get_collection(key):
       self._graph.get_collection_ref(key)[:] = losses
+
+
+def _is_tower_local(variable_kwargs) -> bool:
+  """Metric variables: made for one tower's ops, never shared."""
+  collections = variable_kwargs.get("collections")
+  return (collections is not None and
+          tf.compat.v1.GraphKeys.GLOBAL_VARIABLES not in collections)
 
 
 def _join(scope: str, name: str) -> str:

@@ -85,12 +85,18 @@ def tower_device_function(tower_device: str,
 
   A device the model_fn sets itself (`with tf.device(...)`) is kept: it is
   merged over the chosen one, as `tf.compat.v1.train.replica_device_setter`
-  does.
+  does. Ops that take a variable's handle are left to the placer, which
+  puts them with the variable.
   """
 
   def choose(op):
     if op.type in _VARIABLE_OP_TYPES:
       spec = tf.DeviceSpec.from_string(choose_variable_device(op))
+    elif any(t.dtype == tf.resource for t in op.inputs):
+      # An op on a variable's handle runs where the variable lives; the
+      # placer puts it there. Pinning it to the tower breaks, e.g., a read
+      # inside a tf.cond branch, whose handle has no device of its own.
+      return op.device
     else:
       spec = tf.DeviceSpec.from_string(tower_device)
     return spec.make_merged_spec(

@@ -115,7 +115,8 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
       tower_devices, device_functions,
       weights=sharding.shard_weights(shards.sizes, shards.batch_size,
                                      loss_reduction),
-      has_rows=sharding.shard_has_rows(shards.sizes)) as context:
+      has_rows=sharding.shard_has_rows(shards.sizes), sizes=shards.sizes,
+      may_stand_in=shards.may_stand_in) as context:
     tower_specs = []
     for index in range(num_towers):
       tower_kwargs = dict(kwargs)

@@ -1,11 +1,18 @@
 """`TowerOptimizer`: collects every tower's gradients and applies them once.
 
 On towers: outside `replicate_model_fn`, or with one tower, every call is
-forwarded unchanged. Inside, `compute_gradients` weights the tower's loss by
-its share of the batch (see `replicate.sharding`), `apply_gradients` records
-the tower's gradients, and the last tower's call sums every tower's gradients
-and applies them with tower 0's wrapped optimizer, in tower 0's scopes. Towers must
-make the same calls in the same order; each call is matched by its position.
+forwarded unchanged. Inside, computing gradients weights the tower's loss by
+its share of the batch (see `replicate.sharding`), applying them records the
+tower's gradients, and the last tower's call sums every tower's gradients and
+applies them with tower 0's wrapped optimizer, in the scopes tower 0 made its
+call in. Towers must make the same calls in the same order; each call is
+matched by its position.
+
+On families: a `tf.compat.v1.train.Optimizer` is wrapped by `TowerOptimizer`
+itself; a Keras legacy optimizer (`tf.keras.optimizers.legacy.*`, which the
+TF 2 canned estimators take) by `KerasTowerOptimizer`, which
+`TowerOptimizer(...)` returns for it. Each is an instance of the family it
+wraps, since canned estimators check that.
 """
 
 from typing import Any, Callable, Union
@@ -16,17 +23,96 @@ from replicate import aggregation
 from replicate import context as context_lib
 
 _V1Optimizer = tf.compat.v1.train.Optimizer
+_KerasOptimizer = tf.keras.optimizers.legacy.Optimizer
 
 
-class TowerOptimizer(_V1Optimizer):
+class _Wrapping:
+  """What both families share: the wrapped optimizer, weighting, collecting."""
+
+  _family = None  # the optimizer class a subclass wraps
+
+  def _init_wrapping(self, optimizer_or_optimizer_fn):
+    if isinstance(optimizer_or_optimizer_fn, (TowerOptimizer,
+                                              KerasTowerOptimizer)):
+      raise ValueError(
+          "TowerOptimizer was given a TowerOptimizer; wrap the optimizer "
+          "once. Received: {!r}.".format(optimizer_or_optimizer_fn))
+    self._optimizer_or_optimizer_fn = optimizer_or_optimizer_fn
+    self._built = None  # (graph, optimizer) for a function, per graph
+
+  @property
+  def optimizer(self):
+    """The wrapped optimizer (for a function: the one for this graph)."""
+    wrapped = self._optimizer_or_optimizer_fn
+    if isinstance(wrapped, self._family):
+      return wrapped
+    graph = tf.compat.v1.get_default_graph()
+    if self._built is None or self._built[0] is not graph:
+      self._built = (graph, _checked(wrapped(), self._family))
+    return self._built[1]
+
+  def _weighted_loss(self, loss):
+    """The loss weighted by the current tower's share of the batch."""
+    context = _active_context()
+    if context is None:
+      return loss
+    weight = context.weights[context.tower_index]
+    if isinstance(weight, float) and weight == 1.0:
+      return loss
+    if callable(loss):
+      return lambda: loss() * tf.cast(weight, tf.float32)
+    return loss * tf.cast(weight, loss.dtype)
+
+  def _collect_or_apply(self, grads_and_vars, apply):
+    """Records the tower's gradients; in the last tower, `apply`s their sum.
+
+    `apply(optimizer, summed_grads_and_vars)` runs with tower 0's wrapped
+    optimizer: its object is the one the returned spec's hooks (tower 0's)
+    refer to, e.g. a SyncReplicasOptimizer's hook.
+    """
+    context = _active_context()
+    if context is None:
+      return apply(self.optimizer, grads_and_vars)
+    position = context.record_optimizer_call(self, grads_and_vars)
+    if not context.is_last_tower:
+      return tf.no_op(name="tower_optimizer_collect")
+    per_tower = _same_call_in_every_tower(context, position)
+    tower0_call = context.optimizer_calls[0][position]
+    with context.scopes_of(tower0_call):
+      summed = aggregation.sum_grads_and_vars(per_tower, context.has_rows)
+      return apply(tower0_call.optimizer.optimizer, summed)
+
+  def get_slot(self, *args, **kwargs):
+    return self.optimizer.get_slot(*args, **kwargs)
+
+  def get_slot_names(self, *args, **kwargs):
+    return self.optimizer.get_slot_names(*args, **kwargs)
+
+  def variables(self):
+    return self.optimizer.variables()
+
+  def __getattr__(self, name):
+    # Only reached for attributes the wrapper does not have itself, such as
+    # SyncReplicasOptimizer.make_session_run_hook. Private names are never
+    # forwarded: the optimizer base classes probe their own while the
+    # wrapper is being constructed.
+    if name.startswith("_"):
+      raise AttributeError(name)
+    return getattr(self.optimizer, name)
+
+
+class TowerOptimizer(_Wrapping, _V1Optimizer):
   """Wraps an optimizer so that N towers make one update per step.
 
   Args:
     optimizer_or_optimizer_fn: a `tf.compat.v1.train.Optimizer` instance
       (`GradientDescentOptimizer`, `AdamOptimizer`, `SyncReplicasOptimizer`,
-      ...), or a function of no arguments returning one. A function is called
-      once per graph, the first time the optimizer is needed, so learning-rate
-      tensors it builds land in the graph being trained.
+      ...), a Keras legacy optimizer (`tf.keras.optimizers.legacy.Adam()`,
+      ..., for the TF 2 canned estimators), or a function of no arguments
+      returning either. A function is called once per graph, the first time
+      the optimizer is needed, so learning-rate tensors it builds land in the
+      graph being trained (and once more at construction, in a scratch
+      graph, to learn which family it returns).
 
   On use: wrap the optimizer in the `model_fn`, or the one given to a canned
   estimator, and build the estimator from `replicate_model_fn(model_fn)`:
@@ -51,82 +137,117 @@ class TowerOptimizer(_V1Optimizer):
   are summed as they are: weight their loss as `compute_gradients` would.
   """
 
+  _family = _V1Optimizer
+
+  def __new__(cls, optimizer_or_optimizer_fn=None):
+    if cls is TowerOptimizer and _family_of(
+        optimizer_or_optimizer_fn) is _KerasOptimizer:
+      return KerasTowerOptimizer(optimizer_or_optimizer_fn)
+    return super().__new__(cls)
+
   def __init__(self, optimizer_or_optimizer_fn: Union[_V1Optimizer,
+                                                      _KerasOptimizer,
                                                       Callable[[], Any]]):
-    if not (isinstance(optimizer_or_optimizer_fn, _V1Optimizer) or
-            callable(optimizer_or_optimizer_fn)):
-      raise ValueError(
-          "TowerOptimizer wraps a tf.compat.v1.train.Optimizer instance or a "
-          "function of no arguments returning one. Received: {!r}.".format(
-              optimizer_or_optimizer_fn))
-    if isinstance(optimizer_or_optimizer_fn, TowerOptimizer):
-      raise ValueError(
-          "TowerOptimizer was given a TowerOptimizer; wrap the optimizer "
-          "once. Received: {!r}.".format(optimizer_or_optimizer_fn))
-    self._optimizer_or_optimizer_fn = optimizer_or_optimizer_fn
-    self._built = None  # (graph, optimizer) for a function, per graph
+    self._init_wrapping(optimizer_or_optimizer_fn)
     name = getattr(optimizer_or_optimizer_fn, "get_name", lambda: None)()
     super().__init__(use_locking=False, name=name or "TowerOptimizer")
 
-  @property
-  def optimizer(self) -> _V1Optimizer:
-    """The wrapped optimizer (for a function: the one for this graph)."""
-    if isinstance(self._optimizer_or_optimizer_fn, _V1Optimizer):
-      return self._optimizer_or_optimizer_fn
-    graph = tf.compat.v1.get_default_graph()
-    if self._built is None or self._built[0] is not graph:
-      optimizer = self._optimizer_or_optimizer_fn()
-      if not isinstance(optimizer, _V1Optimizer):
-        raise ValueError(
-            "The function given to TowerOptimizer must return a "
-            "tf.compat.v1.train.Optimizer. It returned: {!r}.".format(
-                optimizer))
-      self._built = (graph, optimizer)
-    return self._built[1]
-
   def compute_gradients(self, loss, *args, **kwargs):
     """Weights the loss by this tower's share of the batch, then differentiates."""
-    context = _active_context()
-    if context is not None:
-      loss = _weighted(loss, context.weights[context.tower_index])
-    return self.optimizer.compute_gradients(loss, *args, **kwargs)
+    return self.optimizer.compute_gradients(self._weighted_loss(loss), *args,
+                                            **kwargs)
 
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
     """Records this tower's gradients; the last tower applies their sum once."""
-    context = _active_context()
-    if context is None:
-      return self.optimizer.apply_gradients(grads_and_vars, global_step, name)
-    position = context.record_optimizer_call(self, grads_and_vars)
-    if not context.is_last_tower:
-      return tf.no_op(name="tower_optimizer_collect")
-    per_tower = _same_call_in_every_tower(context, position)
-    # Tower 0's optimizer applies, in tower 0's scopes: its object is the one
-    # the returned spec's hooks (tower 0's) refer to, e.g. a
-    # SyncReplicasOptimizer's hook.
-    tower0_call = context.optimizer_calls[0][position]
-    with context.scopes_of(tower0_call):
-      summed = aggregation.sum_grads_and_vars(per_tower, context.has_rows)
-      return tower0_call.optimizer.optimizer.apply_gradients(
-          summed, global_step, name)
-
-  def get_slot(self, *args, **kwargs):
-    return self.optimizer.get_slot(*args, **kwargs)
-
-  def get_slot_names(self, *args, **kwargs):
-    return self.optimizer.get_slot_names(*args, **kwargs)
+    return self._collect_or_apply(
+        grads_and_vars, lambda optimizer, grads: optimizer.apply_gradients(
+            grads, global_step, name))
 
   def get_name(self):
     return self.optimizer.get_name()
 
-  def variables(self):
-    return self.optimizer.variables()
 
-  def __getattr__(self, name):
-    # Only reached for attributes TowerOptimizer does not have itself, such
-    # as SyncReplicasOptimizer.make_session_run_hook.
-    if name.startswith("__") or name == "_optimizer_or_optimizer_fn":
-      raise AttributeError(name)
-    return getattr(self.optimizer, name)
+class KerasTowerOptimizer(_Wrapping, _KerasOptimizer):
+  """`TowerOptimizer` for a Keras legacy optimizer (TF 2 canned estimators).
+
+  Made by `replicate.TowerOptimizer(tf.keras.optimizers.legacy.Adam(...))`.
+  `get_updates` (what the canned heads call), `minimize` and
+  `apply_gradients` aggregate over towers like `TowerOptimizer`. Setting
+  `iterations` to the global step once per tower, as the TF 2 canned
+  `model_fn`s do, sets it once.
+  """
+
+  _family = _KerasOptimizer
+
+  def __init__(self, optimizer_or_optimizer_fn):
+    self._init_wrapping(optimizer_or_optimizer_fn)
+    name = getattr(optimizer_or_optimizer_fn, "_name", None)
+    super().__init__(name=name or "TowerOptimizer")
+
+  def get_gradients(self, loss, params):
+    return self.optimizer.get_gradients(self._weighted_loss(loss), params)
+
+  def get_updates(self, loss, params):
+    grads = self.get_gradients(loss, params)
+    return [self.apply_gradients(list(zip(grads, params)))]
+
+  def minimize(self, loss, var_list, grad_loss=None, name=None, tape=None):
+    grads_and_vars = self.optimizer._compute_gradients(  # pylint: disable=protected-access
+        self._weighted_loss(loss), var_list=var_list, grad_loss=grad_loss,
+        tape=tape)
+    return self.apply_gradients(grads_and_vars, name=name)
+
+  def apply_gradients(self, grads_and_vars, name=None,
+                      experimental_aggregate_gradients=True):
+    return self._collect_or_apply(
+        grads_and_vars, lambda optimizer, grads: optimizer.apply_gradients(
+            grads, name=name,
+            experimental_aggregate_gradients=experimental_aggregate_gradients))
+
+  @property
+  def iterations(self):
+    return self.optimizer.iterations
+
+  @iterations.setter
+  def iterations(self, variable):
+    wrapped = self.optimizer
+    if wrapped._iterations is not variable:  # pylint: disable=protected-access
+      wrapped.iterations = variable
+
+  @property
+  def weights(self):
+    return self.optimizer.weights
+
+  def get_config(self):
+    return self.optimizer.get_config()
+
+
+def _family_of(optimizer_or_optimizer_fn):
+  """The optimizer class `optimizer_or_optimizer_fn` is or makes."""
+  for family in (_V1Optimizer, _KerasOptimizer):
+    if isinstance(optimizer_or_optimizer_fn, family):
+      return family
+  if isinstance(optimizer_or_optimizer_fn, (TowerOptimizer,
+                                            KerasTowerOptimizer)):
+    return type(optimizer_or_optimizer_fn)._family
+  if not callable(optimizer_or_optimizer_fn):
+    raise ValueError(
+        "TowerOptimizer wraps a tf.compat.v1.train.Optimizer, a "
+        "tf.keras.optimizers.legacy.Optimizer, or a function of no arguments "
+        "returning one. Received: {!r}.".format(optimizer_or_optimizer_fn))
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    return _family_of(_checked(optimizer_or_optimizer_fn(),
+                               (_V1Optimizer, _KerasOptimizer)))
+
+
+def _checked(optimizer, family):
+  if not isinstance(optimizer, family):
+    raise ValueError(
+        "The function given to TowerOptimizer must return a "
+        "tf.compat.v1.train.Optimizer or a tf.keras.optimizers.legacy."
+        "Optimizer. It returned: {!r}.".format(optimizer))
+  return optimizer
 
 
 def _active_context():
@@ -135,12 +256,6 @@ def _active_context():
   if context is None or context.tower_index is None or context.num_towers < 2:
     return None
   return context
-
-
-def _weighted(loss, weight):
-  if isinstance(weight, float) and weight == 1.0:
-    return loss
-  return loss * tf.cast(weight, loss.dtype)
 
 
 def _same_call_in_every_tower(context, position):

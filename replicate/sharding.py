@@ -5,6 +5,12 @@ On sharding: every dense tensor (or numpy value) and every `SparseTensor` in
 order. When the batch size n does not divide evenly, the first `n % N` shards
 get one extra row; when n < N, the last towers get no rows at all.
 
+On towers without rows: such a tower is built on a stand-in, a copy of the
+batch's first row, because much model code cannot run on an empty batch
+(feature columns reshape to `[batch, -1]`, which fails on 0 rows). Its weight
+is 0 and everything it computes is discarded: its loss and gradients (see
+`aggregation`), its metric updates and its predictions (see `specs`).
+
 On weights: with `Reduction.SUM` every tower's loss counts fully (weight 1);
 with any other reduction tower i's loss is weighted by `n_i / n`, so that the
 weighted sum of per-shard means is the mean over the whole batch. An empty
@@ -23,8 +29,9 @@ class Shards(NamedTuple):
   """One batch split for N towers."""
   features: List[Any]  # features[i] is tower i's features
   labels: List[Any]  # labels[i] is tower i's labels (None when labels are)
-  sizes: Union[tf.Tensor, List[int]]  # rows per tower, int32 [N]
+  sizes: Union[tf.Tensor, List[int]]  # real rows per tower, int32 [N]
   batch_size: Union[tf.Tensor, int]
+  may_stand_in: bool  # whether a tower may be built on a stand-in row
 
 
 def split_batch(features, labels, num_shards: int) -> Shards:
@@ -41,10 +48,13 @@ def split_batch(features, labels, num_shards: int) -> Shards:
             num_shards, features, labels))
   batch_size = _batch_size(named_leaves)
   sizes = shard_sizes(batch_size, num_shards)
-  features_shards = _split_structure(features, sizes, num_shards)
-  labels_shards = ([None] * num_shards if labels is None else
-                   _split_structure(labels, sizes, num_shards))
-  return Shards(features_shards, labels_shards, sizes, batch_size)
+  may_stand_in = not (isinstance(sizes, list) and all(sizes))
+  ranges = _row_ranges(sizes, num_shards)
+  split = lambda structure: _split_structure(structure, sizes, ranges,
+                                             may_stand_in)
+  return Shards(split(features),
+                [None] * num_shards if labels is None else split(labels),
+                sizes, batch_size, may_stand_in)
 
 
 def shard_sizes(batch_size, num_shards: int):
@@ -170,32 +180,44 @@ def _dynamic_dim0(value):
   return tf.shape(value, out_type=tf.int32)[0]
 
 
-def _split_structure(structure, sizes, num_shards):
-  split = [_split_one(value, sizes, num_shards)
+def _row_ranges(sizes, num_shards):
+  """(first row, row count) per tower; a tower without rows gets row 0."""
+  if isinstance(sizes, list):
+    offsets = [sum(sizes[:i]) for i in range(num_shards)]
+    return [(offset if size else 0, max(size, 1))
+            for offset, size in zip(offsets, sizes)]
+  starts = tf.where(sizes > 0, tf.cumsum(sizes, exclusive=True), 0)
+  counts = tf.maximum(sizes, 1)
+  return list(zip(tf.unstack(starts, num=num_shards),
+                  tf.unstack(counts, num=num_shards)))
+
+
+def _split_structure(structure, sizes, ranges, may_stand_in):
+  split = [_split_one(value, sizes, ranges, may_stand_in)
            for value in tf.nest.flatten(structure)]
   return [tf.nest.pack_sequence_as(structure, [parts[i] for parts in split])
-          for i in range(num_shards)]
+          for i in range(len(ranges))]
 
 
-def _split_one(value, sizes, num_shards):
+def _split_one(value, sizes, ranges, may_stand_in):
   if isinstance(value, tf.SparseTensor):
-    return _split_sparse(value, sizes, num_shards)
-  return tf.split(value, sizes, num=num_shards, axis=0)
+    return [_sparse_rows(value, start, count) for start, count in ranges]
+  if not may_stand_in:  # one op when every shard is known to have rows
+    return tf.split(value, sizes, num=len(sizes), axis=0)
+  return [value[start:start + count] for start, count in ranges]
 
 
-def _split_sparse(value, sizes, num_shards):
-  """Row slices of a SparseTensor; `tf.sparse.split` refuses n < N."""
-  sizes = tf.cast(tf.convert_to_tensor(sizes), tf.int64)
-  starts = tf.cumsum(sizes, exclusive=True)
-  rank = tf.size(value.dense_shape)
-  trailing_zeros = tf.zeros([rank - 1], tf.int64)
-  parts = []
-  for i in range(num_shards):
-    start = tf.concat([starts[i:i + 1], trailing_zeros], axis=0)
-    size = tf.concat([sizes[i:i + 1], value.dense_shape[1:]], axis=0)
-    part = tf.sparse.slice(value, start, size)
-    # sparse.slice clips dense_shape to the last row that holds a value;
-    # the shard must keep its full row count so it lines up with the
-    # dense features.
-    parts.append(tf.SparseTensor(part.indices, part.values, size))
-  return parts
+def _sparse_rows(value, start, count):
+  """Rows [start, start + count) of a SparseTensor.
+
+  `tf.sparse.split` refuses a batch with fewer rows than shards, and
+  `tf.sparse.slice` shrinks `dense_shape` to the last row holding a value;
+  the shard keeps its full row count so it lines up with the dense features.
+  """
+  start = tf.cast(start, tf.int64)
+  count = tf.cast(count, tf.int64)
+  trailing_zeros = tf.zeros_like(value.dense_shape[1:])
+  size = tf.concat([[count], value.dense_shape[1:]], axis=0)
+  part = tf.sparse.slice(value, tf.concat([[start], trailing_zeros], axis=0),
+                         size)
+  return tf.SparseTensor(part.indices, part.values, size)

@@ -14,7 +14,9 @@ metrics whose variables are sums (every `tf.compat.v1.metrics` function and
 Keras metric states such as `total`, `count`, true positives).
 
 On PREDICT: predictions and every export output are concatenated along
-dimension 0 in tower order, so they line up with the input rows.
+dimension 0 in tower order, so they line up with the input rows; what a
+tower computed on a stand-in row (see `sharding`) is left out, and its metric
+updates are zeroed, not moved.
 
 Scaffold and hooks are tower 0's: each tower makes the same ones, and tower
 0's are what the unwrapped model_fn makes.
@@ -36,9 +38,10 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
   """The EstimatorSpec of the whole batch, from one spec per tower."""
   fields = tower_specs[0]._asdict()
   fields["mode"] = mode
-  fields["predictions"] = _concat_structure(
+  concat = _Concatenator(context)
+  fields["predictions"] = concat.structure(
       "predictions", [spec.predictions for spec in tower_specs])
-  fields["export_outputs"] = _concat_export_outputs(tower_specs)
+  fields["export_outputs"] = _concat_export_outputs(tower_specs, concat)
   if tower_specs[0].loss is not None:
     fields["loss"] = _weighted_loss(tower_specs, context)
   fields.update(_COMBINERS[mode](tower_specs, context))
@@ -106,13 +109,13 @@ _COMBINERS = {
 }
 
 
-def _concat_export_outputs(tower_specs):
+def _concat_export_outputs(tower_specs, concat):
   outputs = tower_specs[0].export_outputs
   if not outputs:
     return outputs
   return {
-      key: _concat_export_output(key, [spec.export_outputs[key]
-                                       for spec in tower_specs])
+      key: _concat_export_output(
+          key, [spec.export_outputs[key] for spec in tower_specs], concat)
       for key in outputs
   }
 
@@ -132,23 +135,38 @@ def _reduced_metric(key, tower_metrics, context):
             "counterpart named {!r} in tower 0 (tower 0 has {}). Create the "
             "metric the same way in every tower, e.g. with a fixed name.".
             format(key, index, variable.op.name, name, sorted(moves)))
-      moves[name].append(variable)
+      moves[name].append((index, variable))
   with tf.name_scope("metric_over_towers"):
     with tf.control_dependencies([update for _, update in tower_metrics]):
-      moved = [_move_into(tower0_by_name[name], others)
+      moved = [_move_into(tower0_by_name[name], others, context)
                for name, others in sorted(moves.items()) if others]
     return value, tf.group(*moved, *[u for _, u in tower_metrics])
 
 
-def _move_into(target, sources):
-  """Adds `sources` into `target`, then zeroes them (reads happen first)."""
-  total = tf.math.add_n([tf.convert_to_tensor(s) for s in sources])
-  added = tf.compat.v1.assign_add(target, total)
+def _move_into(target, sources, context):
+  """Adds `sources` into `target`, then zeroes them (reads happen first).
+
+  `sources` are (tower index, variable); a tower on a stand-in row adds 0.
+  """
+  kept = []
+  for index, source in sources:
+    rows = context.has_rows[index]
+    if rows is False:
+      continue
+    value = tf.convert_to_tensor(source)
+    kept.append(value if rows is True else
+                tf.where(rows, value, tf.zeros_like(value)))
+  sources = [source for _, source in sources]
+  if not kept:
+    return tf.group(*[_zeroed(s) for s in sources])
+  added = tf.compat.v1.assign_add(target, tf.math.add_n(kept))
   with tf.control_dependencies([added]):
-    return tf.group(*[
-        tf.compat.v1.assign(s, tf.zeros(s.shape, s.dtype.base_dtype))
-        for s in sources
-    ])
+    return tf.group(*[_zeroed(s) for s in sources])
+
+
+def _zeroed(variable):
+  return tf.compat.v1.assign(
+      variable, tf.zeros(variable.shape, variable.dtype.base_dtype))
 
 
 def _metric_variables(value):
@@ -175,39 +193,50 @@ def _metric_variables(value):
   return found
 
 
-def _concat_structure(name, values):
-  if values[0] is None:
-    return None
-  if isinstance(values[0], dict):
-    return {key: _concat(name + "[{!r}]".format(key), [v[key] for v in values])
-            for key in values[0]}
-  return _concat(name, values)
+class _Concatenator:
+  """Puts per-tower values back together along dimension 0, in tower order."""
+
+  def __init__(self, context):
+    self._context = context
+
+  def structure(self, name, values):
+    """A tensor or a dict of them, per tower, concatenated."""
+    if values[0] is None:
+      return None
+    if isinstance(values[0], dict):
+      return {key: self.tensors(name + "[{!r}]".format(key),
+                                [v[key] for v in values])
+              for key in values[0]}
+    return self.tensors(name, values)
+
+  def tensors(self, name, tensors):
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if tensors[0].shape.rank == 0:
+      raise ValueError(
+          "{} is a scalar in each tower, so it cannot be put back together "
+          "along the batch; return batch-major values (shape [batch, ...]) "
+          "from the model_fn. Received: {!r}.".format(name, tensors[0]))
+    if self._context.may_stand_in:
+      # Keep each tower's real rows: none from a tower on a stand-in row.
+      sizes = self._context.sizes
+      tensors = [t[:sizes[i]] for i, t in enumerate(tensors)]
+    return tf.concat(tensors, axis=0)
 
 
-def _concat(name, tensors):
-  tensors = [tf.convert_to_tensor(t) for t in tensors]
-  if tensors[0].shape.rank == 0:
-    raise ValueError(
-        "{} is a scalar in each tower, so it cannot be put back together "
-        "along the batch; return batch-major values (shape [batch, ...]) "
-        "from the model_fn. Received: {!r}.".format(name, tensors[0]))
-  return tf.concat(tensors, axis=0)
-
-
-def _concat_export_output(key, outputs):
+def _concat_export_output(key, outputs, concat):
   first = outputs[0]
   name = "export_outputs[{!r}]".format(key)
   if isinstance(first, _export_outputs.ClassificationOutput):
     return _export_outputs.ClassificationOutput(
-        scores=_concat_structure(name + ".scores", [o.scores for o in outputs]),
-        classes=_concat_structure(name + ".classes",
-                                  [o.classes for o in outputs]))
+        scores=concat.structure(name + ".scores", [o.scores for o in outputs]),
+        classes=concat.structure(name + ".classes",
+                                 [o.classes for o in outputs]))
   if isinstance(first, _export_outputs.RegressionOutput):
     return _export_outputs.RegressionOutput(
-        _concat(name + ".value", [o.value for o in outputs]))
+        concat.tensors(name + ".value", [o.value for o in outputs]))
   if isinstance(first, _export_outputs.PredictOutput):
     return _export_outputs.PredictOutput(
-        _concat_structure(name, [o.outputs for o in outputs]))
+        concat.structure(name, [o.outputs for o in outputs]))
   raise ValueError(
       "{} is a {}; replicate_model_fn can put back together PredictOutput, "
       "RegressionOutput and ClassificationOutput.".format(

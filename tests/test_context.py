@@ -10,7 +10,8 @@ from replicate import context as context_lib
 def _context(graph, count=2):
   functions = [lambda op, d=d: d for d in cpus(count)]
   return context_lib.replication_context(
-      cpus(count), functions, weights=[1.0] * count, has_rows=[True] * count)
+      cpus(count), functions, weights=[1.0] * count, has_rows=[True] * count,
+      sizes=[1] * count, may_stand_in=False)
 
 
 def test_context_exists_only_while_towers_are_built(graph):
@@ -83,4 +84,6 @@ def test_tower0_name_strips_only_the_tower_prefix(graph):
     assert context.to_tower0_name("tower_2/accuracy/total", 2) == (
         "accuracy/total")
     assert context.to_tower0_name("tower_20/x", 2) == "tower_20/x"
+    assert context.to_tower0_name("tower_2/dnn/tower_2/input_layer/w", 2) == (
+        "dnn/input_layer/w")
     assert context.to_tower0_name("accuracy/total", 0) == "accuracy/total"

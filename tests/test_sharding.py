@@ -46,6 +46,28 @@ def test_unknown_batch_size_is_split_at_run_time(graph):
   np.testing.assert_array_equal(np.concatenate(parts), values)
 
 
+@pytest.mark.parametrize("feed_batch_size", [False, True])
+def test_a_tower_without_rows_stands_in_the_first_row(graph, feed_batch_size):
+  values = np.array([[1.0, 2.0], [3.0, 4.0]])
+  x = (tf.compat.v1.placeholder(tf.float64, [None, 2]) if feed_batch_size
+       else tf.constant(values))
+  shards = sharding.split_batch(x, None, 3)
+  assert shards.may_stand_in
+  parts, sizes = run_initialized(
+      (shards.features, tf.convert_to_tensor(shards.sizes)),
+      {x: values} if feed_batch_size else None)
+  # sizes 1, 1, 0: tower 2 runs on a copy of row 0, its weight is 0.
+  assert [p.tolist() for p in parts] == [[[1.0, 2.0]], [[3.0, 4.0]],
+                                         [[1.0, 2.0]]]
+  assert sizes.tolist() == [1, 1, 0]
+
+
+def test_every_tower_with_rows_means_one_split_op(graph):
+  shards = sharding.split_batch(tf.ones([6, 2]), None, 3)
+  assert not shards.may_stand_in
+  assert [op.type for op in graph.get_operations()].count("SplitV") == 1
+
+
 def test_nested_dict_features_are_split_leaf_by_leaf(graph):
   features = {"a": {"b": np.arange(4.0), "c": np.ones([4, 3])}}
   shards = sharding.split_batch(features, None, 2)
@@ -77,9 +99,11 @@ def test_sparse_rows_split_like_dense_rows(graph, rows, towers):
       {placeholder: value, dense: np.zeros(len(rows))})
   expected = run_initialized(tf.sparse.to_dense(value))
   sizes = sharding.shard_sizes(len(rows), towers)
-  # Each shard keeps its row count, empty rows and empty shards included.
-  assert [p.shape[0] for p in parts] == sizes
-  np.testing.assert_array_equal(np.concatenate(parts), expected)
+  # Each shard keeps its row count, empty rows included; a shard without
+  # rows stands in the first row.
+  assert [p.shape[0] for p in parts] == [max(size, 1) for size in sizes]
+  np.testing.assert_array_equal(
+      np.concatenate([p[:size] for p, size in zip(parts, sizes)]), expected)
 
 
 def test_weights_are_shares_of_the_batch_or_one_for_sum(graph):
