@@ -30,6 +30,8 @@ class OptimizerCall(NamedTuple):
   grads_and_vars: List[Any]
   name_scope: str  # the name scope the call was made in
   variable_scope: Any  # the tf.compat.v1.VariableScope it was made in
+  apply: Any  # apply(optimizer, grads_and_vars), with the call's arguments
+  result: Any  # the op the call returned (None in the last tower)
 
 
 class ReplicationContext:
@@ -104,12 +106,14 @@ class ReplicationContext:
     """Leaves the name counters as the unwrapped model_fn would have."""
     self._counters.restore_end_of_tower0()
 
-  def record_optimizer_call(self, optimizer, grads_and_vars) -> int:
+  def record_optimizer_call(self, optimizer, grads_and_vars, apply,
+                            result) -> int:
     """Records the current tower's call; returns its position in the tower."""
     calls = self.optimizer_calls[self.tower_index]
     calls.append(OptimizerCall(optimizer, list(grads_and_vars),
                                self.graph.get_name_scope(),
-                               tf.compat.v1.get_variable_scope()))
+                               tf.compat.v1.get_variable_scope(), apply,
+                               result))
     return len(calls) - 1
 
   @contextlib.contextmanager

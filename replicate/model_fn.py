@@ -10,6 +10,7 @@ from typing import Callable, Optional, Sequence
 import tensorflow as tf
 from tensorflow.python.util import function_utils
 
+from replicate import canned
 from replicate import context as context_lib
 from replicate import devices as devices_lib
 from replicate import sharding
@@ -80,6 +81,7 @@ def replicate_model_fn(
   _check_loss_reduction(loss_reduction)
   fixed_devices = devices_lib.normalize_devices(devices)
   _check_variable_strategy(variable_strategy)
+  canned.check_canned_model_fn(model_fn, loss_reduction)
   model_fn_args = function_utils.fn_args(model_fn)
 
   def replicated_model_fn(features, labels, mode, params=None, config=None):

@@ -64,23 +64,34 @@ class _Wrapping:
     return loss * tf.cast(weight, loss.dtype)
 
   def _collect_or_apply(self, grads_and_vars, apply):
-    """Records the tower's gradients; in the last tower, `apply`s their sum.
+    """Records the tower's gradients; in the last tower, applies their sum.
 
-    `apply(optimizer, summed_grads_and_vars)` runs with tower 0's wrapped
-    optimizer: its object is the one the returned spec's hooks (tower 0's)
-    refer to, e.g. a SyncReplicasOptimizer's hook.
+    `apply(optimizer, grads_and_vars)` makes the update. The sum is applied
+    with tower 0's optimizer and tower 0's `apply` (its `global_step` and
+    `name`): tower 0's optimizer object is the one the returned spec's hooks
+    (tower 0's) refer to, e.g. a SyncReplicasOptimizer's hook.
     """
     context = _active_context()
     if context is None:
       return apply(self.optimizer, grads_and_vars)
-    position = context.record_optimizer_call(self, grads_and_vars)
     if not context.is_last_tower:
-      return tf.no_op(name="tower_optimizer_collect")
+      collected = tf.no_op(name="tower_optimizer_collect")
+      context.record_optimizer_call(self, grads_and_vars, apply, collected)
+      return collected
+    position = context.record_optimizer_call(self, grads_and_vars, apply,
+                                             None)
     per_tower = _same_call_in_every_tower(context, position)
     tower0_call = context.optimizer_calls[0][position]
     with context.scopes_of(tower0_call):
       summed = aggregation.sum_grads_and_vars(per_tower, context.has_rows)
-      return apply(tower0_call.optimizer.optimizer, summed)
+      update = tower0_call.apply(tower0_call.optimizer.optimizer, summed)
+    update_op = getattr(update, "op", update)
+    for calls in context.optimizer_calls[:-1]:
+      # What an earlier tower's apply_gradients returned stands for the
+      # update, as it would unwrapped: what waits for it (a global-step
+      # increment after training) must wait for the update.
+      calls[position].result._add_control_input(update_op)  # pylint: disable=protected-access
+    return update
 
   def get_slot(self, *args, **kwargs):
     return self.optimizer.get_slot(*args, **kwargs)

@@ -4,7 +4,8 @@ On loss: the sum of the towers' weighted losses, the loss of the whole batch;
 a tower with no rows adds exactly 0.
 
 On TRAIN: `train_op` runs every tower's `train_op`; the last tower's holds the
-one aggregated update (see `TowerOptimizer`).
+one aggregated update (see `TowerOptimizer`). A train_op that ends by
+incrementing the global step itself does so in tower 0 only.
 
 On EVAL: each metric's update op runs every tower's update, then moves what
 towers 1..N-1 accumulated into tower 0's metric variables (matched by name)
@@ -82,8 +83,29 @@ def _train_fields(tower_specs, context):
         "optimizer calls in the same order. Make the calls independent of "
         "the tower's data.".format(", ".join(
             "tower {}: {}".format(i, n) for i, n in enumerate(counts))))
-  return {"train_op": tf.group(*[op for op in train_ops if op is not None],
+  kept = [train_ops[0]] + [_without_step_increment(op)
+                           for op in train_ops[1:]]
+  return {"train_op": tf.group(*[op for op in kept if op is not None],
                                name="train_op_over_towers")}
+
+
+def _without_step_increment(train_op):
+  """A tower's train_op, less a global-step increment it ends with.
+
+  Some model_fns increment the global step themselves once their training
+  is done (the compat.v1 DNNLinearCombined estimators); run in every tower,
+  that would advance it once per tower. Towers 1..N-1 keep what the
+  increment waited for, and only tower 0 increments.
+  """
+  if train_op is None:
+    return None
+  op = getattr(train_op, "op", train_op)
+  global_step = tf.compat.v1.train.get_global_step()
+  if (global_step is not None and
+      op.type in ("AssignAdd", "AssignAddVariableOp") and
+      op.inputs[0].op is global_step.op):
+    return tf.group(*op.control_inputs)
+  return train_op
 
 
 def _eval_fields(tower_specs, context):

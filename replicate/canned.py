@@ -1,0 +1,73 @@
+"""Checks for the `model_fn` of a canned estimator, made when wrapping.
+
+On canned estimators: `estimator.model_fn` of a canned estimator
+(`tf.estimator.DNNClassifier`, `tf.compat.v1.estimator.LinearRegressor`, ...)
+can be wrapped like any `model_fn`. Two things would go wrong silently, so
+they are refused with an error that says what to do instead:
+- an estimator that is not trained by gradients through an optimizer
+  (k-means, boosted trees) cannot have its batches split across towers;
+- a head that reduces its loss with SUM (every `tf.compat.v1.estimator`
+  canned estimator, by default) needs `loss_reduction=Reduction.SUM`, and a
+  head that averages needs a reduction that averages: otherwise each tower's
+  loss is weighted wrongly.
+These look into the estimator's `model_fn` closure: TensorFlow has no public
+way to get from a `model_fn` to its estimator and head.
+"""
+
+from typing import Any, Callable, Optional
+
+import tensorflow as tf
+
+Reduction = tf.compat.v1.losses.Reduction
+
+_NOT_GRADIENT_BASED = ("BoostedTrees", "KMeans")
+_SUM_REDUCTIONS = frozenset([Reduction.SUM, tf.keras.losses.Reduction.SUM])
+
+
+def check_canned_model_fn(model_fn: Callable, loss_reduction: str) -> None:
+  """Raises if `model_fn` is a canned estimator's that towers would break."""
+  estimator = _closure_value(model_fn, _is_estimator)
+  if estimator is None:
+    return
+  name = type(estimator).__name__
+  if name.startswith(_NOT_GRADIENT_BASED):
+    raise ValueError(
+        "{} is not trained by gradients through an optimizer, so "
+        "replicate_model_fn cannot split its batches across towers. Train "
+        "it with its own model_fn, unwrapped.".format(name))
+  head = _closure_value(getattr(estimator, "_model_fn", None), _is_head)
+  if head is None:
+    return
+  head_reduction = getattr(head, "loss_reduction", None) or getattr(
+      head, "_loss_reduction")
+  if (head_reduction in _SUM_REDUCTIONS) != (loss_reduction == Reduction.SUM):
+    wanted = ("tf.compat.v1.losses.Reduction.SUM"
+              if head_reduction in _SUM_REDUCTIONS else
+              "tf.compat.v1.losses.Reduction.SUM_BY_NONZERO_WEIGHTS (the "
+              "default)")
+    raise ValueError(
+        "The {} head reduces its loss with {!r}, but replicate_model_fn was "
+        "given loss_reduction={!r}, which would weight each tower's loss "
+        "wrongly. Pass loss_reduction={}.".format(name, head_reduction,
+                                                  loss_reduction, wanted))
+
+
+def _closure_value(function: Optional[Callable],
+                   predicate: Callable[[Any], bool]) -> Any:
+  for cell in getattr(function, "__closure__", None) or ():
+    try:
+      value = cell.cell_contents
+    except ValueError:  # an empty cell
+      continue
+    if predicate(value):
+      return value
+  return None
+
+
+def _is_estimator(value) -> bool:
+  return isinstance(value, (tf.estimator.Estimator,
+                            tf.compat.v1.estimator.Estimator))
+
+
+def _is_head(value) -> bool:
+  return hasattr(value, "loss_reduction") or hasattr(value, "_loss_reduction")

@@ -1,0 +1,210 @@
+"""Canned estimators, TF 2 and compat.v1: wrapped == unwrapped, end to end.
+
+Each estimator is trained one step unwrapped to make a shared starting
+checkpoint (initial values depend on op creation order, which wrapping
+changes), then trained further, evaluated and asked for predictions, both
+unwrapped and wrapped with 1, 2 and 3 towers, on 10 rows in batches of 4: the
+last batch has 2 rows, so 3 towers meet an uneven batch and a tower without
+rows.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from conftest import session_config
+
+Reduction = tf.compat.v1.losses.Reduction
+fc = tf.feature_column
+
+ROWS = 10
+_rng = np.random.RandomState(0)
+X = _rng.rand(ROWS, 3).astype(np.float32)
+COLOR = np.array(list("abcdabcdab")).reshape(ROWS, 1)
+CLASS = np.arange(ROWS) % 3
+VALUE = X.sum(axis=1, keepdims=True)
+
+
+def _columns():
+  color = fc.categorical_column_with_vocabulary_list("color", list("abcd"))
+  return [fc.numeric_column("x", shape=[3])], color, fc.embedding_column(
+      color, 2)
+
+
+def _make(kind, family, model_dir, config=None):
+  """A canned estimator; the TF 2 ones take Keras legacy optimizers."""
+  numeric, color, embedded = _columns()
+  v2 = family == "v2"
+  module = tf.estimator if v2 else tf.compat.v1.estimator
+  optimizer = replicate.TowerOptimizer(
+      (lambda: tf.keras.optimizers.legacy.Adagrad(0.1)) if v2 else
+      (lambda: tf.compat.v1.train.AdagradOptimizer(0.1)))
+  common = dict(model_dir=model_dir, config=config)
+  if kind == "DNNClassifier":
+    return module.DNNClassifier([6, 4], numeric + [embedded], n_classes=3,
+                                optimizer=optimizer, **common)
+  if kind == "DNNRegressor":
+    return module.DNNRegressor([4], numeric + [embedded], optimizer=optimizer,
+                               **common)
+  if kind == "LinearClassifier":
+    return module.LinearClassifier(numeric + [color], n_classes=3,
+                                   optimizer=optimizer, **common)
+  if kind == "LinearRegressor":
+    return module.LinearRegressor(numeric + [color], optimizer=optimizer,
+                                  **common)
+  return module.DNNLinearCombinedClassifier(
+      linear_feature_columns=[color], linear_optimizer=optimizer,
+      dnn_feature_columns=numeric + [embedded], dnn_hidden_units=[4],
+      dnn_optimizer=replicate.TowerOptimizer(
+          (lambda: tf.keras.optimizers.legacy.Adam(0.01)) if v2 else
+          (lambda: tf.compat.v1.train.AdamOptimizer(0.01))),
+      n_classes=3, **common)
+
+
+def _wrapped(kind, family, model_dir, towers):
+  canned = _make(kind, family, model_dir)
+  # compat.v1 heads sum their loss over the batch; TF 2 heads average it.
+  reduction = Reduction.SUM if family == "v1" else (
+      Reduction.SUM_BY_NONZERO_WEIGHTS)
+  return tf.estimator.Estimator(
+      replicate.replicate_model_fn(canned.model_fn, loss_reduction=reduction),
+      model_dir=model_dir,
+      config=tf.estimator.RunConfig(session_config=session_config(towers)))
+
+
+def _labels(kind):
+  return CLASS if "Classifier" in kind else VALUE
+
+
+def _train_input(kind):
+  return lambda: tf.data.Dataset.from_tensor_slices(
+      ({"x": X, "color": COLOR}, _labels(kind))).batch(4)
+
+
+def _predict_input():
+  return tf.data.Dataset.from_tensor_slices({"x": X, "color": COLOR}).batch(4)
+
+
+def _outcome(estimator, kind):
+  """Train 3 more steps (batches of 4, 4, 2), evaluate, predict."""
+  estimator.train(_train_input(kind))
+  metrics = estimator.evaluate(_train_input(kind))
+  key = "probabilities" if "Classifier" in kind else "predictions"
+  predictions = np.array([p[key] for p in estimator.predict(_predict_input)])
+  return metrics, predictions, sorted(
+      name for name, _ in tf.train.list_variables(estimator.model_dir))
+
+
+CANNED = [(kind, family)
+          for kind in ("DNNClassifier", "DNNRegressor", "LinearClassifier",
+                       "LinearRegressor", "DNNLinearCombinedClassifier")
+          for family in ("v2", "v1")]
+
+
+@pytest.fixture(scope="module", params=CANNED, ids=lambda p: "-".join(p))
+def reference(request, tmp_path_factory):
+  """The shared starting checkpoint, and what the unwrapped estimator does."""
+  kind, family = request.param
+  start = str(tmp_path_factory.mktemp("start"))
+  _make(kind, family, start).train(_train_input(kind), steps=1)
+  unwrapped = str(tmp_path_factory.mktemp("unwrapped"))
+  shutil.copytree(start, unwrapped, dirs_exist_ok=True)
+  return kind, family, start, _outcome(_make(kind, family, unwrapped), kind)
+
+
+@pytest.mark.parametrize("towers", [1, 2, 3])
+def test_wrapped_trains_evaluates_and_predicts_like_unwrapped(
+    reference, towers, tmp_path):
+  kind, family, start, (metrics, predictions, names) = reference
+  shutil.copytree(start, tmp_path, dirs_exist_ok=True)
+  got_metrics, got_predictions, got_names = _outcome(
+      _wrapped(kind, family, str(tmp_path), towers), kind)
+  assert got_names == names  # the checkpoint is the unwrapped one's
+  assert got_metrics["global_step"] == metrics["global_step"] == 4
+  for key in ("loss", "average_loss"):
+    np.testing.assert_allclose(got_metrics[key], metrics[key], rtol=1e-5)
+  if "accuracy" in metrics:
+    assert got_metrics["accuracy"] == metrics["accuracy"]
+  assert got_predictions.shape[0] == ROWS
+  np.testing.assert_allclose(got_predictions, predictions, rtol=1e-5,
+                             atol=1e-6)
+
+
+_SERVE = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+export_dir, rows = sys.argv[1], json.loads(sys.argv[2])
+x = np.array(rows["x"], np.float32)
+color = np.array(rows["color"]).reshape(-1, 1)
+served = {}
+with tf.compat.v1.Session(graph=tf.Graph()) as session:  # one CPU, strict
+  graph_def = tf.compat.v1.saved_model.load(session, ["serve"], export_dir)
+  signature = graph_def.signature_def["predict"]
+  output = rows["output"]
+  for size in (1, 5, 12):
+    served[size] = session.run(signature.outputs[output].name, {
+        signature.inputs["x"].name: x[:size],
+        signature.inputs["color"].name: color[:size]}).tolist()
+print(json.dumps(served))
+"""
+
+
+@pytest.mark.parametrize("kind, family", [("DNNClassifier", "v2"),
+                                          ("LinearRegressor", "v1")])
+def test_export_serves_any_batch_size_in_a_fresh_process(kind, family,
+                                                         tmp_path):
+  model_dir = str(tmp_path / "model")
+  wrapped = _wrapped(kind, family, model_dir, towers=3)
+  wrapped.train(_train_input(kind))
+  receiver = tf.estimator.export.build_raw_serving_input_receiver_fn({
+      "x": tf.zeros([1, 3]), "color": tf.constant([["a"]])})
+  export_dir = wrapped.export_saved_model(str(tmp_path / "export"),
+                                          receiver).decode()
+  rows = {"x": np.tile(X, (2, 1))[:12].tolist(),
+          "color": np.tile(COLOR, (2, 1))[:12].ravel().tolist(),
+          "output": "probabilities" if "Classifier" in kind else "predictions"}
+  served = subprocess.run(
+      [sys.executable, "-c", _SERVE, export_dir, json.dumps(rows)],
+      capture_output=True, text=True, check=False,
+      env=dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2"))
+  assert served.returncode == 0, served.stderr[-3000:]
+  served = json.loads(served.stdout.strip().splitlines()[-1])
+  # The unwrapped estimator on the same checkpoint, 12 rows at once.
+  unwrapped = _make(kind, family, model_dir)
+  key = "probabilities" if "Classifier" in kind else "predictions"
+  expected = np.array([p[key] for p in unwrapped.predict(
+      lambda: tf.data.Dataset.from_tensor_slices(
+          {"x": np.array(rows["x"], np.float32),
+           "color": np.array(rows["color"]).reshape(-1, 1)}).batch(12))])
+  for size in (1, 5, 12):
+    np.testing.assert_allclose(served[str(size)], expected[:size], rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("family, reduction, expected", [
+    ("v1", Reduction.SUM_BY_NONZERO_WEIGHTS,
+     "Pass loss_reduction=tf.compat.v1.losses.Reduction.SUM."),
+    ("v2", Reduction.SUM, "Pass loss_reduction=tf.compat.v1.losses.Reduction"
+     ".SUM_BY_NONZERO_WEIGHTS"),
+])
+def test_a_loss_reduction_unlike_the_heads_is_refused(family, reduction,
+                                                      expected, tmp_path):
+  canned = _make("DNNClassifier", family, str(tmp_path))
+  with pytest.raises(ValueError, match=expected):
+    replicate.replicate_model_fn(canned.model_fn, loss_reduction=reduction)
+
+
+def test_a_canned_estimator_not_trained_by_gradients_is_refused(tmp_path):
+  kmeans = tf.compat.v1.estimator.experimental.KMeans(
+      2, model_dir=str(tmp_path))
+  with pytest.raises(ValueError, match="KMeansClustering is not trained by "
+                     "gradients through an optimizer"):
+    replicate.replicate_model_fn(kmeans.model_fn)
