@@ -1,0 +1,34 @@
+"""Packaging for replicate: pip install 'replicate[cpu]' (or '[gpu]')."""
+
+import pathlib
+import re
+
+import setuptools
+
+_HERE = pathlib.Path(__file__).parent
+_VERSION = re.search(r'^__version__ = "([^"]+)"',
+                     (_HERE / "replicate" / "__init__.py").read_text(),
+                     re.MULTILINE).group(1)
+
+setuptools.setup(
+    name="replicate",
+    version=_VERSION,
+    description=("Train one tf.estimator model_fn on every device of a "
+                 "machine: towers, one update per step."),
+    long_description=(_HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=["replicate"],
+    python_requires=">=3.11,<3.12",
+    install_requires=["tensorflow-estimator==2.15.*", "six"],
+    extras_require={
+        # TensorFlow comes through an extra, so a machine keeps the build it
+        # has (CPU-only or with CUDA).
+        "cpu": ["tensorflow-cpu==2.15.*"],
+        "gpu": ["tensorflow[and-cuda]==2.15.*"],
+        "demo": ["scikit-learn"],
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3.11",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
