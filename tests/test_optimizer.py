@@ -253,6 +253,9 @@ def test_sync_replicas_optimizer_inside_tower_optimizer_trains(graph):
       device_count={"CPU": 2})) as session:
     session.run([tf.compat.v1.global_variables_initializer(),
                  tf.compat.v1.local_variables_initializer()])
+    # Every variable the worker needs is initialised (tower 0's optimizer
+    # built the accumulators and the local step this check lists).
+    assert session.run(sync.ready_for_local_init_op).size == 0
     session.run(sync.chief_init_op)
     for _ in range(3):
       worker = threading.Thread(target=session.run, args=(spec.train_op,))
