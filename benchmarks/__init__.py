@@ -1,0 +1,1 @@
+"""Speed of replicate against one device and MirroredStrategy (python -m benchmarks)."""
