@@ -50,13 +50,40 @@ def normalize_devices(devices: Optional[Sequence[str]]) -> Optional[List[str]]:
   return normalized
 
 
-def local_devices(session_config=None) -> List[str]:
+def tower_devices(devices: Optional[List[str]], config) -> List[str]:
+  """The towers' devices: `devices` as given, or every local device.
+
+  Under an Estimator (`config` is its RunConfig) a given local device that
+  its session will not have is an error, not a silent soft placement onto
+  another device.
+  """
+  session_config = config.session_config if config is not None else None
+  if devices is None:
+    return local_devices(session_config)
+  if config is not None:
+    available = local_devices(session_config, every_kind=True)
+    missing = [d for d in devices if _is_local(d) and
+               _without_task(d) not in available]
+    if missing:
+      raise ValueError(
+          "devices contains {}, which the Estimator's session does not have "
+          "(it has {}). Use devices=None for every local device, or, without "
+          "GPUs, make virtual CPU devices with tf.estimator.RunConfig("
+          "session_config=tf.compat.v1.ConfigProto(device_count={{'CPU': "
+          "N}})).".format(", ".join(repr(d) for d in missing),
+                          ", ".join(available)))
+  return devices
+
+
+def local_devices(session_config=None, every_kind=False) -> List[str]:
   """Every local GPU, or with none every local CPU, as the session sees them.
 
   The devices are counted with the session config the Estimator will use, so
   `ConfigProto(device_count={'CPU': N})` gives N CPU devices.
   """
   found = device_lib.list_local_devices(session_config)
+  if every_kind:
+    return [d.name for d in found]
   gpus = [d.name for d in found if d.device_type == "GPU"]
   if gpus:
     return gpus
@@ -124,6 +151,16 @@ def _canonical_device(device, devices) -> str:
   if spec.device_index is None:
     spec = spec.replace(device_index=0)
   return spec.to_string()
+
+
+def _is_local(device: str) -> bool:
+  return tf.DeviceSpec.from_string(device).job in (None, "localhost")
+
+
+def _without_task(device: str) -> str:
+  spec = tf.DeviceSpec.from_string(device)
+  return tf.DeviceSpec(device_type=spec.device_type,
+                       device_index=spec.device_index).to_string()
 
 
 def _cpu_of(device: str) -> str:

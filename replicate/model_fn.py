@@ -89,8 +89,7 @@ def replicate_model_fn(
                               config)
     if mode == tf.estimator.ModeKeys.PREDICT and _is_serving_input(features):
       return model_fn(features, **kwargs)
-    tower_devices = fixed_devices or devices_lib.local_devices(
-        config.session_config if config is not None else None)
+    tower_devices = devices_lib.tower_devices(fixed_devices, config)
     if len(tower_devices) == 1:
       with tf.device(tower_devices[0]):
         return model_fn(features, **kwargs)

@@ -42,14 +42,25 @@ class _Wrapping:
 
   @property
   def optimizer(self):
-    """The wrapped optimizer (for a function: the one for this graph)."""
+    """The wrapped optimizer for the current graph."""
     wrapped = self._optimizer_or_optimizer_fn
-    if isinstance(wrapped, self._family):
-      return wrapped
+    if isinstance(wrapped, _V1Optimizer):
+      return wrapped  # keeps its per-graph state (slots) by graph itself
     graph = tf.compat.v1.get_default_graph()
     if self._built is None or self._built[0] is not graph:
-      self._built = (graph, _checked(wrapped(), self._family))
+      self._built = (graph, self._for_new_graph(wrapped))
     return self._built[1]
+
+  def _for_new_graph(self, wrapped):
+    if isinstance(wrapped, _KerasOptimizer):
+      # A Keras legacy optimizer holds its variables (iterations, slots) for
+      # one graph only, and TensorFlow refuses to reuse it in the next one
+      # (the Estimator builds one per train, evaluate and export call): the
+      # first graph gets the instance, each later one a copy of its config.
+      if self._built is None:
+        return wrapped
+      return type(wrapped).from_config(wrapped.get_config())
+    return _checked(wrapped(), self._family)
 
   def _weighted_loss(self, loss):
     """The loss weighted by the current tower's share of the batch."""
@@ -123,7 +134,10 @@ class TowerOptimizer(_Wrapping, _V1Optimizer):
       returning either. A function is called once per graph, the first time
       the optimizer is needed, so learning-rate tensors it builds land in the
       graph being trained (and once more at construction, in a scratch
-      graph, to learn which family it returns).
+      graph, to learn which family it returns). A Keras optimizer instance
+      serves the first graph and a copy of its config each later one (the
+      Estimator builds a graph per train, evaluate and export call, and a
+      Keras optimizer's variables belong to one graph).
 
   On use: wrap the optimizer in the `model_fn`, or the one given to a canned
   estimator, and build the estimator from `replicate_model_fn(model_fn)`:

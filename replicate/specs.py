@@ -37,6 +37,7 @@ _VARIABLE_OP_TYPES = frozenset(["VarHandleOp", "VariableV2", "Variable"])
 def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
                   context) -> tf.estimator.EstimatorSpec:
   """The EstimatorSpec of the whole batch, from one spec per tower."""
+  _check_alike(tower_specs)
   fields = tower_specs[0]._asdict()
   fields["mode"] = mode
   concat = _Concatenator(context)
@@ -47,6 +48,35 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
     fields["loss"] = _weighted_loss(tower_specs, context)
   fields.update(_COMBINERS[mode](tower_specs, context))
   return tf.estimator.EstimatorSpec(**fields)
+
+
+def _check_alike(tower_specs):
+  """Every tower's spec must have tower 0's parts, to be put together."""
+  first = _outline(tower_specs[0])
+  for index, spec in enumerate(tower_specs[1:], start=1):
+    outline = _outline(spec)
+    for part, expected in first.items():
+      if outline[part] != expected:
+        raise ValueError(
+            "Tower {}'s EstimatorSpec differs from tower 0's in its {}: {} "
+            "instead of {}. Each tower's model_fn must return the same "
+            "structure, whatever its data.".format(index, part,
+                                                    outline[part], expected))
+
+
+def _outline(spec):
+  """What must match across towers: which parts are set, and their keys."""
+  def keys(value):
+    return sorted(value) if isinstance(value, dict) else (
+        "none" if value is None else "a single tensor")
+
+  return {
+      "loss": "none" if spec.loss is None else "a loss",
+      "train_op": "none" if spec.train_op is None else "a train_op",
+      "predictions": keys(spec.predictions),
+      "eval_metric_ops keys": keys(spec.eval_metric_ops or None),
+      "export_outputs keys": keys(spec.export_outputs or None),
+  }
 
 
 def _weighted_loss(tower_specs, context):
