@@ -63,62 +63,52 @@ def write_json(path, cells, command, machine):
     }, output, indent=1)
 
 
+_COLORS = {"replicate-ps": "tab:green", "replicate-rr": "tab:red",
+           "mirrored-default": "tab:blue", "mirrored-r1d": "tab:orange"}
+_METRICS = {  # name: (label, value of a cell)
+    "examples/sec": ("examples/sec", lambda c: c.examples_per_second),
+    "build": ("graph build, seconds", lambda c: c.build_seconds),
+    "step": ("step time, ms", lambda c: 1000 * c.step_seconds),
+}
+
+
 def plot(rates_path, scaling_path, cells, configs):
   """examples/sec against N (a panel per model); build and step time vs N."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   from matplotlib import pyplot  # pylint: disable=import-outside-toplevel
 
-  families = sorted({_family(c) for c in configs if c.kind != "single"})
-  figure, axes = pyplot.subplots(1, len(cells), figsize=(4.2 * len(cells), 3.8),
-                                 squeeze=False)
-  for axis, (model, by_config) in zip(axes[0], cells.items()):
-    for family in families:
-      points = sorted(
-          (c.towers, statistics.median(r.examples_per_second
-                                       for r in by_config[c.name]))
-          for c in configs if _family(c) == family)
-      axis.plot(*zip(*points), marker="o", label=family)
-    if "single" in by_config:
-      axis.axhline(statistics.median(
-          r.examples_per_second for r in by_config["single"]), color="black",
-                   linestyle="--", label="single")
-    axis.set_title(model)
-    axis.set_xticks(sorted({c.towers for c in configs}))
-    axis.set_xlabel("towers (N)")
-    axis.set_ylabel("examples/sec")
-    axis.set_ylim(bottom=0)
-  axes[0][0].legend(fontsize=8)
-  figure.tight_layout()
-  figure.savefig(rates_path, dpi=110)
-  pyplot.close(figure)
+  for path, metrics in ((rates_path, ["examples/sec"]),
+                        (scaling_path, ["build", "step"])):
+    figure, axes = pyplot.subplots(
+        len(metrics), len(cells), figsize=(4.2 * len(cells),
+                                           3.4 * len(metrics)), squeeze=False)
+    for row, metric in enumerate(metrics):
+      for axis, (model, by_config) in zip(axes[row], cells.items()):
+        _panel(axis, by_config, configs, metric)
+        axis.set_title("{}: {}".format(model, _METRICS[metric][0]),
+                       fontsize=9)
+    axes[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    pyplot.close(figure)
 
-  figure, (build_axis, step_axis) = pyplot.subplots(1, 2, figsize=(10, 3.8))
-  for model, by_config in cells.items():
-    for family in families:
-      if not family.startswith(("replicate", "mirrored")):
-        continue
-      points = sorted((c.towers, by_config[c.name]) for c in configs
-                      if _family(c) == family)
-      towers = [n for n, _ in points]
-      style = "-" if family.startswith("replicate") else ":"
-      build_axis.plot(towers, [statistics.median(r.build_seconds for r in runs)
-                               for _, runs in points], style, marker="o",
-                      label="{} {}".format(model, family))
-      step_axis.plot(towers, [1000 * statistics.median(
-          r.step_seconds for r in runs) for _, runs in points], style,
-                     marker="o", label="{} {}".format(model, family))
-  build_axis.set_title("graph build time")
-  build_axis.set_ylabel("seconds")
-  step_axis.set_title("step time")
-  step_axis.set_ylabel("ms")
-  for axis in (build_axis, step_axis):
-    axis.set_xticks(sorted({c.towers for c in configs}))
-    axis.set_xlabel("towers (N)")
-  step_axis.legend(fontsize=6, ncol=2)
-  figure.tight_layout()
-  figure.savefig(scaling_path, dpi=110)
-  pyplot.close(figure)
+
+def _panel(axis, by_config, configs, metric):
+  """One line per configuration family against N, `single` as a line."""
+  value = _METRICS[metric][1]
+  for family, color in _COLORS.items():
+    points = sorted((c.towers, statistics.median(
+        value(r) for r in by_config[c.name])) for c in configs
+                    if _family(c) == family)
+    if points:
+      axis.plot(*zip(*points), marker="o", color=color, label=family)
+  if "single" in by_config:
+    axis.axhline(statistics.median(value(r) for r in by_config["single"]),
+                 color="black", linestyle="--", label="single")
+  axis.set_xticks(sorted({c.towers for c in configs}))
+  axis.set_xlabel("towers (N)")
+  axis.set_ylim(bottom=0)
 
 
 def _family(config):
