@@ -13,6 +13,7 @@ from tensorflow.python.util import function_utils
 from replicate import canned
 from replicate import context as context_lib
 from replicate import devices as devices_lib
+from replicate import graphs
 from replicate import sharding
 from replicate import specs as specs_lib
 
@@ -185,16 +186,11 @@ def _model_fn_kwargs(model_fn, model_fn_args, labels, mode, params, config):
 
 def _is_serving_input(features):
   """Whether features come from placeholders rather than an input pipeline."""
-  pending = [t.op for t in tf.nest.flatten(features, expand_composites=True)
-             if isinstance(t, tf.Tensor)]
-  seen, has_placeholder = set(), False
-  while pending:
-    op = pending.pop()
-    if op in seen:
-      continue
-    seen.add(op)
+  has_placeholder = False
+  for op in graphs.ops_behind(
+      t for t in tf.nest.flatten(features, expand_composites=True)
+      if isinstance(t, tf.Tensor)):
     if op.type in _PIPELINE_OP_TYPES:
       return False
     has_placeholder = has_placeholder or op.type in _PLACEHOLDER_OP_TYPES
-    pending.extend(t.op for t in op.inputs)
   return has_placeholder

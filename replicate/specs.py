@@ -27,6 +27,8 @@ from typing import Any, List
 
 import tensorflow as tf
 
+from replicate import graphs
+
 ModeKeys = tf.estimator.ModeKeys
 _export_outputs = tf.estimator.export
 
@@ -229,19 +231,12 @@ def _metric_variables(value):
                                  tf.compat.v1.GraphKeys.METRIC_VARIABLES)
       for v in graph.get_collection(collection)
   }
-  found, seen = [], set()
-  pending = [t.op for t in tf.nest.flatten(value)
-             if isinstance(t, (tf.Tensor, tf.Variable))]
-  while pending:
-    op = pending.pop()
-    if op in seen:
-      continue
-    seen.add(op)
-    if op.type in _VARIABLE_OP_TYPES:
-      if op in candidates and candidates[op] not in found:
-        found.append(candidates[op])
-      continue
-    pending.extend(t.op for t in op.inputs)
+  found = []
+  for op in graphs.ops_behind(
+      (t for t in tf.nest.flatten(value) if isinstance(t, tf.Tensor)),
+      stop_at_types=_VARIABLE_OP_TYPES):
+    if op in candidates and candidates[op] not in found:
+      found.append(candidates[op])
   return found
 
 
