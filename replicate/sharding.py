@@ -17,7 +17,7 @@ weighted sum of per-shard means is the mean over the whole batch. An empty
 batch gives every tower weight 0, never NaN.
 """
 
-from typing import Any, List, NamedTuple, Optional, Union
+from typing import Any, List, NamedTuple, Union
 
 import numpy as np
 import tensorflow as tf

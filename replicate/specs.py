@@ -23,7 +23,7 @@ Scaffold and hooks are tower 0's: each tower makes the same ones, and tower
 0's are what the unwrapped model_fn makes.
 """
 
-from typing import Any, List
+from typing import List
 
 import tensorflow as tf
 
