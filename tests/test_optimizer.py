@@ -266,3 +266,25 @@ def test_sync_replicas_optimizer_inside_tower_optimizer_trains(graph):
     step, value = session.run([tf.compat.v1.train.get_global_step(), w])
   assert step == 3
   assert value == pytest.approx(-3.0)
+
+
+def test_keras_optimizer_minimize_applies_once_across_towers(graph):
+  def model_fn(features, labels, mode):
+    del labels
+    w = tf.compat.v1.get_variable("w", [], initializer=tf.ones_initializer())
+    optimizer = replicate.TowerOptimizer(tf.keras.optimizers.legacy.SGD(0.5))
+    assert isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer)
+    loss_fn = lambda: tf.reduce_mean(w * features)  # noqa: E731
+    return tf.estimator.EstimatorSpec(
+        mode, loss=loss_fn(), train_op=optimizer.minimize(loss_fn, [w]))
+
+  spec = replicate.replicate_model_fn(model_fn, devices=cpus(2))(
+      tf.constant([1.0, 2.0, 3.0]), None, TRAIN)
+  variables = {v.op.name: v for v in tf.compat.v1.global_variables()}
+  with tf.control_dependencies([spec.train_op]):
+    after = {name: tf.identity(v.read_value())
+             for name, v in variables.items()}
+  result = run_initialized(after)
+  # w = 1 - 0.5 * mean([1, 2, 3]) = 0.0; Keras counts one iteration.
+  assert result["w"] == pytest.approx(0.0)
+  assert result["SGD/iter"] == 1

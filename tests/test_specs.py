@@ -53,6 +53,46 @@ def test_metrics_report_the_whole_batch_without_side_effects_on_read(graph):
   assert second["keras_mean"] == pytest.approx(4.6 / 9)
 
 
+def _keras_metrics_model_fn(features, labels, mode):
+  metrics = {}
+  for metric in (tf.keras.metrics.AUC(name="auc"),
+                 tf.keras.metrics.Precision(name="precision"),
+                 tf.keras.metrics.Recall(name="recall"),
+                 tf.keras.metrics.Accuracy(name="accuracy")):
+    metric.update_state(
+        labels, tf.cast(features > 0.5, tf.int64)
+        if metric.name == "accuracy" else features)
+    metrics[metric.name] = metric
+  return tf.estimator.EstimatorSpec(mode, loss=tf.reduce_mean(features),
+                                    eval_metric_ops=metrics)
+
+
+@pytest.mark.parametrize("towers", [2, 3])
+def test_keras_metric_objects_report_the_whole_batch(towers):
+  # 7 rows: uneven over 2 and 3 towers; the references are the same Keras
+  # metrics computed on the whole batch in one graph.
+  scores = np.array([0.9, 0.2, 0.7, 0.4, 0.8, 0.6, 0.1], np.float32)
+  labels = np.array([1, 0, 0, 0, 1, 1, 1], np.int64)
+  results = []
+  for model_fn, count in ((_keras_metrics_model_fn, 1),
+                          (replicate.replicate_model_fn(
+                              _keras_metrics_model_fn, devices=cpus(towers)),
+                           towers)):
+    with tf.Graph().as_default():
+      spec = model_fn(tf.constant(scores), tf.constant(labels), EVAL)
+      with tf.compat.v1.Session(config=session_config(count)) as session:
+        session.run(tf.compat.v1.local_variables_initializer())
+        session.run([u for _, u in spec.eval_metric_ops.values()])
+        results.append(session.run(
+            {k: v for k, (v, _) in spec.eval_metric_ops.items()}))
+  single, replicated = results
+  # precision: predicted 1 at >0.5 = rows 0, 2, 4, 5; right: 0, 4, 5 -> 3/4.
+  assert single["precision"] == pytest.approx(0.75)
+  assert single["recall"] == pytest.approx(0.75)  # 3 of the 4 positives
+  for key, value in single.items():
+    assert replicated[key] == pytest.approx(value, rel=1e-6), key
+
+
 def test_metrics_made_differently_per_tower_are_refused(graph):
   towers_built = []
 
