@@ -43,9 +43,10 @@ def normalize_devices(devices: Optional[Sequence[str]]) -> Optional[List[str]]:
   for device in devices:
     canonical = _canonical_device(device, devices)
     if canonical in normalized:
+      spelled = "" if device == canonical else " (as {!r})".format(canonical)
       raise ValueError(
-          "devices contains {!r} twice (as {!r}); each device may appear "
-          "once. Received: {!r}.".format(device, canonical, devices))
+          "devices contains {!r} twice{}; each device may appear once. "
+          "Received: {!r}.".format(device, spelled, devices))
     normalized.append(canonical)
   return normalized
 

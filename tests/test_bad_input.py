@@ -114,7 +114,8 @@ BAD_INPUTS = {
         r"contains 'gpu-1', which TensorFlow cannot parse as a device"),
     "duplicated device": (
         lambda: _wrap(devices=["/gpu:0", "/device:GPU:0"]), ValueError,
-        r"contains '/device:GPU:0' twice .* each device may appear once"),
+        r"contains '/device:GPU:0' twice; each device may appear once\. "
+        r"Received: \['/gpu:0', '/device:GPU:0'\]"),
     "empty devices": (
         lambda: _wrap(devices=[]), ValueError,
         r"devices is empty; give at least one device"),
