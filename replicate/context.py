@@ -40,7 +40,6 @@ class ReplicationContext:
   def __init__(self, graph, devices, device_functions, weights, has_rows,
                sizes, may_stand_in):
     self.graph = graph
-    self.devices = list(devices)
     self.num_towers = len(devices)
     self.weights = weights  # loss weight per tower (float or scalar tensor)
     self.has_rows = has_rows  # per tower: bool or scalar bool tensor
