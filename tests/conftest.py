@@ -47,3 +47,10 @@ def run_initialized(fetches, feed_dict=None, steps=1):
 def assert_all_finite(values):
   for value in tf.nest.flatten(values):
     assert np.all(np.isfinite(value)), value
+
+
+def checkpoint_values(model_dir):
+  """{variable name: value} of the latest checkpoint in `model_dir`."""
+  reader = tf.train.load_checkpoint(model_dir)
+  return {name: reader.get_tensor(name)
+          for name, _ in tf.train.list_variables(model_dir)}

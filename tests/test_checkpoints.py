@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
-from conftest import session_config
+from conftest import checkpoint_values, session_config
 
 _rng = np.random.RandomState(1)
 X = _rng.rand(12, 4).astype(np.float32)
@@ -46,11 +46,6 @@ def _estimator(model_dir, towers, strategy="parameter_server"):
           max(towers, 1))))
 
 
-def _variables(model_dir):
-  reader = tf.train.load_checkpoint(model_dir)
-  return {name: reader.get_tensor(name)
-          for name, _ in tf.train.list_variables(model_dir)}
-
 
 @pytest.fixture(scope="module")
 def start(tmp_path_factory):
@@ -64,7 +59,7 @@ def _two_phases(start, model_dir, first, second):
   shutil.copytree(start, model_dir, dirs_exist_ok=True)
   _estimator(model_dir, *first).train(_input_fn)
   _estimator(model_dir, *second).train(_input_fn)
-  return _variables(model_dir)
+  return checkpoint_values(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
-from conftest import session_config
+from conftest import checkpoint_values, session_config
 
 Reduction = tf.compat.v1.losses.Reduction
 fc = tf.feature_column
@@ -100,14 +100,9 @@ def _run(estimator):
       "metrics": metrics,
       "predictions": predictions,
       "scopes": {mode: hook.scopes for mode, hook in hooks.items()},
-      "checkpoint": _checkpoint(estimator.model_dir),
+      "checkpoint": checkpoint_values(estimator.model_dir),
   }
 
-
-def _checkpoint(model_dir):
-  reader = tf.train.load_checkpoint(model_dir)
-  return {name: reader.get_tensor(name)
-          for name, _ in tf.train.list_variables(model_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +257,8 @@ def test_custom_model_fn_checkpoint_names_are_the_unwrapped_ones(tmp_path):
           "global_step"} <= set(names)
   assert not [name for name in names if "tower" in name]
   # Constant initial values: the same training gives the same variables.
-  wrapped, unwrapped = _checkpoint(wrapped_dir), _checkpoint(unwrapped_dir)
+  wrapped = checkpoint_values(wrapped_dir)
+  unwrapped = checkpoint_values(unwrapped_dir)
   assert wrapped["global_step"] == unwrapped["global_step"] == STEPS
   for name, value in unwrapped.items():
     np.testing.assert_allclose(wrapped[name], value, rtol=1e-5, atol=1e-6,

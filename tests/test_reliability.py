@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
-from conftest import TRAIN, cpus, session_config
+from conftest import TRAIN, checkpoint_values, cpus, session_config
 from replicate import context as context_lib
 
 
@@ -107,11 +107,6 @@ def _start(model_dir, max_steps, pause_at):
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
 
 
-def _final_variables(model_dir):
-  reader = tf.train.load_checkpoint(model_dir)
-  return {name: reader.get_tensor(name)
-          for name, _ in tf.train.list_variables(model_dir)}
-
 
 def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
   uninterrupted = _start(str(tmp_path / "whole"), 20, pause_at=-1)
@@ -129,8 +124,8 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
   assert [l for l in resumed_lines if l.startswith("saved")] == [
       "saved 10", "saved 15", "saved 20"]
   assert uninterrupted.communicate()[0].split("\n")[-2] == "done"
-  whole = _final_variables(str(tmp_path / "whole"))
-  after_kill = _final_variables(str(tmp_path / "killed"))
+  whole = checkpoint_values(str(tmp_path / "whole"))
+  after_kill = checkpoint_values(str(tmp_path / "killed"))
   assert sorted(after_kill) == sorted(whole)
   assert after_kill["global_step"] == 20
   for name, value in whole.items():
