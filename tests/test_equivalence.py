@@ -181,6 +181,23 @@ def test_towers_train_like_one_device(reduction, optimizer_name, rows, towers,
   _assert_same_training(got, expected)
 
 
+def test_the_embedding_gradient_the_matrix_sums_is_sparse():
+  # The premise of the matrix above: the table's gradient is IndexedSlices,
+  # one row per looked-up id, repeats kept (12 rows x 3 ids = 36 rows).
+  batch = _batches(12)[0]
+  with tf.Graph().as_default():
+    spec = _make_model_fn(Reduction.MEAN, "sgd")(
+        {"x": tf.constant(batch["x"]), "ids": tf.constant(batch["ids"])},
+        {"y": tf.constant(batch["y"]), "class": tf.constant(batch["class"])},
+        TRAIN)
+    table = [v for v in tf.compat.v1.trainable_variables()
+             if v.op.name == "embedding"][0]
+    gradient, = tf.compat.v1.gradients(spec.loss, [table])
+  assert isinstance(gradient, tf.IndexedSlices)
+  assert gradient.indices.shape.as_list() == [36]
+  assert len(set(batch["ids"].ravel())) < 36  # repeated ids
+
+
 # One step of a one-weight model, worked by hand.
 
 

@@ -104,7 +104,6 @@ def _run(estimator):
   }
 
 
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   """The wrapped and the unwrapped classifier, from one starting point."""
