@@ -1,0 +1,241 @@
+"""All-reduce of the towers' gradients, for `variable_strategy="replicated"`.
+
+Every tower holds its own copy of each variable, so every tower needs the
+sum of all towers' gradients on its own device. Given tower i's gradients on
+`devices[i]`, `all_reduce_grads` returns, for every tower, the sums placed
+on that tower's device.
+
+On algorithms (the `all_reduce` argument of `replicate_model_fn`):
+
+| name     | how                                                         |
+| -------- | ----------------------------------------------------------- |
+| `gather` | sum on tower 0's device, then copy the sum to every tower   |
+| `ring`   | split into N chunks; chunk c is summed hop by hop round the |
+|          | ring of devices, ending on device c, then passed round so   |
+|          | every device has every summed chunk                         |
+| `nccl`   | NVIDIA NCCL's all-reduce (GPU towers, TensorFlow with CUDA) |
+| `auto`   | `nccl` on GPUs when TensorFlow has it, else `gather`        |
+
+On sparse gradients (`IndexedSlices`, from embedding lookups): every tower
+gets every tower's slices, concatenated (an all-gather), not a dense sum;
+only a variable of at most `SPARSE_AS_DENSE_ELEMENTS` elements, for which a
+dense sum is cheaper, is densified and reduced like a dense gradient.
+
+On packing: dense gradients of at most `PACK_MAX_ELEMENTS` elements each are
+flattened and concatenated per dtype into one buffer per tower before the
+reduce and split after, so a model with many small variables makes one
+all-reduce instead of one per variable.
+
+On `compact`: float32 gradients are cast to float16 for the reduce and back
+after, halving what travels between devices, at float16's precision.
+"""
+
+from typing import Any, List, Optional, Sequence
+
+import tensorflow as tf
+
+AUTO = "auto"
+GATHER = "gather"
+RING = "ring"
+NCCL = "nccl"
+ALGORITHMS = (AUTO, GATHER, RING, NCCL)
+
+PACK_MAX_ELEMENTS = 32768
+SPARSE_AS_DENSE_ELEMENTS = 32768
+
+
+def check_algorithm(all_reduce: str):
+  """Raises a ValueError for an unknown `all_reduce` name."""
+  if all_reduce not in ALGORITHMS:
+    raise ValueError(
+        "all_reduce must be one of {}. Received: {!r}.".format(
+            ", ".join(repr(a) for a in ALGORITHMS), all_reduce))
+
+
+def resolve_algorithm(all_reduce: str, devices: Sequence[str]) -> str:
+  """The algorithm `all_reduce` means on `devices`; checks that NCCL can run."""
+  on_gpus = all(
+      tf.DeviceSpec.from_string(d).device_type == "GPU" for d in devices)
+  if all_reduce == AUTO:
+    return NCCL if on_gpus and tf.test.is_built_with_cuda() else GATHER
+  if all_reduce == NCCL and not (on_gpus and tf.test.is_built_with_cuda()):
+    reason = ("this TensorFlow is built without CUDA"
+              if on_gpus else "the towers are not all GPUs: {}".format(
+                  ", ".join(devices)))
+    raise ValueError(
+        "all_reduce='nccl' needs GPU towers and a TensorFlow built with CUDA "
+        "(NCCL), but {}. Use all_reduce='ring' or 'gather', or 'auto' to "
+        "pick one for the devices.".format(reason))
+  return all_reduce
+
+
+def all_reduce_grads(per_tower: Sequence[Sequence[Any]], devices: Sequence[str],
+                     algorithm: str, compact: bool = False
+                    ) -> List[List[Optional[Any]]]:
+  """Per tower, the sum over towers of each gradient, on the tower's device.
+
+  `per_tower[i][p]` is tower i's gradient for variable p (a Tensor,
+  `IndexedSlices` or None), with towers that had no rows already zeroed.
+  Where every tower's gradient is None the result is None.
+  """
+  num_towers = len(devices)
+  per_tower = [list(tower) for tower in per_tower]  # filled in below
+  results = [[None] * len(per_tower[0]) for _ in devices]
+  packs = {}  # dtype -> positions whose gradients are packed together
+  singles = []
+  for position in range(len(per_tower[0])):
+    grads = [tower[position] for tower in per_tower]
+    if all(g is None for g in grads):
+      continue
+    if any(isinstance(g, tf.IndexedSlices) for g in grads):
+      if not _densify_sparse(grads):
+        for index, summed in enumerate(_all_gather(grads, devices)):
+          results[index][position] = summed
+        continue
+      grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+    grads = _zeros_for_missing(grads, devices)
+    for index, grad in enumerate(grads):
+      per_tower[index][position] = grad
+    if _is_small(grads[0]):
+      packs.setdefault(grads[0].dtype, []).append(position)
+    else:
+      singles.append(position)
+  reduce = _REDUCERS[algorithm]
+  for positions in packs.values():
+    with tf.name_scope("packed_all_reduce"):
+      buffers = [_pack([per_tower[i][p] for p in positions], devices[i])
+                 for i in range(num_towers)]
+      summed = _compacted(reduce, buffers, devices, compact)
+      for index in range(num_towers):
+        shapes = [per_tower[index][p].shape for p in positions]
+        for position, grad in zip(positions, _unpack(summed[index], shapes,
+                                                     devices[index])):
+          results[index][position] = grad
+  for position in singles:
+    with tf.name_scope("all_reduce"):
+      summed = _compacted(reduce, [t[position] for t in per_tower], devices,
+                          compact)
+    for index in range(num_towers):
+      results[index][position] = summed[index]
+  return results
+
+
+def _densify_sparse(grads) -> bool:
+  shape = next(g.dense_shape for g in grads if g is not None)
+  static = tf.get_static_value(shape)
+  return static is not None and int(static.prod()) <= SPARSE_AS_DENSE_ELEMENTS
+
+
+def _all_gather(grads, devices):
+  """Every tower's slices, concatenated on each tower's device."""
+  present = [g for g in grads if g is not None]
+  gathered = []
+  for device in devices:
+    with tf.device(device), tf.name_scope("all_gather"):
+      gathered.append(tf.IndexedSlices(
+          tf.concat([g.values for g in present], axis=0),
+          tf.concat([tf.cast(g.indices, tf.int64) for g in present], axis=0),
+          present[0].dense_shape))
+  return gathered
+
+
+def _zeros_for_missing(grads, devices):
+  """A tower with no gradient for a variable others have contributes zeros."""
+  present = next(g for g in grads if g is not None)
+  filled = []
+  for grad, device in zip(grads, devices):
+    if grad is None:
+      with tf.device(device):
+        grad = tf.zeros_like(present)
+    filled.append(grad)
+  return filled
+
+
+def _is_small(grad) -> bool:
+  return (grad.shape.is_fully_defined() and
+          grad.shape.num_elements() <= PACK_MAX_ELEMENTS)
+
+
+def _pack(grads, device):
+  with tf.device(device):
+    return tf.concat([tf.reshape(g, [-1]) for g in grads], axis=0)
+
+
+def _unpack(buffer, shapes, device):
+  with tf.device(device):
+    pieces = tf.split(buffer, [s.num_elements() for s in shapes])
+    return [tf.reshape(p, s) for p, s in zip(pieces, shapes)]
+
+
+def _compacted(reduce, tensors, devices, compact):
+  """`reduce`, in float16 for float32 tensors when `compact`."""
+  if not compact or tensors[0].dtype != tf.float32:
+    return reduce(tensors, devices)
+  halves = []
+  for tensor, device in zip(tensors, devices):
+    with tf.device(device):
+      halves.append(tf.cast(tensor, tf.float16))
+  summed = reduce(halves, devices)
+  restored = []
+  for tensor, device in zip(summed, devices):
+    with tf.device(device):
+      restored.append(tf.cast(tensor, tf.float32))
+  return restored
+
+
+def _gather_reduce(tensors, devices):
+  with tf.device(devices[0]):
+    total = tf.math.add_n(tensors)
+  copies = [total]
+  for device in devices[1:]:
+    with tf.device(device):
+      copies.append(tf.identity(total))
+  return copies
+
+
+def _ring_reduce(tensors, devices):
+  """Reduce-scatter round the ring, then all-gather round it."""
+  count = len(devices)
+  shape = tensors[0].shape
+  if not shape.is_fully_defined():
+    return _gather_reduce(tensors, devices)  # chunks need a static size
+  elements = shape.num_elements()
+  sizes = [elements // count + (1 if c < elements % count else 0)
+           for c in range(count)]
+  chunks = []
+  for tensor, device in zip(tensors, devices):
+    with tf.device(device):
+      chunks.append(tf.split(tf.reshape(tensor, [-1]), sizes))
+  owned = []  # chunk c, summed, ends on device c
+  for c in range(count):
+    start = (c + 1) % count
+    summed = chunks[start][c]
+    for step in range(1, count):
+      device = (start + step) % count
+      with tf.device(devices[device]):
+        summed = summed + chunks[device][c]
+    owned.append(summed)
+  on_device = [[None] * count for _ in range(count)]  # [device][chunk]
+  for c in range(count):
+    on_device[c][c] = owned[c]
+    for step in range(1, count):
+      device = (c + step) % count
+      with tf.device(devices[device]):
+        on_device[device][c] = tf.identity(on_device[device - 1][c])
+  reduced = []
+  for device, pieces in enumerate(on_device):
+    with tf.device(devices[device]):
+      reduced.append(tf.reshape(tf.concat(pieces, axis=0), shape))
+  return reduced
+
+
+def _nccl_reduce(tensors, devices):
+  from tensorflow.python.ops import nccl_ops  # pylint: disable=g-import-not-at-top
+  placed = []
+  for tensor, device in zip(tensors, devices):
+    with tf.device(device):
+      placed.append(tf.identity(tensor))
+  return nccl_ops.all_sum(placed)
+
+
+_REDUCERS = {GATHER: _gather_reduce, RING: _ring_reduce, NCCL: _nccl_reduce}
