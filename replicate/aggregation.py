@@ -16,6 +16,8 @@ from typing import Any, List, Sequence, Tuple
 
 import tensorflow as tf
 
+from replicate import allreduce
+
 GradsAndVars = List[Tuple[Any, tf.Variable]]
 
 
@@ -39,6 +41,29 @@ def sum_grads_and_vars(per_tower: Sequence[GradsAndVars],
       summed.append((_sum([_keep_if_rows(g, rows) for g, rows in grads]),
                      variable))
   return summed
+
+
+def all_reduce_grads_and_vars(per_tower: Sequence[GradsAndVars],
+                              has_rows: Sequence[Any], devices: Sequence[str],
+                              algorithm: str,
+                              compact: bool) -> GradsAndVars:
+  """Every tower's variables (or copies) with the sum over towers, all-reduced.
+
+  For replicated variables: `per_tower[i]` pairs tower i's gradients with
+  its own copies. The result pairs each copy with the summed gradient, on
+  the copy's device, so one `apply_gradients` updates every copy alike. A
+  variable a tower shares with tower 0 (it made no copy) is updated once.
+  """
+  grads = [[None if rows is False or g is None else _keep_if_rows(g, rows)
+            for g, _ in tower] for tower, rows in zip(per_tower, has_rows)]
+  summed = allreduce.all_reduce_grads(grads, devices, algorithm, compact)
+  tower0_variables = [variable for _, variable in per_tower[0]]
+  combined = []
+  for index, tower in enumerate(per_tower):
+    for position, (_, variable) in enumerate(tower):
+      if index == 0 or variable is not tower0_variables[position]:
+        combined.append((summed[index][position], variable))
+  return combined
 
 
 def _sum(grads):

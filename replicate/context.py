@@ -15,6 +15,8 @@ names tower 0 gave them and resolve to tower 0's variables.
 import contextlib
 from typing import Any, List, NamedTuple, Optional
 
+import re
+
 import tensorflow as tf
 from keras.src import backend as keras_backend
 from tensorflow.python.ops import variable_scope as variable_scope_lib
@@ -38,8 +40,10 @@ class ReplicationContext:
   """Which tower is being built, how many there are, and what they did."""
 
   def __init__(self, graph, devices, device_functions, weights, has_rows,
-               sizes, may_stand_in):
+               sizes, may_stand_in, tower_variables, all_reduce=None,
+               compact_gradients=False):
     self.graph = graph
+    self.devices = devices
     self.num_towers = len(devices)
     self.weights = weights  # loss weight per tower (float or scalar tensor)
     self.has_rows = has_rows  # per tower: bool or scalar bool tensor
@@ -53,6 +57,15 @@ class ReplicationContext:
     self._counters = _NameCounters(graph)
     self._tower0_variables = {}  # op name -> variable, as tower 0 made them
     self._is_applying = False  # building an aggregated update
+    # What each tower's variables are: tower 0's, or its own copies
+    # (a `replicate.variables.TowerVariables`).
+    self.variables = tower_variables
+    self.all_reduce = all_reduce  # algorithm name, with replicated variables
+    self.compact_gradients = compact_gradients
+
+  @property
+  def is_replicated(self) -> bool:
+    return self.variables.is_replicated
 
   @property
   def is_last_tower(self) -> bool:
@@ -93,6 +106,7 @@ class ReplicationContext:
         else:
           with tf.compat.v1.variable_scope(
               self._outer_variable_scope, reuse=True,
+              custom_getter=self._variable_getter(index),
               auxiliary_name_scope=False), self.graph.name_scope(
                   self.tower_name_scope(index) + "/"):
             yield
@@ -134,25 +148,42 @@ class ReplicationContext:
     finally:
       self._is_applying = False
 
+  def _variable_getter(self, index):
+    """For `get_variable` in tower `index`: tower 0's variable or its copy."""
+
+    def custom_getter(getter, *args, **kwargs):
+      return self.variables.for_tower(index, getter(*args, **kwargs))
+
+    return custom_getter
+
   def _variable_creator(self, index):
     """Tower 0 records its variables; towers 1..N-1 get tower 0's.
 
     `reuse=True` shares what `tf.compat.v1.get_variable` makes; this shares
     the rest (Keras layers, as in the TF 2 canned estimators), matched by the
     name tower 0 gave them. Tower-local variables (metrics: created with
-    collections that leave out GLOBAL_VARIABLES) and the optimizer's own
-    variables made by the aggregated update are created as usual.
+    collections that leave out GLOBAL_VARIABLES) are created as usual, and
+    so are the optimizer's own variables made by the aggregated update,
+    except that with replicated variables a copy's slots copy tower 0's.
+    Where a tower has its own copies (see `replicate.variables`), it gets
+    those in place of tower 0's variables.
     """
 
     def creator(next_creator, **kwargs):
-      if self._is_applying or _is_tower_local(kwargs):
+      if _is_tower_local(kwargs):
         return next_creator(**kwargs)
+      own_name = self.graph.unique_name(kwargs.get("name") or "Variable",
+                                        mark_as_used=False)
+      if self._is_applying:
+        if not self.is_replicated:
+          return next_creator(**kwargs)
+        return self.variables.slot_for(own_name, _without_towers(own_name),
+                                       next_creator, kwargs)
       if index == 0:
         variable = next_creator(**kwargs)
         self._tower0_variables[variable.op.name] = variable
+        self.variables.note_tower0_variable(variable, variable.trainable)
         return variable
-      own_name = self.graph.unique_name(kwargs.get("name") or "Variable",
-                                        mark_as_used=False)
       name = self.to_tower0_name(own_name, index)
       if name not in self._tower0_variables:
         raise ValueError(
@@ -160,14 +191,15 @@ class ReplicationContext:
             "named {!r}: each tower's model_fn must create the same "
             "variables, so that every tower trains tower 0's.".format(
                 index, own_name, name))
-      return self._tower0_variables[name]
+      return self.variables.for_tower(index, self._tower0_variables[name])
 
     return creator
 
 
 @contextlib.contextmanager
 def replication_context(devices, device_functions, weights, has_rows, sizes,
-                        may_stand_in):
+                        may_stand_in, tower_variables, all_reduce=None,
+                        compact_gradients=False):
   """Makes a `ReplicationContext` current for the default graph, then clears it."""
   graph = tf.compat.v1.get_default_graph()
   if graph.get_collection(_CONTEXT_COLLECTION):
@@ -176,7 +208,8 @@ def replication_context(devices, device_functions, weights, has_rows, sizes,
         "being built in the same graph; wrap the model_fn once (nested "
         "replicate_model_fn calls are not supported).")
   context = ReplicationContext(graph, devices, device_functions, weights,
-                               has_rows, sizes, may_stand_in)
+                               has_rows, sizes, may_stand_in, tower_variables,
+                               all_reduce, compact_gradients)
   graph.add_to_collection(_CONTEXT_COLLECTION, context)
   try:
     yield context
@@ -248,6 +281,15 @@ def _is_tower_local(variable_kwargs) -> bool:
   collections = variable_kwargs.get("collections")
   return (collections is not None and
           tf.compat.v1.GraphKeys.GLOBAL_VARIABLES not in collections)
+
+
+def _without_towers(name: str) -> str:
+  """`name` less every `tower_i` component (i >= 1): tower 0's name for it."""
+  return "/".join(part for part in name.split("/")
+                  if not _TOWER_COMPONENT.fullmatch(part))
+
+
+_TOWER_COMPONENT = re.compile(r"tower_[1-9][0-9]*")
 
 
 def _join(scope: str, name: str) -> str:

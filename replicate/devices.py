@@ -93,7 +93,13 @@ def local_devices(session_config=None, every_kind=False) -> List[str]:
 
 def variable_device_chooser(strategy: str, devices: Sequence[str]
                            ) -> Callable[[tf.Operation], str]:
-  """Returns a function that picks the device of each variable op, in turn."""
+  """Returns a function that picks the device of each variable op, in turn.
+
+  It returns None where the variable goes with its tower ("replicated": each
+  tower's variables, or copies, live on the tower's device).
+  """
+  if strategy == REPLICATED:
+    return lambda op: None
   if strategy == PARAMETER_SERVER:
     device = devices[0] if len(devices) == 1 else _cpu_of(devices[0])
     return lambda op: device
@@ -119,7 +125,8 @@ def tower_device_function(tower_device: str,
 
   def choose(op):
     if op.type in _VARIABLE_OP_TYPES:
-      spec = tf.DeviceSpec.from_string(choose_variable_device(op))
+      spec = tf.DeviceSpec.from_string(
+          choose_variable_device(op) or tower_device)
     elif any(t.dtype == tf.resource for t in op.inputs):
       # An op on a variable's handle runs where the variable lives; the
       # placer puts it there. Pinning it to the tower breaks, e.g., a read

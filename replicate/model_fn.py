@@ -10,12 +10,14 @@ from typing import Callable, Optional, Sequence
 import tensorflow as tf
 from tensorflow.python.util import function_utils
 
+from replicate import allreduce
 from replicate import canned
 from replicate import context as context_lib
 from replicate import devices as devices_lib
 from replicate import graphs
 from replicate import sharding
 from replicate import specs as specs_lib
+from replicate import variables as variables_lib
 
 Reduction = tf.compat.v1.losses.Reduction
 
@@ -33,7 +35,9 @@ def replicate_model_fn(
     model_fn: Callable,
     loss_reduction: str = Reduction.SUM_BY_NONZERO_WEIGHTS,
     devices: Optional[Sequence[str]] = None,
-    variable_strategy: str = devices_lib.PARAMETER_SERVER) -> Callable:
+    variable_strategy: str = devices_lib.PARAMETER_SERVER,
+    all_reduce: str = allreduce.AUTO,
+    compact_gradients: bool = False) -> Callable:
   """Replicates `model_fn` over devices: one tower per device, one update.
 
   Args:
@@ -50,7 +54,16 @@ def replicate_model_fn(
       gives 4 towers on a CPU-only machine).
     variable_strategy: where variables live. `"parameter_server"`: on the one
       device, or with several on `/device:CPU:0`. `"round_robin"`: on the
-      tower devices in turn, in creation order.
+      tower devices in turn, in creation order. `"replicated"`: each tower
+      trains its own copy of every variable on its own device; gradients
+      are all-reduced and every copy gets the same update (see below).
+    all_reduce: with `"replicated"`, how gradients are summed across
+      towers: `"gather"`, `"ring"`, `"nccl"` (GPUs), or `"auto"` (NCCL on
+      GPUs when TensorFlow has it, else `"gather"`). See
+      `replicate.allreduce`.
+    compact_gradients: with `"replicated"`, cast float32 gradients to
+      float16 for the all-reduce and back after (half the traffic, float16
+      precision in the sum).
 
   Returns:
     A `model_fn(features, labels, mode, params=None, config=None)` for
@@ -69,6 +82,15 @@ def replicate_model_fn(
   `export_saved_model` builds) is built as one tower with no device
   placement, so the SavedModel serves any batch size on any machine.
 
+  On `"replicated"`: in TRAIN, tower 0 creates the variables under their own
+  names on its device, and tower i gets local copies named `tower_i/...` on
+  its own, initialised from tower 0's values by the Scaffold's
+  `local_init_op` (so also right after a restore). Only tower 0's variables
+  (and its optimizer slots) are saved. Non-trainable variables, such as
+  batch-norm moving statistics, are per tower too: each tower updates its
+  copy from its own shard, and tower 0's are saved. EVAL and PREDICT read
+  tower 0's variables in every tower, with no copies.
+
   Example:
 
   ```python
@@ -82,6 +104,7 @@ def replicate_model_fn(
   _check_loss_reduction(loss_reduction)
   fixed_devices = devices_lib.normalize_devices(devices)
   _check_variable_strategy(variable_strategy)
+  _check_all_reduce(all_reduce, compact_gradients, variable_strategy)
   canned.check_canned_model_fn(model_fn, loss_reduction)
   model_fn_args = function_utils.fn_args(model_fn)
 
@@ -94,8 +117,13 @@ def replicate_model_fn(
     if len(tower_devices) == 1:
       with tf.device(tower_devices[0]):
         return model_fn(features, **kwargs)
+    replicated = None  # how replicated towers all-reduce, if they do
+    if variable_strategy == devices_lib.REPLICATED:
+      replicated = (allreduce.resolve_algorithm(all_reduce, tower_devices)
+                    if mode == tf.estimator.ModeKeys.TRAIN else None)
     return _build_towers(model_fn, features, labels, mode, kwargs,
-                         tower_devices, loss_reduction, variable_strategy)
+                         tower_devices, loss_reduction, variable_strategy,
+                         replicated, compact_gradients)
 
   replicated_model_fn.__name__ = "replicated_" + getattr(
       model_fn, "__name__", "model_fn")
@@ -103,8 +131,13 @@ def replicate_model_fn(
 
 
 def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
-                  loss_reduction, variable_strategy):
-  """Builds one tower per device and combines their specs."""
+                  loss_reduction, variable_strategy, all_reduce,
+                  compact_gradients):
+  """Builds one tower per device and combines their specs.
+
+  `all_reduce` is the algorithm when towers train their own copies of the
+  variables, or None when they share tower 0's.
+  """
   num_towers = len(tower_devices)
   shards = sharding.split_batch(features, labels, num_towers)
   choose_variable_device = devices_lib.variable_device_chooser(
@@ -118,7 +151,11 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
       weights=sharding.shard_weights(shards.sizes, shards.batch_size,
                                      loss_reduction),
       has_rows=sharding.shard_has_rows(shards.sizes), sizes=shards.sizes,
-      may_stand_in=shards.may_stand_in) as context:
+      may_stand_in=shards.may_stand_in,
+      tower_variables=variables_lib.TowerVariables(
+          tf.compat.v1.get_default_graph(), tower_devices,
+          is_replicated=all_reduce is not None),
+      all_reduce=all_reduce, compact_gradients=compact_gradients) as context:
     tower_specs = []
     for index in range(num_towers):
       tower_kwargs = dict(kwargs)
@@ -154,10 +191,22 @@ def _check_variable_strategy(variable_strategy):
         "variable_strategy must be one of {}. Received: {!r}.".format(
             ", ".join(repr(s) for s in devices_lib.VARIABLE_STRATEGIES),
             variable_strategy))
-  if variable_strategy == devices_lib.REPLICATED:
-    raise NotImplementedError(
-        "variable_strategy='replicated' is not implemented yet; use "
-        "'parameter_server' (the default) or 'round_robin'.")
+
+
+def _check_all_reduce(all_reduce, compact_gradients, variable_strategy):
+  allreduce.check_algorithm(all_reduce)
+  if not isinstance(compact_gradients, bool):
+    raise ValueError(
+        "compact_gradients must be True or False. Received: {!r}.".format(
+            compact_gradients))
+  if variable_strategy != devices_lib.REPLICATED and (
+      all_reduce != allreduce.AUTO or compact_gradients):
+    raise ValueError(
+        "all_reduce={!r} and compact_gradients={!r} choose how replicated "
+        "towers sum their gradients; they apply only with "
+        "variable_strategy='replicated' (received {!r}). Pass "
+        "variable_strategy='replicated', or leave them at their defaults."
+        .format(all_reduce, compact_gradients, variable_strategy))
 
 
 def _model_fn_kwargs(model_fn, model_fn_args, labels, mode, params, config):

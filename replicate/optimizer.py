@@ -94,7 +94,12 @@ class _Wrapping:
     per_tower = _same_call_in_every_tower(context, position)
     tower0_call = context.optimizer_calls[0][position]
     with context.scopes_of(tower0_call):
-      summed = aggregation.sum_grads_and_vars(per_tower, context.has_rows)
+      if context.is_replicated:
+        summed = aggregation.all_reduce_grads_and_vars(
+            per_tower, context.has_rows, context.devices, context.all_reduce,
+            context.compact_gradients)
+      else:
+        summed = aggregation.sum_grads_and_vars(per_tower, context.has_rows)
       update = tower0_call.apply(tower0_call.optimizer.optimizer, summed)
     update_op = getattr(update, "op", update)
     for calls in context.optimizer_calls[:-1]:
@@ -177,10 +182,15 @@ class TowerOptimizer(_Wrapping, _V1Optimizer):
     name = getattr(optimizer_or_optimizer_fn, "get_name", lambda: None)()
     super().__init__(use_locking=False, name=name or "TowerOptimizer")
 
-  def compute_gradients(self, loss, *args, **kwargs):
-    """Weights the loss by this tower's share of the batch, then differentiates."""
-    return self.optimizer.compute_gradients(self._weighted_loss(loss), *args,
-                                            **kwargs)
+  def compute_gradients(self, loss, var_list=None, *args, **kwargs):
+    """Weights the loss by this tower's share of the batch, then differentiates.
+
+    With replicated variables, tower i differentiates with respect to its
+    own copies of `var_list` (default: the trainable variables).
+    """
+    return self.optimizer.compute_gradients(
+        self._weighted_loss(loss), _tower_variables(var_list), *args,
+        **kwargs)
 
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
     """Records this tower's gradients; the last tower applies their sum once."""
@@ -210,7 +220,8 @@ class KerasTowerOptimizer(_Wrapping, _KerasOptimizer):
     super().__init__(name=name or "TowerOptimizer")
 
   def get_gradients(self, loss, params):
-    return self.optimizer.get_gradients(self._weighted_loss(loss), params)
+    return self.optimizer.get_gradients(self._weighted_loss(loss),
+                                        _tower_variables(params))
 
   def get_updates(self, loss, params):
     grads = self.get_gradients(loss, params)
@@ -218,8 +229,8 @@ class KerasTowerOptimizer(_Wrapping, _KerasOptimizer):
 
   def minimize(self, loss, var_list, grad_loss=None, name=None, tape=None):
     grads_and_vars = self.optimizer._compute_gradients(  # pylint: disable=protected-access
-        self._weighted_loss(loss), var_list=var_list, grad_loss=grad_loss,
-        tape=tape)
+        self._weighted_loss(loss), var_list=_tower_variables(var_list),
+        grad_loss=grad_loss, tape=tape)
     return self.apply_gradients(grads_and_vars, name=name)
 
   def apply_gradients(self, grads_and_vars, name=None,
@@ -283,6 +294,25 @@ def _active_context():
   return context
 
 
+def _tower_variables(var_list):
+  """`var_list` as the tower being built sees it: its copies, if it has any.
+
+  Tower 0's variables stand for themselves; with replicated variables, tower
+  i (i >= 1) trains its own copies. None means the trainable variables,
+  which are tower 0's, so they are mapped too.
+  """
+  context = _active_context()
+  if context is None or not context.is_replicated or context.tower_index == 0:
+    return var_list
+  if var_list is None:
+    var_list = (tf.compat.v1.trainable_variables() + tf.compat.v1.get_collection(
+        tf.compat.v1.GraphKeys.TRAINABLE_RESOURCE_VARIABLES))
+  if callable(var_list):
+    return var_list
+  return [context.variables.in_tower(context.tower_index, v)
+          for v in tf.nest.flatten(var_list)]
+
+
 def _same_call_in_every_tower(context, position):
   """Every tower's gradients for call `position`, checked to be alike."""
   first = context.optimizer_calls[0]
@@ -300,8 +330,8 @@ def _same_call_in_every_tower(context, position):
     # Each tower usually builds its own optimizer object; what must match is
     # the kind of optimizer and the variables it updates.
     if (call is None or type(call.optimizer.optimizer) is not type(
-        reference.optimizer.optimizer) or
-        not _same_variables(call.grads_and_vars, reference.grads_and_vars)):
+        reference.optimizer.optimizer) or not _same_variables(
+            call.grads_and_vars, reference.grads_and_vars, context)):
       raise ValueError(
           "Tower {}'s optimizer call {} differs from tower 0's (another kind "
           "of optimizer, or gradients for other variables): each tower's "
@@ -311,7 +341,10 @@ def _same_call_in_every_tower(context, position):
   return per_tower
 
 
-def _same_variables(grads_and_vars, other):
-  # By identity: `==` on variables builds an elementwise comparison op.
-  return len(grads_and_vars) == len(other) and all(
-      a is b for (_, a), (_, b) in zip(grads_and_vars, other))
+def _same_variables(grads_and_vars, tower0_grads_and_vars, context):
+  # By identity: `==` on variables builds an elementwise comparison op. A
+  # replicated tower's copies stand for tower 0's variables.
+  tower0_variable = context.variables.tower0_variable
+  return len(grads_and_vars) == len(tower0_grads_and_vars) and all(
+      tower0_variable(a) is b
+      for (_, a), (_, b) in zip(grads_and_vars, tower0_grads_and_vars))

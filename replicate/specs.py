@@ -117,8 +117,16 @@ def _train_fields(tower_specs, context):
             "tower {}: {}".format(i, n) for i, n in enumerate(counts))))
   kept = [train_ops[0]] + [_without_step_increment(op)
                            for op in train_ops[1:]]
-  return {"train_op": tf.group(*[op for op in kept if op is not None],
-                               name="train_op_over_towers")}
+  train_op = tf.group(*[op for op in kept if op is not None],
+                      name="train_op_over_towers")
+  return {"train_op": _then_fold(train_op, context)}
+
+
+def _then_fold(op, context):
+  """`op`, then the fold of tower-local variables (see `replicate.variables`)."""
+  with tf.control_dependencies([op]):
+    fold = context.variables.fold_tower_local(context.has_rows)
+  return op if fold is None else tf.group(op, fold)
 
 
 def _without_step_increment(train_op):
@@ -141,14 +149,23 @@ def _without_step_increment(train_op):
 
 
 def _eval_fields(tower_specs, context):
+  """Each metric over every tower; tower-local variables folded once per batch.
+
+  The fold waits for every metric's update, so each combined update op runs
+  them all (the Estimator runs them together anyway).
+  """
   metrics = tower_specs[0].eval_metric_ops or {}
-  return {
-      "eval_metric_ops": {
-          key: _reduced_metric(key, [spec.eval_metric_ops[key]
-                                     for spec in tower_specs], context)
-          for key in metrics
-      }
+  reduced = {
+      key: _reduced_metric(key, [spec.eval_metric_ops[key]
+                                 for spec in tower_specs], context)
+      for key in metrics
   }
+  if reduced:
+    every_update = tf.group(*[update for _, update in reduced.values()])
+    folded = _then_fold(every_update, context)
+    if folded is not every_update:
+      reduced = {key: (value, folded) for key, (value, _) in reduced.items()}
+  return {"eval_metric_ops": reduced}
 
 
 def _predict_fields(tower_specs, context):
@@ -182,6 +199,8 @@ def _reduced_metric(key, tower_metrics, context):
   moves = {name: [] for name in tower0_by_name}
   for index, (other_value, _) in enumerate(tower_metrics[1:], start=1):
     for variable in _metric_variables(other_value):
+      if context.variables.tower0_variable(variable) is not variable:
+        continue  # a tower-local copy: folded into tower 0's separately
       name = context.to_tower0_name(variable.op.name, index)
       if name not in moves:
         raise ValueError(

@@ -5,13 +5,16 @@ import tensorflow as tf
 
 from conftest import cpus, run_initialized
 from replicate import context as context_lib
+from replicate import variables as variables_lib
 
 
 def _context(graph, count=2):
   functions = [lambda op, d=d: d for d in cpus(count)]
   return context_lib.replication_context(
       cpus(count), functions, weights=[1.0] * count, has_rows=[True] * count,
-      sizes=[1] * count, may_stand_in=False)
+      sizes=[1] * count, may_stand_in=False,
+      tower_variables=variables_lib.TowerVariables(graph, cpus(count),
+                                                   is_replicated=False))
 
 
 def test_context_exists_only_while_towers_are_built(graph):

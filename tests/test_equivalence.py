@@ -92,9 +92,10 @@ class _Training:
   """What a run did: per-step losses, final variables, names, placement."""
 
   def __init__(self, losses, values, global_names, trainable_names,
-               variable_devices, tower_scopes):
+               variable_devices, tower_scopes, local_values):
     self.losses = losses
     self.values = values  # op name -> value, every global variable
+    self.local_values = local_values  # op name -> value, local variables
     self.global_names = global_names  # in creation order
     self.trainable_names = trainable_names
     self.variable_devices = variable_devices
@@ -116,18 +117,23 @@ def _train(model_fn, batches, is_static_shape=False):
                     {"y": inputs["y"], "class": inputs["class"]}, TRAIN)
     variables = tf.compat.v1.global_variables()
     with tf.compat.v1.Session(config=session_config(3)) as session:
+      # As the Estimator's Scaffold does: global, then local variables
+      # (replicated towers' copies are local, initialised from tower 0's).
       session.run(tf.compat.v1.global_variables_initializer())
+      session.run(tf.compat.v1.local_variables_initializer())
       losses = [
           session.run([spec.loss, spec.train_op],
                       {inputs[k]: batch[k] for k in inputs})[0]
           for batch in batches
       ]
       values = session.run({v.op.name: v for v in variables})
+      local_values = session.run(
+          {v.op.name: v for v in tf.compat.v1.local_variables()})
     return _Training(
         losses, values, [v.op.name for v in variables],
         [v.op.name for v in tf.compat.v1.trainable_variables()],
         {v.device for v in tf.compat.v1.trainable_variables()},
-        _tower_scopes(graph))
+        _tower_scopes(graph), local_values)
 
 
 def _assert_same_training(got, expected, steps=STEPS):
@@ -301,7 +307,10 @@ def _train_sparse(model_fn, batches):
     spec = model_fn({"ids": ids, "x": x}, y, TRAIN)
     variables = tf.compat.v1.global_variables()
     with tf.compat.v1.Session(config=session_config(3)) as session:
+      # As the Estimator's Scaffold does: global, then local variables
+      # (replicated towers' copies are local, initialised from tower 0's).
       session.run(tf.compat.v1.global_variables_initializer())
+      session.run(tf.compat.v1.local_variables_initializer())
       losses = [
           session.run([spec.loss, spec.train_op], {
               ids: sparse,
@@ -310,9 +319,11 @@ def _train_sparse(model_fn, batches):
           })[0] for sparse, dense, labels in batches
       ]
       values = session.run({v.op.name: v for v in variables})
+      local_values = session.run(
+          {v.op.name: v for v in tf.compat.v1.local_variables()})
     return _Training(losses, values, [v.op.name for v in variables],
                      [v.op.name for v in tf.compat.v1.trainable_variables()],
-                     None, _tower_scopes(graph))
+                     None, _tower_scopes(graph), local_values)
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +331,8 @@ def sparse_unwrapped():
   return _train_sparse(_sparse_model_fn, _sparse_batches())
 
 
-@pytest.mark.parametrize("towers, strategy", [(2, PS), (3, PS), (3, RR)])
+@pytest.mark.parametrize("towers, strategy", [(2, PS), (3, PS), (3, RR),
+                                              (3, "replicated")])
 def test_sparse_tensor_features_train_like_one_device(sparse_unwrapped,
                                                       towers, strategy):
   # 7 rows: 4, 3 or 3, 2, 2; 2 rows on 3 towers: 1, 1, 0; 5 rows: 3, 2 or

@@ -37,8 +37,16 @@ def test_none_reduction_is_refused_when_wrapping():
      "loss_reduction must be one of"),
     ({"variable_strategy": "mirrored"}, ValueError,
      "'parameter_server', 'round_robin', 'replicated'. Received: 'mirrored'"),
-    ({"variable_strategy": "replicated"}, NotImplementedError,
-     "not implemented yet"),
+    ({"variable_strategy": "replicated", "all_reduce": "tree"}, ValueError,
+     "all_reduce must be one of 'auto', 'gather', 'ring', 'nccl'. Received: "
+     "'tree'"),
+    ({"all_reduce": "ring"}, ValueError,
+     "apply only with variable_strategy='replicated' \\(received "
+     "'parameter_server'\\)"),
+    ({"variable_strategy": "round_robin", "compact_gradients": True},
+     ValueError, "apply only with variable_strategy='replicated'"),
+    ({"variable_strategy": "replicated", "compact_gradients": "yes"},
+     ValueError, "compact_gradients must be True or False. Received: 'yes'"),
     ({"devices": ["/gpu:0", "/GPU:0"]}, ValueError, "twice"),
     ({"devices": []}, ValueError, "devices is empty"),
     ({"devices": ["/gpu:0", "gpu/0"]}, ValueError, "'gpu/0'"),

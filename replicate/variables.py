@@ -1,0 +1,230 @@
+"""Per-tower variables: the copies of `"replicated"` and tower-local variables.
+
+On copies: with `variable_strategy="replicated"` (in TRAIN), tower 0 creates
+every variable under its own name, and tower i (i >= 1) gets, in place of
+each, a copy named `tower_i/<name>` on its own device. A copy is a local
+variable (`LOCAL_VARIABLES`, so never saved, and not trainable, so never in
+`TRAINABLE_VARIABLES`) whose initial value is tower 0's variable: the
+Scaffold's `local_init_op` runs after the global variables were initialised
+or restored from a checkpoint, so towers start equal after a restore too.
+The optimizer's slots of a copy are made the same way, from tower 0's slots.
+
+On tower-local variables: inside `tower_local_scope(reduce)` every tower
+gets its own copy of a variable (under any `variable_strategy`) and updates
+it with no communication. At the end of each training step (and of each
+evaluation batch) the copies are folded into tower 0's variable, the one
+that is saved and read: `"sum"` adds every copy into it and zeroes the
+copies; `"mean"` sets it and every copy to the mean over the towers that had
+rows. Tower 0's variable thus always holds the reduction over towers.
+"""
+
+import contextlib
+from typing import Dict, List, Optional
+
+import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
+
+from replicate import context as context_lib
+
+SUM = "sum"
+MEAN = "mean"
+REDUCTIONS = (SUM, MEAN)
+
+
+@contextlib.contextmanager
+def tower_local_scope(reduce: str = SUM):
+  """Variables created inside get one copy per tower, reduced when read.
+
+  Args:
+    reduce: `"sum"` (e.g. an examples-seen counter: each tower counts its
+      rows, the saved value is the total) or `"mean"` (e.g. a running
+      statistic: the saved value is the mean over towers).
+
+  On use: variables created in the scope must not be trainable; each tower
+  updates its own copy in its `train_op` (or its metric update ops), and
+  after every training step tower 0's variable, the one that is saved,
+  evaluated and exported, holds the reduction. Outside `replicate_model_fn`,
+  or with one tower, the scope does nothing.
+
+  ```python
+  def model_fn(features, labels, mode):
+    with replicate.tower_local_scope(reduce="sum"):
+      seen = tf.compat.v1.get_variable(
+          "examples_seen", [], tf.int64, trainable=False,
+          initializer=tf.compat.v1.zeros_initializer())
+    count = seen.assign_add(tf.shape(labels, out_type=tf.int64)[0])
+    ...
+    train_op = tf.group(optimizer.minimize(loss, global_step), count)
+  ```
+  """
+  if reduce not in REDUCTIONS:
+    raise ValueError(
+        "tower_local_scope(reduce=...) must be one of {}. Received: "
+        "{!r}.".format(", ".join(repr(r) for r in REDUCTIONS), reduce))
+  context = context_lib.current_context()
+  if context is None or context.tower_index is None or context.num_towers < 2:
+    yield
+    return
+  previous = context.variables.local_reduce
+  context.variables.local_reduce = reduce
+  try:
+    yield
+  finally:
+    context.variables.local_reduce = previous
+
+
+class TowerVariables:
+  """Which variables each tower sees, for one replicated model_fn call."""
+
+  def __init__(self, graph, devices, is_replicated: bool):
+    self.graph = graph
+    self.is_replicated = is_replicated
+    self.local_reduce = None  # set inside tower_local_scope
+    self._devices = devices
+    self._tower0 = set()  # refs of the variables tower 0 created
+    self._reduce_of = {}  # tower 0 variable ref -> "sum" or "mean"
+    self._copies = [dict() for _ in devices]  # tower 0 variable ref -> copy
+    self._tower0_of = {}  # copy ref -> tower 0's variable
+    self._slots = {}  # op name -> slot variable made for tower 0's variables
+
+  def note_tower0_variable(self, variable, trainable: bool):
+    """Records a variable tower 0 created (tower-local if in the scope)."""
+    self._tower0.add(variable.ref())
+    if self.local_reduce is None:
+      return
+    name = variable.op.name
+    if trainable:
+      raise ValueError(
+          "tower_local_scope: the variable {!r} is trainable. Variables in "
+          "a tower_local_scope are updated by each tower on its own, not by "
+          "an optimizer: create it with trainable=False.".format(name))
+    if self.local_reduce == MEAN and not variable.dtype.is_floating:
+      raise ValueError(
+          "tower_local_scope(reduce='mean'): the variable {!r} is {}, but a "
+          "mean needs a floating-point variable. Use reduce='sum' or a float "
+          "dtype.".format(name, variable.dtype.base_dtype.name))
+    self._reduce_of[variable.ref()] = self.local_reduce
+
+  def for_tower(self, index: int, variable):
+    """What tower `index` uses in place of tower 0's `variable`."""
+    if index == 0 or not isinstance(variable, tf.Variable):
+      return variable
+    reduce = self._reduce_of.get(variable.ref())
+    if reduce is None and not (self.is_replicated and
+                               variable.ref() in self._tower0):
+      return variable
+    copies = self._copies[index]
+    if variable.ref() not in copies:
+      initial = _zeros_like if reduce == SUM else _value_of
+      copy = self._local_variable(index, variable, initial)
+      copies[variable.ref()] = copy
+      self._tower0_of[copy.ref()] = variable
+    return copies[variable.ref()]
+
+  def in_tower(self, index: int, variable):
+    """Tower `index`'s copy of `variable` if it made one, else `variable`."""
+    if index == 0 or not isinstance(variable, tf.Variable):
+      return variable
+    return self._copies[index].get(variable.ref(), variable)
+
+  def tower0_variable(self, variable):
+    """Tower 0's variable for a copy; any other variable is itself."""
+    return self._tower0_of.get(variable.ref(), variable)
+
+  def copies_of(self, variable) -> List[Optional[tf.Variable]]:
+    """Per tower, its copy of tower 0's `variable` (tower 0: the variable)."""
+    return [variable] + [c.get(variable.ref()) for c in self._copies[1:]]
+
+  def slot_for(self, name: str, tower0_name: str, next_creator, kwargs):
+    """Creates an optimizer slot; a copy's slot copies tower 0's slot."""
+    if name == tower0_name:
+      slot = next_creator(**kwargs)
+      self._slots[tower0_name] = slot
+      return slot
+    if tower0_name not in self._slots:
+      raise ValueError(
+          "variable_strategy='replicated': the optimizer creates {!r} for a "
+          "tower's copy, but made no {!r} for tower 0's variable first. Only "
+          "optimizers that create per-variable slots in variable order are "
+          "supported.".format(name, tower0_name))
+    tower0_slot = self._slots[tower0_name]
+    return tf.compat.v1.Variable(
+        initial_value=_value_of(tower0_slot), trainable=False,
+        collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
+        name=kwargs.get("name"), dtype=tower0_slot.dtype.base_dtype,
+        use_resource=resource_variable_ops.is_resource_variable(tower0_slot))
+
+  def fold_tower_local(self, has_rows) -> Optional[tf.Operation]:
+    """Folds every tower's copy into tower 0's variable, per its reduction."""
+    folds = []
+    for ref, reduce in self._reduce_of.items():
+      variable = ref.deref()
+      per_tower = self.copies_of(variable)
+      if all(copy is None for copy in per_tower[1:]):
+        continue
+      with tf.device(variable.device), tf.name_scope(
+          variable.op.name + "_over_towers"):
+        folds.append(_FOLDS[reduce](variable, per_tower, has_rows))
+    return tf.group(*folds, name="tower_local_fold") if folds else None
+
+  def _local_variable(self, index, variable, initial):
+    """A local copy of `variable` on tower `index`'s device."""
+    initial_value = (_value_of(variable) if initial is _value_of else
+                     lambda: _zeros_like(variable))
+    with self.graph.name_scope(None), tf.device(self._devices[index]):
+      return tf.compat.v1.Variable(
+          initial_value=initial_value, trainable=False,
+          collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
+          name="tower_{}/{}".format(index, variable.op.name),
+          dtype=variable.dtype.base_dtype,
+          use_resource=resource_variable_ops.is_resource_variable(variable))
+
+
+def _zeros_like(variable):
+  return tf.zeros(variable.shape, variable.dtype.base_dtype)
+
+
+def _value_of(variable):
+  """A read of `variable` where it lives, for another variable's initializer.
+
+  Made here rather than in the copy's initializer, which is colocated with
+  the copy: a variable can only be read on its own device. Outside any
+  control flow and control dependencies, as an initial value must be.
+  """
+  with tf.init_scope(), tf.compat.v1.colocate_with(variable.op,
+                                                  ignore_existing=True):
+    return tf.identity(variable.read_value())
+
+
+def _fold_sum(variable, per_tower, has_rows):
+  """tower 0 += every other tower's copy (masked by rows); copies = 0."""
+  copies = [(c, rows) for c, rows in zip(per_tower[1:], has_rows[1:])
+            if c is not None]
+  terms = [_masked(c.read_value(), rows) for c, rows in copies
+           if rows is not False]
+  if not terms:
+    return tf.group(*[c.assign(_zeros_like(c)) for c, _ in copies])
+  added = variable.assign_add(tf.math.add_n(terms))
+  with tf.control_dependencies([added]):
+    return tf.group(*[c.assign(_zeros_like(c)) for c, _ in copies])
+
+
+def _fold_mean(variable, per_tower, has_rows):
+  """tower 0 and every copy = the mean over towers with rows."""
+  values, counts = [], []
+  for copy, rows in zip(per_tower, has_rows):
+    if copy is None or rows is False:
+      continue
+    values.append(_masked(copy.read_value(), rows))
+    counts.append(tf.cast(rows, variable.dtype.base_dtype))
+  mean = tf.math.divide_no_nan(tf.math.add_n(values), tf.math.add_n(counts))
+  return tf.group(*[c.assign(mean) for c in per_tower if c is not None])
+
+
+def _masked(value, rows):
+  if isinstance(rows, bool):
+    return value
+  return tf.where(rows, value, tf.zeros_like(value))
+
+
+_FOLDS: Dict[str, object] = {SUM: _fold_sum, MEAN: _fold_mean}
