@@ -107,7 +107,9 @@ def _default_configs(towers):
   for n in towers:
     configs += ["replicate-{}-ps".format(n)]
     if n > 1:
-      configs += ["replicate-{}-rr".format(n), "mirrored-{}-default".format(n),
+      configs += ["replicate-{}-rr".format(n),
+                  "replicate-{}-gather".format(n),
+                  "replicate-{}-ring".format(n), "mirrored-{}-default".format(n),
                   "mirrored-{}-r1d".format(n)]
   return configs
 

@@ -7,6 +7,9 @@ On configurations:
 | `single`                | the unwrapped model_fn on one device                     |
 | `replicate-N-ps`        | `replicate_model_fn`, N towers, `parameter_server`       |
 | `replicate-N-rr`        | `replicate_model_fn`, N towers, `round_robin`            |
+| `replicate-N-gather`    | N towers, `replicated`, `all_reduce="gather"`            |
+| `replicate-N-ring`      | N towers, `replicated`, `all_reduce="ring"`              |
+| `replicate-N-nccl`      | N towers, `replicated`, `all_reduce="nccl"` (GPUs only)  |
 | `mirrored-N-default`    | `MirroredStrategy` over N devices, default cross-device ops |
 | `mirrored-N-r1d`        | `MirroredStrategy` with `ReductionToOneDevice`           |
 
@@ -31,17 +34,26 @@ import tensorflow as tf
 import replicate
 from benchmarks.models import MODELS
 
-_CONFIG = re.compile(r"^(?:single|replicate-(\d+)-(ps|rr)|"
+_CONFIG = re.compile(r"^(?:single|replicate-(\d+)-(ps|rr|gather|ring|nccl)|"
                      r"mirrored-(\d+)-(default|r1d))$")
-CONFIG_FORMS = ("single, replicate-N-ps, replicate-N-rr, mirrored-N-default, "
+CONFIG_FORMS = ("single, replicate-N-ps, replicate-N-rr, replicate-N-gather, "
+                "replicate-N-ring, replicate-N-nccl, mirrored-N-default, "
                 "mirrored-N-r1d (N a number of towers)")
+# A replicate configuration's variant: its replicate_model_fn arguments.
+_REPLICATE_ARGUMENTS = {
+    "ps": {"variable_strategy": "parameter_server"},
+    "rr": {"variable_strategy": "round_robin"},
+    "gather": {"variable_strategy": "replicated", "all_reduce": "gather"},
+    "ring": {"variable_strategy": "replicated", "all_reduce": "ring"},
+    "nccl": {"variable_strategy": "replicated", "all_reduce": "nccl"},
+}
 
 
 class Config(NamedTuple):
   name: str
   kind: str  # "single", "replicate" or "mirrored"
   towers: int
-  variant: str  # "ps"/"rr" for replicate, "default"/"r1d" for mirrored
+  variant: str  # ps/rr/gather/ring/nccl for replicate, default/r1d mirrored
 
 
 class Cell(NamedTuple):
@@ -105,9 +117,7 @@ def run_cell(model_name: str, config: Config, warmup_steps: int,
   model_fn = model.make_model_fn(config.kind == "replicate")
   if config.kind == "replicate":
     model_fn = replicate.replicate_model_fn(
-        model_fn, devices=devices,
-        variable_strategy={"ps": "parameter_server",
-                           "rr": "round_robin"}[config.variant])
+        model_fn, devices=devices, **_REPLICATE_ARGUMENTS[config.variant])
   timer = _Timer(warmup_steps)
   estimator = tf.estimator.Estimator(model_fn, config=run_config)
   timer.started = time.perf_counter()

@@ -64,7 +64,9 @@ def write_json(path, cells, command, machine):
 
 
 _COLORS = {"replicate-ps": "tab:green", "replicate-rr": "tab:red",
-           "mirrored-default": "tab:blue", "mirrored-r1d": "tab:orange"}
+           "replicate-gather": "tab:purple", "replicate-ring": "tab:brown",
+           "replicate-nccl": "tab:pink", "mirrored-default": "tab:blue",
+           "mirrored-r1d": "tab:orange"}
 _METRICS = {  # name: (label, value of a cell)
     "examples/sec": ("examples/sec", lambda c: c.examples_per_second),
     "build": ("graph build, seconds", lambda c: c.build_seconds),
