@@ -1,0 +1,332 @@
+"""A local launcher for trying a TensorFlow gRPC cluster on one machine.
+
+Every task (`chief:0`, `worker:i`, `ps:i`, optionally `evaluator:0`) runs the
+same command with its own `TF_CONFIG`, which is what the Estimator's
+`RunConfig` reads to know its cluster and its part in it:
+```
+python -m replicate.launch --ps 1 --workers 2 -- python train.py --steps 100
+```
+or from Python:
+```python
+with LocalCluster(["python", "train.py"], num_ps=1, num_workers=2) as cluster:
+  exit_code = cluster.wait_for_chief(grace=30)
+```
+
+On ports: each task in the cluster spec gets a free port on 127.0.0.1, found
+by binding port 0. All are held open until all are picked, so no two tasks
+share one; another program can still take one before its task binds it.
+TensorFlow's server then listens on that port on every interface, not only
+127.0.0.1: run this on a machine whose firewall keeps those ports private.
+
+On logs: each task's stdout and stderr go, line by line, to the launcher's
+stdout as `[worker:0] ...`; the launcher's own lines start with `[launch]`.
+Tasks get `PYTHONUNBUFFERED=1` (unless set already) so lines show as printed.
+
+On stopping: when the chief exits, the workers and the evaluator get `grace`
+seconds to exit on their own, then everything left is stopped; the ps tasks
+never exit by themselves (they serve until killed). A task is stopped with
+SIGTERM to its process group (its children too), then SIGKILL a few seconds
+later. A worker that fails is reported and training goes on without it, as
+asynchronous training allows. Ctrl-C or SIGTERM to the launcher stops all.
+The launcher exits with the chief's exit code (128 + N if the chief died of
+signal N; 130 on Ctrl-C, 143 on SIGTERM).
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, Optional, Sequence, TextIO, Tuple
+
+Task = Tuple[str, int]
+
+_POLL_SECONDS = 0.1
+
+
+class LocalCluster:
+  """Runs `command` once per task of a local cluster, each with its TF_CONFIG.
+
+  `num_workers` counts the chief. `env` is merged over `os.environ` for every
+  task. `log` (default `sys.stdout`) receives every task's prefixed lines.
+  Entering the `with` block starts the tasks; leaving it stops them.
+  """
+
+  def __init__(self, command: Sequence[str], num_ps: int = 1,
+               num_workers: int = 2, evaluator: bool = False,
+               env: Optional[Dict[str, str]] = None,
+               log: Optional[TextIO] = None):
+    if isinstance(command, str) or not command:
+      raise ValueError(
+          "command must be a non-empty list of strings, such as "
+          "['python', 'train.py']. Received: {!r}.".format(command))
+    if num_workers < 1:
+      raise ValueError("num_workers counts the chief, so it must be at least "
+                       "1. Received: {!r}.".format(num_workers))
+    if num_ps < 0:
+      raise ValueError("num_ps must be 0 or more. Received: {!r}.".format(
+          num_ps))
+    self._command = list(command)
+    self._env = dict(env or {})
+    self._log = _Log(log if log is not None else sys.stdout)
+    self._cluster = _cluster_spec(num_ps, num_workers)
+    self._tasks = [(job, index) for job, addresses in self._cluster.items()
+                   for index in range(len(addresses))]
+    if evaluator:
+      self._tasks.append(("evaluator", 0))
+    self._processes: Dict[Task, subprocess.Popen] = {}
+    self._readers: Dict[Task, threading.Thread] = {}
+
+  def __enter__(self) -> "LocalCluster":
+    try:
+      self.start()
+    except BaseException:
+      self.stop()
+      raise
+    return self
+
+  def __exit__(self, *exception_info) -> None:
+    self.stop()
+
+  def start(self) -> None:
+    """Starts every task, ps first; does nothing if already started."""
+    if self._processes:
+      return
+    for task in sorted(self._tasks, key=lambda task: task[0] != "ps"):
+      self._start_task(task)
+
+  def tf_config(self, task_type: str, index: int) -> dict:
+    """The TF_CONFIG dict that task `task_type:index` runs with."""
+    self._check_task(task_type, index)
+    return {"cluster": {job: list(addresses)
+                        for job, addresses in self._cluster.items()},
+            "task": {"type": task_type, "index": index},
+            "environment": "cloud"}
+
+  def process(self, task_type: str, index: int) -> subprocess.Popen:
+    """The task's current process (its latest one after a restart)."""
+    self._check_task(task_type, index)
+    if (task_type, index) not in self._processes:
+      raise RuntimeError("Task {}:{} has not been started; call start() "
+                         "first.".format(task_type, index))
+    return self._processes[(task_type, index)]
+
+  def kill(self, task_type: str, index: int,
+           sig: int = signal.SIGKILL) -> None:
+    """Sends `sig` to the task and its children; no-op if it has exited."""
+    _signal_group(self.process(task_type, index), sig)
+
+  def restart(self, task_type: str, index: int) -> None:
+    """Stops the task if it still runs, then starts it with the same ports."""
+    _stop_processes([self.process(task_type, index)], timeout=5.0)
+    self._readers[(task_type, index)].join(timeout=1.0)
+    self._start_task((task_type, index))
+
+  def wait(self, task_type: str, index: int, timeout: float) -> int:
+    """Waits for the task to exit and its output to be logged; its code."""
+    process = self.process(task_type, index)
+    try:
+      returncode = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      raise TimeoutError(
+          "Task {}:{} (pid {}) was still running after {} s. Wait longer, or "
+          "kill() it.".format(task_type, index, process.pid, timeout)) from None
+    self._readers[(task_type, index)].join(timeout=1.0)
+    return returncode
+
+  def wait_for_chief(self, grace: float = 30.0) -> int:
+    """Waits for the chief, gives the others `grace` s, stops the rest.
+
+    Returns the chief's exit code. Other tasks that fail are reported.
+    """
+    reported = {("chief", 0)}
+    while True:
+      try:
+        chief_code = self.wait("chief", 0, timeout=_POLL_SECONDS)
+        break
+      except TimeoutError:
+        self._report_failures(reported)
+    self._log.line("launch", "chief:0 {}; waiting up to {} s for the workers "
+                   "and evaluator.".format(_describe(chief_code), grace))
+    deadline = time.monotonic() + grace
+    for task in self._tasks:
+      if task[0] in ("worker", "evaluator"):
+        with contextlib.suppress(TimeoutError):
+          self.wait(*task, timeout=max(0.0, deadline - time.monotonic()))
+    self._report_failures(reported)
+    self.stop()
+    return chief_code
+
+  def stop(self, timeout: float = 5.0) -> None:
+    """Stops every task still running: SIGTERM, then SIGKILL after `timeout`."""
+    _stop_processes(list(self._processes.values()), timeout)
+    for reader in self._readers.values():
+      reader.join(timeout=1.0)
+
+  def _check_task(self, task_type, index):
+    if (task_type, index) not in self._tasks:
+      raise ValueError("This cluster has no task {}:{}; its tasks are {}."
+                       .format(task_type, index, ", ".join(
+                           "{}:{}".format(*task) for task in self._tasks)))
+
+  def _start_task(self, task):
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(self._env)
+    env["TF_CONFIG"] = json.dumps(self.tf_config(*task))
+    # Own session: a signal to the task reaches its children, and the
+    # terminal's Ctrl-C reaches only the launcher, which then stops all.
+    process = subprocess.Popen(
+        self._command, env=env, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True)
+    self._processes[task] = process
+    reader = threading.Thread(target=_stream_lines, daemon=True,
+                              args=(process.stdout, "{}:{}".format(*task),
+                                    self._log))
+    reader.start()
+    self._readers[task] = reader
+
+  def _report_failures(self, reported):
+    for task, process in self._processes.items():
+      if task not in reported and process.poll() not in (None, 0):
+        reported.add(task)
+        self._log.line("launch", "{}:{} {}; the others go on without it."
+                       .format(*task, _describe(process.returncode)))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Runs the command line; returns the chief's exit code (130 on Ctrl-C)."""
+  arguments = _parse_arguments(argv)
+  cluster = LocalCluster(arguments.command, num_ps=arguments.ps,
+                         num_workers=arguments.workers,
+                         evaluator=arguments.evaluator)
+  with _signals_raise_interrupted():
+    try:
+      with cluster:
+        chief_code = cluster.wait_for_chief(arguments.grace)
+    except _Interrupted as interrupted:
+      # The signal may have cut a stop short; further ones are ignored now.
+      cluster.stop()
+      return 128 + interrupted.args[0]
+  # A shell reports death by signal N as 128 + N; a negative code would wrap.
+  return chief_code if chief_code >= 0 else 128 - chief_code
+
+
+class _Log:
+  """One stream shared by the reader threads; a lock keeps lines whole."""
+
+  def __init__(self, stream):
+    self._stream = stream
+    self._lock = threading.Lock()
+
+  def line(self, prefix, text):
+    with self._lock:
+      self._stream.write("[{}] {}\n".format(prefix, text))
+      self._stream.flush()
+
+
+def _cluster_spec(num_ps, num_workers):
+  # All sockets stay bound until every port is known, so no port repeats.
+  with contextlib.ExitStack() as stack:
+    sockets = [stack.enter_context(socket.socket())
+               for _ in range(num_ps + num_workers)]
+    for each in sockets:
+      each.bind(("127.0.0.1", 0))
+    addresses = ["127.0.0.1:{}".format(each.getsockname()[1])
+                 for each in sockets]
+  # A job with no tasks is left out: ClusterSpec would keep it as an empty job.
+  jobs = {"chief": addresses[:1], "worker": addresses[1:num_workers],
+          "ps": addresses[num_workers:]}
+  return {job: tasks for job, tasks in jobs.items() if tasks}
+
+
+def _signal_group(process, sig):
+  # Once reaped, the pid may belong to someone else: signal only before that.
+  if process.poll() is None:
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(process.pid, sig)
+
+
+def _stop_processes(processes, timeout):
+  for process in processes:
+    _signal_group(process, signal.SIGTERM)
+  deadline = time.monotonic() + timeout
+  for process in processes:
+    try:
+      process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      _signal_group(process, signal.SIGKILL)
+      process.wait()
+
+
+def _stream_lines(pipe, name, log):
+  with pipe:
+    for raw in iter(pipe.readline, b""):
+      log.line(name, raw.decode("utf-8", "replace").rstrip("\r\n"))
+
+
+def _describe(returncode):
+  if returncode < 0:
+    return "was killed by {}".format(signal.Signals(-returncode).name)
+  return "exited with code {}".format(returncode)
+
+
+def _parse_arguments(argv):
+  parser = argparse.ArgumentParser(
+      prog="python -m replicate.launch",
+      description="Run one command as every task of a local TF cluster.")
+  parser.add_argument("--ps", type=int, default=1,
+                      help="parameter-server tasks (default 1)")
+  parser.add_argument("--workers", type=int, default=2,
+                      help="training workers, the chief included (default 2)")
+  parser.add_argument("--evaluator", action="store_true",
+                      help="also run one evaluator task")
+  parser.add_argument("--grace", type=float, default=30.0,
+                      help="seconds the workers get after the chief exits")
+  parser.add_argument("command", nargs="*",
+                      help="the command every task runs, after '--'")
+  arguments = parser.parse_args(argv)
+  if not arguments.command:
+    parser.error("argument command: missing. Put the command every task runs "
+                 "after '--', e.g. -- python train.py")
+  for name, minimum in (("ps", 0), ("workers", 1), ("grace", 0)):
+    if getattr(arguments, name) < minimum:
+      parser.error("argument --{}: must be at least {}; received {}".format(
+          name, minimum, getattr(arguments, name)))
+  return arguments
+
+
+class _Interrupted(Exception):
+  """Raised in the main thread by SIGINT or SIGTERM; args[0] is the signal."""
+
+
+@contextlib.contextmanager
+def _signals_raise_interrupted():
+  # Python lets only the main thread set signal handlers.
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  stop_signals = (signal.SIGINT, signal.SIGTERM)
+
+  def handle(signal_number, frame):
+    # A second Ctrl-C must not cut short the stopping the first one began.
+    for each in stop_signals:
+      signal.signal(each, signal.SIG_IGN)
+    raise _Interrupted(signal_number)
+
+  previous = {each: signal.signal(each, handle) for each in stop_signals}
+  try:
+    yield
+  finally:
+    for each, handler in previous.items():
+      signal.signal(each, handler if handler is not None else signal.SIG_DFL)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,338 @@
+"""Tests of the local launcher, with small Python children instead of TF."""
+
+import json
+import os
+import pathlib
+import select
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from replicate import launch
+from replicate.launch import LocalCluster
+
+# Prints its TF_CONFIG, a line on stderr, then does what BEHAVIOUR_<TYPE>
+# says: "exit N", "sleep" (the default for ps, as a ps serves forever),
+# "ignore-term" (sleeps through SIGTERM) or "spawn" (sleeps with a child).
+CHILD = r"""
+import json, os, signal, subprocess, sys, time
+config = json.loads(os.environ["TF_CONFIG"])
+kind = config["task"]["type"]
+print(json.dumps(config))
+print("stderr of", kind, file=sys.stderr)
+behaviour = os.environ.get("BEHAVIOUR_" + kind.upper(),
+                           "sleep" if kind == "ps" else "exit 0")
+if behaviour.startswith("exit"):
+  sys.exit(int(behaviour.split()[1]))
+if behaviour == "ignore-term":
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if behaviour == "spawn":
+  grandchild = subprocess.Popen(
+      [sys.executable, "-c", "import time; time.sleep(3600)"])
+  print("grandchild", grandchild.pid)
+print("ready", os.getpid(), flush=True)
+time.sleep(3600)
+"""
+COMMAND = [sys.executable, "-c", CHILD]
+REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
+TIMEOUT = 20
+
+
+class RecordingLog:
+  """A `log` stream whose lines a test can wait for."""
+
+  def __init__(self):
+    self._text = ""
+    self._changed = threading.Condition()
+
+  def write(self, text):
+    with self._changed:
+      self._text += text
+      self._changed.notify_all()
+
+  def flush(self):
+    pass
+
+  def lines(self):
+    with self._changed:
+      return self._text.splitlines()
+
+  def wait_for_prefix(self, prefix, timeout=TIMEOUT):
+    """Waits for a line starting with `prefix`; returns that line."""
+    def find():
+      return next((line for line in self._text.splitlines()
+                   if line.startswith(prefix)), None)
+    with self._changed:
+      if not self._changed.wait_for(find, timeout):
+        raise AssertionError("no line starting {!r} in:\n{}".format(
+            prefix, self._text))
+      return find()
+
+
+def configs_by_task(lines):
+  """{"type:index": TF_CONFIG} from the children's JSON lines."""
+  configs = {}
+  for line in lines:
+    task, _, text = line.partition("] ")
+    if text.startswith("{"):
+      configs.setdefault(task.lstrip("["), []).append(json.loads(text))
+  return configs
+
+
+def run_in_thread(function, timeout=TIMEOUT):
+  """Runs `function()`, failing if it has not returned within `timeout`."""
+  results = []
+  thread = threading.Thread(target=lambda: results.append(function()),
+                            daemon=True)
+  thread.start()
+  thread.join(timeout)
+  assert not thread.is_alive(), "still running after {} s".format(timeout)
+  return results[0]
+
+
+def wait_until_gone(pid, timeout=TIMEOUT):
+  """Waits (on a pidfd, no polling) until process `pid` has exited."""
+  try:
+    descriptor = os.pidfd_open(pid)
+  except ProcessLookupError:
+    return
+  try:
+    readable, _, _ = select.select([descriptor], [], [], timeout)
+    assert readable, "process {} still alive after {} s".format(pid, timeout)
+  finally:
+    os.close(descriptor)
+
+
+def test_each_task_gets_its_tf_config_with_distinct_loopback_ports():
+  log = RecordingLog()
+  with LocalCluster(COMMAND, num_ps=2, num_workers=3, evaluator=True,
+                    log=log) as cluster:
+    for task in [("chief", 0), ("worker", 0), ("worker", 1), ("evaluator", 0)]:
+      assert cluster.wait(*task, timeout=TIMEOUT) == 0
+    log.wait_for_prefix("[ps:1] ready")
+    log.wait_for_prefix("[ps:0] ready")
+  configs = configs_by_task(log.lines())
+
+  assert sorted(configs) == ["chief:0", "evaluator:0", "ps:0", "ps:1",
+                             "worker:0", "worker:1"]
+  cluster_spec = configs["chief:0"][0]["cluster"]
+  # 1 chief + (3 - 1) workers + 2 ps; the evaluator is not in the cluster.
+  assert {job: len(tasks) for job, tasks in cluster_spec.items()} == {
+      "chief": 1, "worker": 2, "ps": 2}
+  addresses = [address for tasks in cluster_spec.values() for address in tasks]
+  assert all(address.startswith("127.0.0.1:") for address in addresses)
+  assert len({address.split(":")[1] for address in addresses}) == 5
+  for task, [config] in configs.items():
+    task_type, index = task.split(":")
+    assert config == {"cluster": cluster_spec,
+                      "task": {"type": task_type, "index": int(index)},
+                      "environment": "cloud"}
+    assert config == cluster.tf_config(task_type, int(index))
+
+
+def test_stdout_and_stderr_lines_are_prefixed_with_the_task():
+  log = RecordingLog()
+  with LocalCluster(COMMAND, num_ps=1, num_workers=2, log=log) as cluster:
+    cluster.wait("chief", 0, timeout=TIMEOUT)
+    cluster.wait("worker", 0, timeout=TIMEOUT)
+    log.wait_for_prefix("[ps:0] ready")
+  lines = log.lines()
+  for task, kind in [("chief:0", "chief"), ("worker:0", "worker"),
+                     ("ps:0", "ps")]:
+    assert "[{}] stderr of {}".format(task, kind) in lines
+    assert "[{}] {{\"cluster\"".format(task) in "\n".join(lines)
+
+
+def test_no_worker_or_ps_job_when_there_are_none():
+  cluster = LocalCluster(COMMAND, num_ps=0, num_workers=1)
+  assert list(cluster.tf_config("chief", 0)["cluster"]) == ["chief"]
+
+
+def test_main_returns_the_chief_exit_code_and_stops_the_ps(capsys,
+                                                           monkeypatch):
+  monkeypatch.setenv("BEHAVIOUR_CHIEF", "exit 3")
+  code = run_in_thread(lambda: launch.main(
+      ["--ps", "1", "--workers", "2", "--grace", "5", "--"] + COMMAND))
+  output = capsys.readouterr().out.splitlines()
+
+  assert code == 3
+  assert [line for line in output if line.startswith("[launch]")] == [
+      "[launch] chief:0 exited with code 3; waiting up to 5.0 s for the "
+      "workers and evaluator."]
+  ps_pid = int(next(line for line in output
+                    if line.startswith("[ps:0] ready")).split()[-1])
+  with pytest.raises(ProcessLookupError):
+    os.kill(ps_pid, 0)  # stopped and reaped by the launcher
+
+
+def test_failed_worker_is_reported_and_training_goes_on(capsys, monkeypatch):
+  monkeypatch.setenv("BEHAVIOUR_WORKER", "exit 5")
+  code = run_in_thread(lambda: launch.main(
+      ["--ps", "0", "--workers", "3", "--"] + COMMAND))
+  output = capsys.readouterr().out.splitlines()
+
+  assert code == 0
+  for index in (0, 1):
+    assert ("[launch] worker:{} exited with code 5; the others go on without "
+            "it.".format(index)) in output
+
+
+def test_workers_still_running_after_the_grace_are_stopped():
+  log = RecordingLog()
+  with LocalCluster(COMMAND, num_ps=0, num_workers=2, evaluator=True,
+                    env={"BEHAVIOUR_WORKER": "sleep",
+                         "BEHAVIOUR_EVALUATOR": "exit 0"},
+                    log=log) as cluster:
+    log.wait_for_prefix("[worker:0] ready")
+    code = run_in_thread(lambda: cluster.wait_for_chief(grace=0.1))
+    assert code == 0
+    assert cluster.wait("worker", 0, timeout=0) == -signal.SIGTERM
+    assert cluster.wait("evaluator", 0, timeout=0) == 0
+
+
+def test_kill_then_wait_gives_the_negative_signal():
+  with LocalCluster(COMMAND, num_ps=1, num_workers=1,
+                    log=RecordingLog()) as cluster:
+    cluster.kill("ps", 0)
+    assert cluster.wait("ps", 0, timeout=TIMEOUT) == -signal.SIGKILL
+    cluster.kill("ps", 0)  # already gone: nothing to do
+    assert cluster.wait("chief", 0, timeout=TIMEOUT) == 0
+
+
+def test_restart_runs_the_task_again_with_the_same_tf_config():
+  log = RecordingLog()
+  with LocalCluster(COMMAND, num_ps=1, num_workers=2, log=log) as cluster:
+    first_ps = cluster.process("ps", 0)
+    log.wait_for_prefix("[ps:0] ready {}".format(first_ps.pid))
+    cluster.restart("ps", 0)  # still running: stopped first
+    second_ps = cluster.process("ps", 0)
+    log.wait_for_prefix("[ps:0] ready {}".format(second_ps.pid))
+    assert cluster.wait("worker", 0, timeout=TIMEOUT) == 0
+    cluster.restart("worker", 0)
+    assert cluster.wait("worker", 0, timeout=TIMEOUT) == 0
+
+  assert first_ps.returncode == -signal.SIGTERM
+  assert second_ps.pid != first_ps.pid
+  configs = configs_by_task(log.lines())
+  assert len(configs["ps:0"]) == 2 and len(configs["worker:0"]) == 2
+  assert configs["ps:0"][0] == configs["ps:0"][1] == cluster.tf_config("ps", 0)
+  assert configs["worker:0"][0] == configs["worker:0"][1]
+
+
+def test_stop_kills_what_ignores_sigterm_and_the_task_children():
+  log = RecordingLog()
+  cluster = LocalCluster(COMMAND, num_ps=1, num_workers=1,
+                         env={"BEHAVIOUR_CHIEF": "ignore-term",
+                              "BEHAVIOUR_PS": "spawn"}, log=log)
+  cluster.start()
+  log.wait_for_prefix("[chief:0] ready")
+  grandchild = int(log.wait_for_prefix("[ps:0] grandchild").split()[-1])
+  log.wait_for_prefix("[ps:0] ready")
+  cluster.stop(timeout=0.2)
+  cluster.stop()  # idempotent
+
+  assert cluster.process("chief", 0).returncode == -signal.SIGKILL
+  assert cluster.process("ps", 0).returncode == -signal.SIGTERM
+  wait_until_gone(grandchild)
+
+
+def test_context_manager_stops_everything_on_exception():
+  with pytest.raises(KeyError):
+    with LocalCluster(COMMAND, num_ps=1, num_workers=1,
+                      log=RecordingLog()) as cluster:
+      raise KeyError("boom")
+  assert cluster.process("ps", 0).returncode == -signal.SIGTERM
+
+
+def test_wait_timeout_names_the_task():
+  with LocalCluster(COMMAND, num_ps=1, num_workers=1,
+                    log=RecordingLog()) as cluster:
+    with pytest.raises(TimeoutError, match=r"Task ps:0 \(pid \d+\) was still "
+                       r"running after 0.01 s"):
+      cluster.wait("ps", 0, timeout=0.01)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"command": "python train.py"}, "non-empty list of strings"),
+    ({"command": []}, "non-empty list of strings"),
+    ({"num_workers": 0}, "at least 1. Received: 0"),
+    ({"num_ps": -1}, "0 or more. Received: -1"),
+])
+def test_bad_constructor_arguments_are_refused(arguments, message):
+  with pytest.raises(ValueError, match=message):
+    LocalCluster(**{"command": COMMAND, **arguments})
+
+
+def test_unknown_or_unstarted_task_is_refused():
+  cluster = LocalCluster(COMMAND, num_ps=1, num_workers=1)
+  with pytest.raises(ValueError, match="no task worker:0; its tasks are "
+                     "chief:0, ps:0"):
+    cluster.tf_config("worker", 0)
+  with pytest.raises(RuntimeError, match="ps:0 has not been started"):
+    cluster.process("ps", 0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workers", "0", "--", "python"],
+     "argument --workers: must be at least 1; received 0"),
+    (["--ps", "-1", "--", "python"],
+     "argument --ps: must be at least 0; received -1"),
+    (["--grace", "-2", "--", "python"],
+     "argument --grace: must be at least 0; received -2.0"),
+    (["--ps", "1", "--"], "argument command: missing"),
+    (["--workers", "2"], "argument command: missing"),
+])
+def test_bad_command_lines_exit_2_naming_the_argument(argv, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    launch.main(argv)
+  assert exit_info.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def launcher(*arguments, env=None):
+  """`python -m replicate.launch ...` as a subprocess, stdout piped."""
+  return subprocess.Popen(
+      [sys.executable, "-m", "replicate.launch"] + list(arguments),
+      cwd=REPOSITORY, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+      text=True, env={**os.environ, "PYTHONPATH": str(REPOSITORY),
+                      **(env or {})})
+
+
+def test_command_line_end_to_end():
+  process = launcher("--ps", "1", "--workers", "2", "--", *COMMAND,
+                     env={"BEHAVIOUR_CHIEF": "exit 4"})
+  output, _ = process.communicate(timeout=TIMEOUT)
+
+  assert process.returncode == 4
+  lines = output.splitlines()
+  for task in ("chief:0", "worker:0", "ps:0"):
+    assert "[{}] stderr of {}".format(task, task.split(":")[0]) in lines
+  assert "[launch] chief:0 exited with code 4; waiting up to 30.0 s for the " \
+         "workers and evaluator." in lines
+
+
+@pytest.mark.parametrize("stop_signal, code", [(signal.SIGINT, 130),
+                                               (signal.SIGTERM, 143)])
+def test_signal_to_launcher_stops_all_tasks(stop_signal, code):
+  process = launcher("--ps", "1", "--workers", "2", "--", *COMMAND,
+                     env={"BEHAVIOUR_CHIEF": "sleep",
+                          "BEHAVIOUR_WORKER": "sleep"})
+  # Only if the launcher hangs: ends the read below instead of blocking.
+  guard = threading.Timer(TIMEOUT, process.kill)
+  guard.start()
+  pids = []
+  for line in process.stdout:
+    if " ready " in line:
+      pids.append(int(line.split()[-1]))
+    if len(pids) == 3:
+      break
+  process.send_signal(stop_signal)
+  process.communicate(timeout=TIMEOUT)
+  guard.cancel()
+
+  assert process.returncode == code
+  for pid in pids:
+    wait_until_gone(pid)
