@@ -1,7 +1,8 @@
 """Summing the towers' gradients into one update.
 
 On dense gradients: one `add_n` per variable, placed with the variable, so
-each tower sends its gradient once to where the update runs.
+each tower sends its gradient once to where the update runs; in a ps
+cluster, on the worker instead, so the worker sends one sum to the ps.
 
 On sparse gradients (`IndexedSlices`, from embedding lookups): the towers'
 slices are concatenated, duplicates allowed, `dense_shape` kept; the
@@ -12,7 +13,7 @@ known at run time its dense gradient is selected away with `tf.where` (not
 multiplied by 0, which would keep a NaN).
 """
 
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -22,11 +23,13 @@ GradsAndVars = List[Tuple[Any, tf.Variable]]
 
 
 def sum_grads_and_vars(per_tower: Sequence[GradsAndVars],
-                       has_rows: Sequence[Any]) -> GradsAndVars:
+                       has_rows: Sequence[Any],
+                       device: Optional[str] = None) -> GradsAndVars:
   """Sums each variable's gradient over towers; all-`None` stays `None`.
 
   `per_tower[i]` is tower i's `(gradient, variable)` list; every tower lists
-  the same variables in the same order (checked by the caller).
+  the same variables in the same order (checked by the caller). Each sum
+  runs on `device`, or by default with its variable.
   """
   summed = []
   for position, (_, variable) in enumerate(per_tower[0]):
@@ -36,7 +39,7 @@ def sum_grads_and_vars(per_tower: Sequence[GradsAndVars],
     if not grads:
       summed.append((None, variable))
       continue
-    with tf.device(variable.device), tf.name_scope(
+    with tf.device(device or variable.device), tf.name_scope(
         _op_name(variable) + "_sum_over_towers"):
       summed.append((_sum([_keep_if_rows(g, rows) for g, rows in grads]),
                      variable))

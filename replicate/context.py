@@ -36,12 +36,20 @@ class OptimizerCall(NamedTuple):
   result: Any  # the op the call returned (None in the last tower)
 
 
+class Aggregation(NamedTuple):
+  """How the towers' gradients become one update."""
+  all_reduce: Optional[str] = None  # the algorithm, for replicated variables
+  compact_gradients: bool = False  # float16 during the all-reduce
+  sum_device: Optional[str] = None  # where shared variables' sums run
+  # (None: with each variable)
+
+
 class ReplicationContext:
   """Which tower is being built, how many there are, and what they did."""
 
   def __init__(self, graph, devices, device_functions, weights, has_rows,
-               sizes, may_stand_in, tower_variables, all_reduce=None,
-               compact_gradients=False):
+               sizes, may_stand_in, tower_variables,
+               aggregation=None):
     self.graph = graph
     self.devices = devices
     self.num_towers = len(devices)
@@ -60,8 +68,7 @@ class ReplicationContext:
     # What each tower's variables are: tower 0's, or its own copies
     # (a `replicate.variables.TowerVariables`).
     self.variables = tower_variables
-    self.all_reduce = all_reduce  # algorithm name, with replicated variables
-    self.compact_gradients = compact_gradients
+    self.aggregation = aggregation or Aggregation()
 
   @property
   def is_replicated(self) -> bool:
@@ -198,8 +205,7 @@ class ReplicationContext:
 
 @contextlib.contextmanager
 def replication_context(devices, device_functions, weights, has_rows, sizes,
-                        may_stand_in, tower_variables, all_reduce=None,
-                        compact_gradients=False):
+                        may_stand_in, tower_variables, aggregation=None):
   """Makes a `ReplicationContext` current for the default graph, then clears it."""
   graph = tf.compat.v1.get_default_graph()
   if graph.get_collection(_CONTEXT_COLLECTION):
@@ -209,7 +215,7 @@ def replication_context(devices, device_functions, weights, has_rows, sizes,
         "replicate_model_fn calls are not supported).")
   context = ReplicationContext(graph, devices, device_functions, weights,
                                has_rows, sizes, may_stand_in, tower_variables,
-                               all_reduce, compact_gradients)
+                               aggregation)
   graph.add_to_collection(_CONTEXT_COLLECTION, context)
   try:
     yield context

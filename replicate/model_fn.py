@@ -12,6 +12,7 @@ from tensorflow.python.util import function_utils
 
 from replicate import allreduce
 from replicate import canned
+from replicate import cluster
 from replicate import context as context_lib
 from replicate import devices as devices_lib
 from replicate import graphs
@@ -113,17 +114,29 @@ def replicate_model_fn(
                               config)
     if mode == tf.estimator.ModeKeys.PREDICT and _is_serving_input(features):
       return model_fn(features, **kwargs)
+    num_ps = cluster.num_ps_tasks(config)
+    cluster.check_strategy(variable_strategy, num_ps, devices_lib.REPLICATED)
     tower_devices = devices_lib.tower_devices(fixed_devices, config)
+    if num_ps:
+      tower_devices = cluster.on_this_worker(tower_devices, config)
     if len(tower_devices) == 1:
       with tf.device(tower_devices[0]):
         return model_fn(features, **kwargs)
-    replicated = None  # how replicated towers all-reduce, if they do
-    if variable_strategy == devices_lib.REPLICATED:
-      replicated = (allreduce.resolve_algorithm(all_reduce, tower_devices)
-                    if mode == tf.estimator.ModeKeys.TRAIN else None)
+    if num_ps:
+      choose_variable_device = cluster.variable_device_chooser(num_ps)
+    else:
+      choose_variable_device = devices_lib.variable_device_chooser(
+          variable_strategy, tower_devices)
+    aggregation = context_lib.Aggregation(
+        sum_device=cluster.gradient_sum_device(config) if num_ps else None)
+    if (variable_strategy == devices_lib.REPLICATED and
+        mode == tf.estimator.ModeKeys.TRAIN):
+      aggregation = context_lib.Aggregation(
+          all_reduce=allreduce.resolve_algorithm(all_reduce, tower_devices),
+          compact_gradients=compact_gradients)
     return _build_towers(model_fn, features, labels, mode, kwargs,
-                         tower_devices, loss_reduction, variable_strategy,
-                         replicated, compact_gradients)
+                         tower_devices, loss_reduction, choose_variable_device,
+                         aggregation)
 
   replicated_model_fn.__name__ = "replicated_" + getattr(
       model_fn, "__name__", "model_fn")
@@ -131,17 +144,14 @@ def replicate_model_fn(
 
 
 def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
-                  loss_reduction, variable_strategy, all_reduce,
-                  compact_gradients):
+                  loss_reduction, choose_variable_device, aggregation):
   """Builds one tower per device and combines their specs.
 
-  `all_reduce` is the algorithm when towers train their own copies of the
-  variables, or None when they share tower 0's.
+  `aggregation.all_reduce` names the algorithm when towers train their own
+  copies of the variables, and is None when they share tower 0's.
   """
   num_towers = len(tower_devices)
   shards = sharding.split_batch(features, labels, num_towers)
-  choose_variable_device = devices_lib.variable_device_chooser(
-      variable_strategy, tower_devices)
   device_functions = [
       devices_lib.tower_device_function(device, choose_variable_device)
       for device in tower_devices
@@ -154,8 +164,8 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
       may_stand_in=shards.may_stand_in,
       tower_variables=variables_lib.TowerVariables(
           tf.compat.v1.get_default_graph(), tower_devices,
-          is_replicated=all_reduce is not None),
-      all_reduce=all_reduce, compact_gradients=compact_gradients) as context:
+          is_replicated=aggregation.all_reduce is not None),
+      aggregation=aggregation) as context:
     tower_specs = []
     for index in range(num_towers):
       tower_kwargs = dict(kwargs)

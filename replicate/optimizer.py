@@ -96,10 +96,12 @@ class _Wrapping:
     with context.scopes_of(tower0_call):
       if context.is_replicated:
         summed = aggregation.all_reduce_grads_and_vars(
-            per_tower, context.has_rows, context.devices, context.all_reduce,
-            context.compact_gradients)
+            per_tower, context.has_rows, context.devices,
+            context.aggregation.all_reduce,
+            context.aggregation.compact_gradients)
       else:
-        summed = aggregation.sum_grads_and_vars(per_tower, context.has_rows)
+        summed = aggregation.sum_grads_and_vars(
+            per_tower, context.has_rows, context.aggregation.sum_device)
       update = tower0_call.apply(tower0_call.optimizer.optimizer, summed)
     update_op = getattr(update, "op", update)
     for calls in context.optimizer_calls[:-1]:

@@ -1,0 +1,100 @@
+"""Placement in a ps cluster: variables on the ps tasks, towers on the worker.
+
+Graph-level checks with the RunConfig a TF_CONFIG gives (no servers run
+here; `test_multiworker.py` runs a real cluster).
+"""
+
+import json
+
+import pytest
+import tensorflow as tf
+
+import replicate
+from conftest import TRAIN, session_config
+
+CLUSTER = {"chief": ["127.0.0.1:2220"], "worker": ["127.0.0.1:2221"],
+           "ps": ["127.0.0.1:2222", "127.0.0.1:2223"]}
+
+
+def _config(monkeypatch, task_type="worker", index=0, cluster=CLUSTER):
+  monkeypatch.setenv("TF_CONFIG", json.dumps(
+      {"cluster": cluster, "task": {"type": task_type, "index": index}}))
+  return tf.estimator.RunConfig(session_config=session_config(2))
+
+
+def _model_fn(features, labels, mode):
+  hidden = tf.compat.v1.layers.dense(features, 3, name="hidden")
+  predictions = tf.compat.v1.layers.dense(hidden, 1, name="out")
+  loss = tf.compat.v1.losses.mean_squared_error(labels, predictions)
+  train_op = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.1)).minimize(
+          loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _build(config, is_under_estimator_setter=False, **kwargs):
+  """The TRAIN graph, optionally inside the replica_device_setter the
+  Estimator puts around the model_fn in a ps cluster."""
+  graph = tf.Graph()
+  with graph.as_default():
+    setter = tf.compat.v1.train.replica_device_setter(
+        ps_tasks=config.num_ps_replicas,
+        worker_device="/job:{}/task:{}".format(config.task_type,
+                                               config.task_id),
+        merge_devices=True, cluster=config.cluster_spec)
+    with graph.device(setter if is_under_estimator_setter else None):
+      tf.compat.v1.train.get_or_create_global_step()
+      wrapped = replicate.replicate_model_fn(_model_fn, **kwargs)
+      wrapped(tf.ones([6, 2]), tf.ones([6, 1]), TRAIN, config=config)
+  return graph
+
+
+@pytest.mark.parametrize("is_under_estimator_setter", [False, True])
+@pytest.mark.parametrize("task_type, index", [("worker", 0), ("chief", 0)])
+def test_variables_go_to_the_ps_tasks_and_towers_stay_on_the_worker(
+    monkeypatch, task_type, index, is_under_estimator_setter):
+  config = _config(monkeypatch, task_type, index)
+  graph = _build(config, is_under_estimator_setter)
+  worker = "/job:{}/task:{}".format(task_type, index)
+  variables = {v.op.name: v.device
+               for v in graph.get_collection("variables")}
+  # In creation order, in turn over the 2 ps tasks (the global step was
+  # made first, outside the wrapper).
+  assert variables["hidden/kernel"] == "/job:ps/task:0/device:CPU:0"
+  assert variables["hidden/bias"] == "/job:ps/task:1/device:CPU:0"
+  assert variables["out/kernel"] == "/job:ps/task:0/device:CPU:0"
+  assert variables["out/bias"] == "/job:ps/task:1/device:CPU:0"
+  matmuls = {op.name: op.device for op in graph.get_operations()
+             if op.type == "MatMul" and "gradients" not in op.name}
+  assert matmuls == {
+      "hidden/MatMul": worker + "/device:CPU:0",
+      "out/MatMul": worker + "/device:CPU:0",
+      "tower_1/hidden/MatMul": worker + "/device:CPU:1",
+      "tower_1/out/MatMul": worker + "/device:CPU:1",
+  }
+  # Each sum of the two towers' gradients runs on the worker, so one
+  # gradient per variable goes to the ps tasks.
+  sums = [op for op in graph.get_operations() if op.type == "AddN" and
+          "_sum_over_towers" in op.name]
+  assert len(sums) == 4
+  assert {op.device for op in sums} == {worker + "/device:CPU:0"}
+
+
+def test_without_ps_tasks_placement_is_unchanged(monkeypatch):
+  config = _config(monkeypatch, cluster={"chief": ["127.0.0.1:2220"],
+                                         "worker": ["127.0.0.1:2221"]})
+  assert config.num_ps_replicas == 0
+  graph = _build(config)
+  assert {v.device for v in graph.get_collection("trainable_variables")} == {
+      "/device:CPU:0"}
+  assert not any(op.device.startswith("/job:")
+                 for op in graph.get_operations())
+
+
+def test_replicated_variables_are_refused_with_ps_tasks(monkeypatch):
+  config = _config(monkeypatch)
+  with pytest.raises(ValueError, match=(
+      r"variable_strategy='replicated' keeps a copy of every variable on "
+      r"each tower, but this RunConfig's cluster has 2 ps task\(s\).*Use "
+      r"variable_strategy='parameter_server'")):
+    _build(config, variable_strategy="replicated")
