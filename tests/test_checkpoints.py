@@ -73,7 +73,10 @@ def never_switched(start, tmp_path_factory):
     ((3,), (0,)),  # 3 towers -> unwrapped
     ((0,), (2,)),  # unwrapped -> 2 towers
     ((3, "round_robin"), (1,)),  # -> one device
-], ids=["2ps-3rr", "3ps-unwrapped", "unwrapped-2ps", "3rr-1"])
+    ((2, "replicated"), (3, "parameter_server")),  # copies -> shared
+    ((0,), (3, "replicated")),  # unwrapped -> copies, synced on restore
+], ids=["2ps-3rr", "3ps-unwrapped", "unwrapped-2ps", "3rr-1", "2rep-3ps",
+        "unwrapped-3rep"])
 def test_switching_halfway_ends_where_not_switching_does(
     start, never_switched, tmp_path, first, second):
   switched = _two_phases(start, str(tmp_path), first, second)
