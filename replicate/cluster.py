@@ -1,5 +1,10 @@
 """Multi-worker placement: variables on the ps tasks, towers on this worker.
 
+On the session (see `replicate.hooks`): a chief's TRAIN spec gets a Saver
+that does not roll the live ps variables back when the chief restarts, and
+a worker's gets a hook that starts its session as soon as the chief has
+initialised the variables.
+
 On clusters: an Estimator reads its cluster from `TF_CONFIG` into its
 `RunConfig`. When that cluster has ps tasks and this process is a training
 task (`chief`, `worker` or `master`), each worker builds one tower per
@@ -14,6 +19,8 @@ the ps tasks. Without ps tasks nothing changes.
 from typing import Callable, List, Optional, Sequence
 
 import tensorflow as tf
+
+from replicate import hooks
 
 _TRAINING_TASKS = ("chief", "worker", "master")
 
@@ -31,11 +38,27 @@ def worker_device(config) -> str:
   return "/job:{}/task:{}".format(config.task_type, config.task_id)
 
 
-def on_this_worker(devices: Sequence[str], config) -> List[str]:
-  """Local device strings, qualified with this task's job and index."""
-  task = tf.DeviceSpec.from_string(worker_device(config))
-  return [task.make_merged_spec(tf.DeviceSpec.from_string(d)).to_string()
-          for d in devices]
+def tower_devices(devices: Optional[Sequence[str]], config) -> List[str]:
+  """This task's devices for the towers: `devices`, or all its GPUs or CPUs.
+
+  They are what this task's server has, asked of the server itself: the
+  Estimator starts it with only the session config's `gpu_options`, so its
+  devices can differ from what the session config alone would give (a
+  `device_count` of virtual CPUs never reaches it).
+  """
+  task = worker_device(config)
+  available = _server_devices(config.master, task)
+  if devices is None:
+    gpus = [d for d in available if "/device:GPU:" in d]
+    return gpus or [d for d in available if "/device:CPU:" in d]
+  qualified = [_on_task(d, task) for d in devices]
+  missing = [d for d in qualified if d not in available]
+  if missing:
+    raise ValueError(
+        "devices contains {}, which this task's server does not have (it "
+        "has {}). Use devices=None for every device of the task.".format(
+            ", ".join(repr(d) for d in missing), ", ".join(available)))
+  return qualified
 
 
 def gradient_sum_device(config) -> str:
@@ -64,3 +87,38 @@ def check_strategy(variable_strategy: str, num_ps: int,
         "the variables live in multi-worker training. Use "
         "variable_strategy='parameter_server' (the default) with ps tasks."
         .format(num_ps))
+
+
+def for_cluster(spec: tf.estimator.EstimatorSpec, config, num_ps: int
+               ) -> tf.estimator.EstimatorSpec:
+  """`spec`, with what a training task of a ps cluster needs around it."""
+  if not num_ps or spec.mode != tf.estimator.ModeKeys.TRAIN:
+    return spec
+  if not config.is_chief:
+    return spec._replace(training_hooks=list(spec.training_hooks) + [
+        hooks.WaitForChiefHook(config.master, config.session_config)])
+  if spec.scaffold.saver is not None or tf.compat.v1.get_collection(
+      tf.compat.v1.GraphKeys.SAVERS):
+    return spec  # the model_fn chose its own Saver
+  # The Saver the Estimator would make, but one that keeps live variables.
+  saver = hooks.NoRollbackSaver(
+      sharded=True, max_to_keep=config.keep_checkpoint_max,
+      keep_checkpoint_every_n_hours=config.keep_checkpoint_every_n_hours,
+      defer_build=True, save_relative_paths=True)
+  return spec._replace(scaffold=tf.compat.v1.train.Scaffold(
+      saver=saver, copy_from_scaffold=spec.scaffold))
+
+
+def _server_devices(master, task):
+  """The devices of `task`, as its running server lists them."""
+  only_this_task = tf.compat.v1.ConfigProto(device_filters=[task])
+  with tf.Graph().as_default(), tf.compat.v1.Session(
+      master, config=only_this_task) as session:
+    return [_on_task(d.name, task) for d in session.list_devices()]
+
+
+def _on_task(device, task):
+  """`device` qualified with `task`, in canonical spelling (no replica)."""
+  spec = tf.DeviceSpec.from_string(task).make_merged_spec(
+      tf.DeviceSpec.from_string(device))
+  return spec.replace(replica=None).to_string()

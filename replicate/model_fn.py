@@ -116,12 +116,14 @@ def replicate_model_fn(
       return model_fn(features, **kwargs)
     num_ps = cluster.num_ps_tasks(config)
     cluster.check_strategy(variable_strategy, num_ps, devices_lib.REPLICATED)
-    tower_devices = devices_lib.tower_devices(fixed_devices, config)
     if num_ps:
-      tower_devices = cluster.on_this_worker(tower_devices, config)
+      tower_devices = cluster.tower_devices(fixed_devices, config)
+    else:
+      tower_devices = devices_lib.tower_devices(fixed_devices, config)
     if len(tower_devices) == 1:
       with tf.device(tower_devices[0]):
-        return model_fn(features, **kwargs)
+        return cluster.for_cluster(model_fn(features, **kwargs), config,
+                                   num_ps)
     if num_ps:
       choose_variable_device = cluster.variable_device_chooser(num_ps)
     else:
@@ -134,9 +136,10 @@ def replicate_model_fn(
       aggregation = context_lib.Aggregation(
           all_reduce=allreduce.resolve_algorithm(all_reduce, tower_devices),
           compact_gradients=compact_gradients)
-    return _build_towers(model_fn, features, labels, mode, kwargs,
+    spec = _build_towers(model_fn, features, labels, mode, kwargs,
                          tower_devices, loss_reduction, choose_variable_device,
                          aggregation)
+    return cluster.for_cluster(spec, config, num_ps)
 
   replicated_model_fn.__name__ = "replicated_" + getattr(
       model_fn, "__name__", "model_fn")

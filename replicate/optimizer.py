@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from replicate import aggregation
 from replicate import context as context_lib
+from replicate import hooks
 
 _V1Optimizer = tf.compat.v1.train.Optimizer
 _KerasOptimizer = tf.keras.optimizers.legacy.Optimizer
@@ -202,6 +203,17 @@ class TowerOptimizer(_Wrapping, _V1Optimizer):
 
   def get_name(self):
     return self.optimizer.get_name()
+
+  def make_session_run_hook(self, is_chief, num_tokens=-1):
+    """The wrapped `SyncReplicasOptimizer`'s hook, closing promptly.
+
+    Its chief otherwise waits 120 s at the end of training for gradients
+    that no longer come (see `replicate.hooks.PromptSyncReplicasHook`).
+    """
+    wrapped = self.optimizer
+    if isinstance(wrapped, tf.compat.v1.train.SyncReplicasOptimizer):
+      return hooks.PromptSyncReplicasHook(wrapped, is_chief, num_tokens)
+    return wrapped.make_session_run_hook(is_chief, num_tokens)
 
 
 class KerasTowerOptimizer(_Wrapping, _KerasOptimizer):

@@ -1,10 +1,13 @@
 """Placement in a ps cluster: variables on the ps tasks, towers on the worker.
 
-Graph-level checks with the RunConfig a TF_CONFIG gives (no servers run
-here; `test_multiworker.py` runs a real cluster).
+Graph-level checks with the RunConfig a TF_CONFIG gives. The chief's and
+the worker's servers run in this process, each with 2 virtual CPUs, since
+the towers are the devices a task's server has; the ps tasks need not run
+to build a graph (`test_multiworker.py` trains on a real cluster).
 """
 
 import json
+import socket
 
 import pytest
 import tensorflow as tf
@@ -12,8 +15,25 @@ import tensorflow as tf
 import replicate
 from conftest import TRAIN, session_config
 
-CLUSTER = {"chief": ["127.0.0.1:2220"], "worker": ["127.0.0.1:2221"],
-           "ps": ["127.0.0.1:2222", "127.0.0.1:2223"]}
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+CLUSTER = {job: ["127.0.0.1:{}".format(_free_port()) for _ in range(count)]
+           for job, count in (("chief", 1), ("worker", 1), ("ps", 2))}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def servers():
+  """The chief's and the worker's servers (they cannot be stopped; they go
+  with the test process)."""
+  return [tf.distribute.Server(
+      tf.train.ClusterSpec(CLUSTER), job_name=job, task_index=0,
+      config=session_config(2)) for job in ("chief", "worker")]
 
 
 def _config(monkeypatch, task_type="worker", index=0, cluster=CLUSTER):
@@ -81,8 +101,8 @@ def test_variables_go_to_the_ps_tasks_and_towers_stay_on_the_worker(
 
 
 def test_without_ps_tasks_placement_is_unchanged(monkeypatch):
-  config = _config(monkeypatch, cluster={"chief": ["127.0.0.1:2220"],
-                                         "worker": ["127.0.0.1:2221"]})
+  config = _config(monkeypatch, cluster={"chief": CLUSTER["chief"],
+                                         "worker": CLUSTER["worker"]})
   assert config.num_ps_replicas == 0
   graph = _build(config)
   assert {v.device for v in graph.get_collection("trainable_variables")} == {
@@ -98,3 +118,12 @@ def test_replicated_variables_are_refused_with_ps_tasks(monkeypatch):
       r"each tower, but this RunConfig's cluster has 2 ps task\(s\).*Use "
       r"variable_strategy='parameter_server'")):
     _build(config, variable_strategy="replicated")
+
+
+def test_a_device_the_worker_does_not_have_is_refused(monkeypatch):
+  config = _config(monkeypatch)
+  with pytest.raises(ValueError, match=(
+      r"devices contains '/job:worker/task:0/device:CPU:2', which this "
+      r"task's server does not have \(it has "
+      r"/job:worker/task:0/device:CPU:0, /job:worker/task:0/device:CPU:1")):
+    _build(config, devices=["/cpu:0", "/cpu:2"])
