@@ -25,10 +25,14 @@ from replicate import hooks
 _TRAINING_TASKS = ("chief", "worker", "master")
 
 
-def num_ps_tasks(config) -> int:
-  """The ps tasks this process trains against; 0 when not in a ps cluster."""
-  if config is None or getattr(config, "task_type", None) not in \
-      _TRAINING_TASKS:
+def num_ps_tasks(config, mode: str) -> int:
+  """The ps tasks this process trains against; 0 when not in a ps cluster.
+
+  Only TRAIN runs on the cluster: the Estimator evaluates and predicts in a
+  local session, even on the chief, so those graphs stay on local devices.
+  """
+  if (mode != tf.estimator.ModeKeys.TRAIN or config is None or
+      getattr(config, "task_type", None) not in _TRAINING_TASKS):
     return 0
   return getattr(config, "num_ps_replicas", 0) or 0
 

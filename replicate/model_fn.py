@@ -114,7 +114,7 @@ def replicate_model_fn(
                               config)
     if mode == tf.estimator.ModeKeys.PREDICT and _is_serving_input(features):
       return model_fn(features, **kwargs)
-    num_ps = cluster.num_ps_tasks(config)
+    num_ps = cluster.num_ps_tasks(config, mode)
     cluster.check_strategy(variable_strategy, num_ps, devices_lib.REPLICATED)
     if num_ps:
       tower_devices = cluster.tower_devices(fixed_devices, config)

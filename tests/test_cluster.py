@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
-from conftest import TRAIN, session_config
+from conftest import EVAL, TRAIN, session_config
 
 
 
@@ -52,7 +52,7 @@ def _model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-def _build(config, is_under_estimator_setter=False, **kwargs):
+def _build(config, is_under_estimator_setter=False, mode=TRAIN, **kwargs):
   """The TRAIN graph, optionally inside the replica_device_setter the
   Estimator puts around the model_fn in a ps cluster."""
   graph = tf.Graph()
@@ -65,7 +65,7 @@ def _build(config, is_under_estimator_setter=False, **kwargs):
     with graph.device(setter if is_under_estimator_setter else None):
       tf.compat.v1.train.get_or_create_global_step()
       wrapped = replicate.replicate_model_fn(_model_fn, **kwargs)
-      wrapped(tf.ones([6, 2]), tf.ones([6, 1]), TRAIN, config=config)
+      wrapped(tf.ones([6, 2]), tf.ones([6, 1]), mode, config=config)
   return graph
 
 
@@ -107,6 +107,17 @@ def test_without_ps_tasks_placement_is_unchanged(monkeypatch):
   graph = _build(config)
   assert {v.device for v in graph.get_collection("trainable_variables")} == {
       "/device:CPU:0"}
+  assert not any(op.device.startswith("/job:")
+                 for op in graph.get_operations())
+
+
+def test_evaluation_on_the_chief_stays_on_local_devices(monkeypatch):
+  # Estimator.evaluate runs a local session, even on the chief: a device
+  # of /job:chief there would not exist.
+  graph = _build(_config(monkeypatch, "chief"), mode=EVAL)
+  assert {v.device for v in graph.get_collection("trainable_variables")} == {
+      "/device:CPU:0"}
+  assert "tower_1/hidden/MatMul" in {op.name for op in graph.get_operations()}
   assert not any(op.device.startswith("/job:")
                  for op in graph.get_operations())
 
