@@ -115,35 +115,45 @@ def replicate_model_fn(
     if mode == tf.estimator.ModeKeys.PREDICT and _is_serving_input(features):
       return model_fn(features, **kwargs)
     num_ps = cluster.num_ps_tasks(config, mode)
-    cluster.check_strategy(variable_strategy, num_ps, devices_lib.REPLICATED)
-    if num_ps:
-      tower_devices = cluster.tower_devices(fixed_devices, config)
-    else:
-      tower_devices = devices_lib.tower_devices(fixed_devices, config)
+    tower_devices, choose_variable_device, aggregation = _placement(
+        fixed_devices, config, mode, num_ps, variable_strategy, all_reduce,
+        compact_gradients)
     if len(tower_devices) == 1:
-      with tf.device(tower_devices[0]):
-        return cluster.for_cluster(model_fn(features, **kwargs), config,
-                                   num_ps)
-    if num_ps:
-      choose_variable_device = cluster.variable_device_chooser(num_ps)
+      # Placed as a tower, so that in a cluster the variables still go to
+      # the ps tasks rather than following the one device.
+      with tf.compat.v1.get_default_graph().device(
+          devices_lib.tower_device_function(tower_devices[0],
+                                            choose_variable_device)):
+        spec = model_fn(features, **kwargs)
     else:
-      choose_variable_device = devices_lib.variable_device_chooser(
-          variable_strategy, tower_devices)
-    aggregation = context_lib.Aggregation(
-        sum_device=cluster.gradient_sum_device(config) if num_ps else None)
-    if (variable_strategy == devices_lib.REPLICATED and
-        mode == tf.estimator.ModeKeys.TRAIN):
-      aggregation = context_lib.Aggregation(
-          all_reduce=allreduce.resolve_algorithm(all_reduce, tower_devices),
-          compact_gradients=compact_gradients)
-    spec = _build_towers(model_fn, features, labels, mode, kwargs,
-                         tower_devices, loss_reduction, choose_variable_device,
-                         aggregation)
+      spec = _build_towers(model_fn, features, labels, mode, kwargs,
+                           tower_devices, loss_reduction,
+                           choose_variable_device, aggregation)
     return cluster.for_cluster(spec, config, num_ps)
 
   replicated_model_fn.__name__ = "replicated_" + getattr(
       model_fn, "__name__", "model_fn")
   return replicated_model_fn
+
+
+def _placement(fixed_devices, config, mode, num_ps, variable_strategy,
+               all_reduce, compact_gradients):
+  """The towers' devices, where variables go, and how gradients combine."""
+  cluster.check_strategy(variable_strategy, num_ps, devices_lib.REPLICATED)
+  if num_ps:
+    tower_devices = cluster.tower_devices(fixed_devices, config)
+    return (tower_devices, cluster.variable_device_chooser(num_ps),
+            context_lib.Aggregation(
+                sum_device=cluster.gradient_sum_device(config)))
+  tower_devices = devices_lib.tower_devices(fixed_devices, config)
+  aggregation = context_lib.Aggregation()
+  if (variable_strategy == devices_lib.REPLICATED and len(tower_devices) > 1
+      and mode == tf.estimator.ModeKeys.TRAIN):
+    aggregation = context_lib.Aggregation(
+        all_reduce=allreduce.resolve_algorithm(all_reduce, tower_devices),
+        compact_gradients=compact_gradients)
+  return (tower_devices, devices_lib.variable_device_chooser(
+      variable_strategy, tower_devices), aggregation)
 
 
 def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,

@@ -138,3 +138,14 @@ def test_a_device_the_worker_does_not_have_is_refused(monkeypatch):
       r"task's server does not have \(it has "
       r"/job:worker/task:0/device:CPU:0, /job:worker/task:0/device:CPU:1")):
     _build(config, devices=["/cpu:0", "/cpu:2"])
+
+
+def test_one_tower_per_worker_still_puts_variables_on_the_ps(monkeypatch):
+  # A worker whose server has one device: no towers to build, but its
+  # variables must be the ps tasks' shared ones, not its own.
+  graph = _build(_config(monkeypatch), devices=["/cpu:0"])
+  assert {v.device for v in graph.get_collection("trainable_variables")} == {
+      "/job:ps/task:0/device:CPU:0", "/job:ps/task:1/device:CPU:0"}
+  matmuls = {op.device for op in graph.get_operations()
+             if op.type == "MatMul"}
+  assert matmuls == {"/job:worker/task:0/device:CPU:0"}
