@@ -19,9 +19,10 @@ def markdown(cells, configs, command, machine):
       "Command: `{}`  ".format(command),
       "Machine: {}  ".format(machine),
       "Date: {}".format(datetime.date.today().isoformat()), "",
-      "examples/sec after warm-up: median (min-max) over repeats. x single "
-      "and x mirrored: medians of ratios paired within a repeat (x mirrored: "
-      "against the faster of mirrored-N-default and mirrored-N-r1d, same N). "
+      "examples/sec after warm-up: median (min-max) over repeats. x single, "
+      "x ps and x mirrored: medians of ratios paired within a repeat (x ps: "
+      "against replicate-N-ps, same N; x mirrored: against the faster of "
+      "mirrored-N-default and mirrored-N-r1d, same N). "
       "build: seconds from train() to the built graph. cpu/wall: process CPU "
       "seconds per wall second while timed.", ""
   ]
@@ -30,17 +31,18 @@ def markdown(cells, configs, command, machine):
     lines += [
         "## {}: {}, global batch {}".format(model, spec.description,
                                             spec.global_batch), "",
-        "| config | examples/sec | x single | x mirrored | build s | step ms "
-        "| cpu/wall |", "|---|---|---|---|---|---|---|"
+        "| config | examples/sec | x single | x ps | x mirrored | build s "
+        "| step ms | cpu/wall |", "|---|---|---|---|---|---|---|---|"
     ]
     for config in configs:
       runs = by_config[config.name]
       rates = [c.examples_per_second for c in runs]
       lines.append(
-          "| {} | {:,.0f} ({:,.0f}-{:,.0f}) | {} | {} | {:.2f} | {:.2f} | "
-          "{:.2f} |".format(
+          "| {} | {:,.0f} ({:,.0f}-{:,.0f}) | {} | {} | {} | {:.2f} | {:.2f} "
+          "| {:.2f} |".format(
               config.name, statistics.median(rates), min(rates), max(rates),
               _ratio(runs, by_config.get("single")),
+              _ratio(runs, _parameter_server(by_config, config)),
               _ratio(runs, _best_mirrored(by_config, config)),
               statistics.median(c.build_seconds for c in runs),
               1000 * statistics.median(c.step_seconds for c in runs),
@@ -117,6 +119,14 @@ def _family(config):
   """replicate-ps, mirrored-r1d, ...: a configuration without its N."""
   return config.kind if config.kind == "single" else "{}-{}".format(
       config.kind, config.variant)
+
+
+def _parameter_server(by_config, config):
+  """replicate-N-ps's runs, for another replicate configuration with N > 1."""
+  if (config.kind != "replicate" or config.towers < 2 or
+      config.variant == "ps"):
+    return None
+  return by_config.get("replicate-{}-ps".format(config.towers))
 
 
 def _best_mirrored(by_config, config):
