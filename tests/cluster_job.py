@@ -107,7 +107,7 @@ def _serve_with_two_cpus():
 
 
 def main(model_dir, max_steps, mode, seconds_per_step):
-  server = _serve_with_two_cpus()  # pylint: disable=unused-variable
+  server = _serve_with_two_cpus()  # noqa: F841 (kept alive while training)
   config = tf.estimator.RunConfig(
       model_dir=model_dir, save_checkpoints_steps=20,
       session_config=tf.compat.v1.ConfigProto(device_count={"CPU": 2}),
