@@ -68,13 +68,15 @@ def _make(kind, family, model_dir, config=None):
       n_classes=3, **common)
 
 
-def _wrapped(kind, family, model_dir, towers):
+def _wrapped(kind, family, model_dir, towers,
+             variable_strategy="parameter_server"):
   canned = _make(kind, family, model_dir)
   # compat.v1 heads sum their loss over the batch; TF 2 heads average it.
   reduction = Reduction.SUM if family == "v1" else (
       Reduction.SUM_BY_NONZERO_WEIGHTS)
   return tf.estimator.Estimator(
-      replicate.replicate_model_fn(canned.model_fn, loss_reduction=reduction),
+      replicate.replicate_model_fn(canned.model_fn, loss_reduction=reduction,
+                                   variable_strategy=variable_strategy),
       model_dir=model_dir,
       config=tf.estimator.RunConfig(session_config=session_config(towers)))
 
@@ -119,13 +121,15 @@ def reference(request, tmp_path_factory):
   return kind, family, start, _outcome(_make(kind, family, unwrapped), kind)
 
 
-@pytest.mark.parametrize("towers", [1, 2, 3])
+@pytest.mark.parametrize("towers, strategy", [
+    (1, "parameter_server"), (2, "parameter_server"), (3, "parameter_server"),
+    (3, "replicated")], ids=["1", "2", "3", "3-replicated"])
 def test_wrapped_trains_evaluates_and_predicts_like_unwrapped(
-    reference, towers, tmp_path):
+    reference, towers, strategy, tmp_path):
   kind, family, start, (metrics, predictions, names) = reference
   shutil.copytree(start, tmp_path, dirs_exist_ok=True)
   got_metrics, got_predictions, got_names = _outcome(
-      _wrapped(kind, family, str(tmp_path), towers), kind)
+      _wrapped(kind, family, str(tmp_path), towers, strategy), kind)
   assert got_names == names  # the checkpoint is the unwrapped one's
   assert got_metrics["global_step"] == metrics["global_step"] == 4
   for key in ("loss", "average_loss"):
