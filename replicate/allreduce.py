@@ -26,8 +26,9 @@ flattened and concatenated per dtype into one buffer per tower before the
 reduce and split after, so a model with many small variables makes one
 all-reduce instead of one per variable.
 
-On `compact`: float32 gradients are cast to float16 for the reduce and back
-after, halving what travels between devices, at float16's precision.
+On `compact`: dense float32 gradients are cast to float16 for the reduce
+and back after, halving what travels between devices, at float16's
+precision. Gathered sparse slices travel as they are.
 """
 
 from typing import Any, List, Optional, Sequence

@@ -112,5 +112,11 @@ class WaitForChiefHook(tf.compat.v1.train.SessionRunHook):
     deadline = time.monotonic() + _MAX_WAIT_SECONDS
     with tf.compat.v1.Session(self._master,
                               config=self._session_config) as session:
-      while session.run(report).size and time.monotonic() < deadline:
+      while session.run(report).size:
+        if time.monotonic() > deadline:
+          tf.compat.v1.logging.warning(
+              "The chief has not initialised the variables on the ps tasks "
+              "after %d s; making the session anyway, which waits on.",
+              _MAX_WAIT_SECONDS)
+          return
         time.sleep(_POLL_SECONDS)  # the chief initialises them

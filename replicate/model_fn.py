@@ -83,6 +83,12 @@ def replicate_model_fn(
   `export_saved_model` builds) is built as one tower with no device
   placement, so the SavedModel serves any batch size on any machine.
 
+  On clusters: with a `RunConfig` whose `TF_CONFIG` cluster has ps tasks,
+  each training task builds one tower per device of its own server, the
+  variables go to the ps tasks in turn, and each worker sums its towers'
+  gradients before sending one update (see `replicate.cluster` and
+  `replicate.hooks`).
+
   On `"replicated"`: in TRAIN, tower 0 creates the variables under their own
   names on its device, and tower i gets local copies named `tower_i/...` on
   its own, initialised from tower 0's values by the Scaffold's
