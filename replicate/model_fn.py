@@ -94,9 +94,9 @@ def replicate_model_fn(
   its own, initialised from tower 0's values by the Scaffold's
   `local_init_op` (so also right after a restore). Only tower 0's variables
   (and its optimizer slots) are saved. Non-trainable variables, such as
-  batch-norm moving statistics, are per tower too: each tower updates its
-  copy from its own shard, and tower 0's are saved. EVAL and PREDICT read
-  tower 0's variables in every tower, with no copies.
+  batch-norm moving statistics or a loss scale, are not copied: every
+  tower uses tower 0's, as with `"parameter_server"`. EVAL and PREDICT
+  read tower 0's variables in every tower, with no copies.
 
   Example:
 

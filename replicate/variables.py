@@ -2,12 +2,18 @@
 
 On copies: with `variable_strategy="replicated"` (in TRAIN), tower 0 creates
 every variable under its own name, and tower i (i >= 1) gets, in place of
-each, a copy named `tower_i/<name>` on its own device. A copy is a local
+each trainable one, a copy named `tower_i/<name>` on its own device. A copy
+is a local
 variable (`LOCAL_VARIABLES`, so never saved, and not trainable, so never in
 `TRAINABLE_VARIABLES`) whose initial value is tower 0's variable: the
 Scaffold's `local_init_op` runs after the global variables were initialised
 or restored from a checkpoint, so towers start equal after a restore too.
 The optimizer's slots of a copy are made the same way, from tower 0's slots.
+Non-trainable variables (batch-norm moving statistics, a loss scale, a
+counter) are not copied: every tower uses tower 0's, as with
+`"parameter_server"`. What the optimizer or a tower's update ops change
+there is thus seen by every tower, and a loss scale that the update halves
+is halved for all.
 
 On tower-local variables: inside `tower_local_scope(reduce)` every tower
 gets its own copy of a variable (under any `variable_strategy`) and updates
@@ -110,7 +116,7 @@ class TowerVariables:
     if index == 0 or not isinstance(variable, tf.Variable):
       return variable
     reduce = self._reduce_of.get(variable.ref())
-    if reduce is None and not (self.is_replicated and
+    if reduce is None and not (self.is_replicated and variable.trainable and
                                variable.ref() in self._tower0):
       return variable
     copies = self._copies[index]

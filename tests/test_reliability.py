@@ -29,16 +29,24 @@ def _mixed_precision_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-@pytest.mark.parametrize("towers", [2, 3])
-def test_a_non_finite_gradient_in_one_tower_skips_the_step(towers):
+@pytest.mark.parametrize("towers, strategy", [
+    (2, "parameter_server"), (3, "parameter_server"), (3, "replicated")])
+def test_a_non_finite_gradient_in_one_tower_skips_the_step(towers, strategy):
   with tf.Graph().as_default():
     tf.compat.v1.train.get_or_create_global_step()
     x = tf.compat.v1.placeholder(tf.float32, [None])
     spec = replicate.replicate_model_fn(
-        _mixed_precision_model_fn, devices=cpus(towers))(x, None, TRAIN)
+        _mixed_precision_model_fn, devices=cpus(towers),
+        variable_strategy=strategy)(x, None, TRAIN)
     variables = {v.op.name: v for v in tf.compat.v1.global_variables()}
+    # Replicated: w is copied; the loss scale is not, so the scale the
+    # skipped step halves is the one every tower reads next.
+    copies = ["tower_{}/w".format(i) for i in range(1, towers)]
+    assert [v.op.name for v in tf.compat.v1.local_variables()] == (
+        copies if strategy == "replicated" else [])
     with tf.compat.v1.Session(config=session_config(towers)) as session:
       session.run(tf.compat.v1.global_variables_initializer())
+      session.run(tf.compat.v1.local_variables_initializer())
       seen = []
       # The inf row is the last one: it lands in the last tower only.
       for batch in ([1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, np.inf],

@@ -295,10 +295,10 @@ def test_estimator_saves_tower0_names_and_restores_into_every_copy(tmp_path):
       single.evaluate(_input_fn, steps=1)["loss"], rel=1e-5)
 
 
-# Batch normalisation: moving statistics are per tower; tower 0's are saved.
+# Non-trainable variables are shared, as with parameter_server.
 
 
-def test_batch_norm_statistics_are_each_towers_own(graph):
+def test_batch_norm_statistics_are_tower0s_in_every_tower(graph):
   x = np.arange(12, dtype=np.float32).reshape(6, 2)
 
   def model_fn(features, labels, mode):
@@ -313,14 +313,21 @@ def test_batch_norm_statistics_are_each_towers_own(graph):
 
   spec = _replicated(model_fn, 2, allreduce.GATHER)(
       tf.constant(x), tf.zeros([6, 2]), TRAIN)
+  # gamma and beta are copied; the moving statistics are not.
+  assert sorted(v.op.name for v in tf.compat.v1.local_variables()) == [
+      "tower_1/bn/beta", "tower_1/bn/gamma"]
+  # Both towers' moving-average updates write tower 0's variables.
+  updated = [(op.name.split("/")[0], op.inputs[0].op.name)
+             for op in graph.get_operations()
+             if op.type == "AssignSubVariableOp" and
+             "moving_mean" in op.inputs[0].op.name]
+  assert updated == [("bn", "bn/moving_mean"), ("tower_1", "bn/moving_mean")]
   with tf.compat.v1.Session(config=session_config(2)) as session:
     session.run(tf.compat.v1.global_variables_initializer())
     session.run(tf.compat.v1.local_variables_initializer())
     session.run(spec.train_op)
-    means = session.run({v.op.name: v for v in tf.compat.v1.global_variables()
-                         + tf.compat.v1.local_variables()
-                         if "moving_mean" in v.op.name})
-  # Shards x[:3] and x[3:]: column means [2, 3] and [8, 9]; momentum 0.5
-  # from 0 gives half of each, each tower from its own rows.
-  np.testing.assert_allclose(means["bn/moving_mean"], [1.0, 1.5])
-  np.testing.assert_allclose(means["tower_1/bn/moving_mean"], [4.0, 4.5])
+    moving_mean, = session.run([v for v in tf.compat.v1.global_variables()
+                                if v.op.name == "bn/moving_mean"])
+  # Shard means [2, 3] and [8, 9]; from 0 with momentum 0.5 in either order
+  # (or both reading 0): every result is at least half of the smaller.
+  assert np.all(moving_mean >= [1.0, 1.5])
