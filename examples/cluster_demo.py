@@ -29,10 +29,13 @@ from digits_demo import _dataset, _digits, model_fn  # noqa: E402
 class GlobalStepsPerSecondHook(tf.estimator.SessionRunHook):
   """The global step's rate between this task's first and last step."""
 
+  def __init__(self):
+    self._global_step = None
+    self._first = None
+    self.rate = float("nan")  # an evaluator never trains: it stays NaN
+
   def begin(self):
     self._global_step = tf.compat.v1.train.get_global_step()
-    self._first = None
-    self.rate = float("nan")
 
   def before_run(self, run_context):
     return tf.compat.v1.train.SessionRunArgs(self._global_step)
@@ -62,10 +65,11 @@ def main():
           lambda: _dataset(x_train, y_train, args.batch_size, shuffle=True),
           max_steps=args.steps, hooks=[speed]),
       tf.estimator.EvalSpec(lambda: _dataset(x_test, y_test, args.batch_size),
-                            steps=None, throttle_secs=0))
+                            steps=None, start_delay_secs=0, throttle_secs=0))
   task = "{}:{}".format(config.task_type, config.task_id)
-  print(json.dumps({"task": task, "global_steps_per_second":
-                    round(speed.rate, 1)}), flush=True)
+  if config.task_type != "evaluator":
+    print(json.dumps({"task": task, "global_steps_per_second":
+                      round(speed.rate, 1)}), flush=True)
   if config.is_chief:
     local = tf.estimator.Estimator(
         model_fn=replicate.replicate_model_fn(model_fn),

@@ -28,7 +28,9 @@ all-reduce instead of one per variable.
 
 On `compact`: dense float32 gradients are cast to float16 for the reduce
 and back after, halving what travels between devices, at float16's
-precision. Gathered sparse slices travel as they are.
+precision and range: a summed gradient beyond 65504 becomes inf (which a
+loss-scale optimizer turns into a skipped step). Gathered sparse slices
+travel as they are.
 """
 
 from typing import Any, List, Optional, Sequence

@@ -151,9 +151,17 @@ class ReplicationContext:
           tf.compat.v1.variable_scope(call.variable_scope,
                                       auxiliary_name_scope=False), \
           self.graph.name_scope(name_scope):
-        yield
+        try:
+          yield
+        finally:
+          # Leaving a re-entered VariableScope puts back the scope counts it
+          # found, forgetting the slot scopes made inside ('w/Adam'); a
+          # second optimizer on the same variable would then pick
+          # 'w/Adam' again. Keep what the update counted, as unwrapped.
+          counts = self._counters.scope_counts()
     finally:
       self._is_applying = False
+    self._counters.set_scope_counts(counts)
 
   def _variable_getter(self, index):
     """For `get_variable` in tower `index`: tower 0's variable or its copy."""
@@ -178,6 +186,7 @@ class ReplicationContext:
 
     def creator(next_creator, **kwargs):
       if _is_tower_local(kwargs):
+        self.variables.check_not_local(kwargs)
         return next_creator(**kwargs)
       own_name = self.graph.unique_name(kwargs.get("name") or "Variable",
                                         mark_as_used=False)
@@ -253,6 +262,12 @@ class _NameCounters:
     self._graph = graph
     self._start = None
     self._end = None
+
+  def scope_counts(self):
+    return dict(self._scope_store.variable_scopes_count)
+
+  def set_scope_counts(self, counts):
+    self._scope_store.variable_scopes_count = dict(counts)
 
   def save_start(self):
     self._start = self._snapshot()

@@ -133,6 +133,7 @@ class KerasTowerOptimizer(wrapping.Wrapping, _KerasOptimizer):
                                         wrapping.tower_variables(params))
 
   def get_updates(self, loss, params):
+    params = wrapping.tower_variables(params)  # a replicated tower's copies
     grads = self.get_gradients(loss, params)
     return [self.apply_gradients(list(zip(grads, params)))]
 

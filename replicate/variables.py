@@ -3,29 +3,29 @@
 On copies: with `variable_strategy="replicated"` (in TRAIN), tower 0 creates
 every variable under its own name, and tower i (i >= 1) gets, in place of
 each trainable one, a copy named `tower_i/<name>` on its own device. A copy
-is a local
-variable (`LOCAL_VARIABLES`, so never saved, and not trainable, so never in
-`TRAINABLE_VARIABLES`) whose initial value is tower 0's variable: the
-Scaffold's `local_init_op` runs after the global variables were initialised
-or restored from a checkpoint, so towers start equal after a restore too.
-The optimizer's slots of a copy are made the same way, from tower 0's slots.
-Non-trainable variables (batch-norm moving statistics, a loss scale, a
-counter) are not copied: every tower uses tower 0's, as with
-`"parameter_server"`. What the optimizer or a tower's update ops change
-there is thus seen by every tower, and a loss scale that the update halves
-is halved for all.
+is a local variable (`LOCAL_VARIABLES`, so never saved, and not trainable,
+so never in `TRAINABLE_VARIABLES`) whose initial value is tower 0's
+variable: the Scaffold's `local_init_op` runs after the global variables
+were initialised or restored from a checkpoint, so towers start equal after
+a restore too. The optimizer's slots of a copy are made the same way, from
+tower 0's slots. Non-trainable variables (batch-norm moving statistics, a
+loss scale, a counter) are not copied: every tower uses tower 0's, as with
+`"parameter_server"`, so what the update changes there (a loss scale it
+halves) every tower sees.
 
 On tower-local variables: inside `tower_local_scope(reduce)` every tower
-gets its own copy of a variable (under any `variable_strategy`) and updates
-it with no communication. At the end of each training step (and of each
-evaluation batch) the copies are folded into tower 0's variable, the one
-that is saved and read: `"sum"` adds every copy into it and zeroes the
-copies; `"mean"` sets it and every copy to the mean over the towers that had
-rows. Tower 0's variable thus always holds the reduction over towers.
+gets its own copy of a variable (under any `variable_strategy`), starting
+from tower 0's value, and updates it with no communication. At the end of
+each training step (and of each evaluation batch) the copies are folded
+into tower 0's variable, the one that is saved: `"sum"` adds to it what
+every other tower added since the last fold; `"mean"` sets it to the mean
+over the towers that had rows. Then every copy starts again from tower 0's
+value. So every tower reads the reduction as of the last fold, plus its own
+updates since.
 """
 
 import contextlib
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
@@ -92,6 +92,19 @@ class TowerVariables:
     self._copies = [dict() for _ in devices]  # tower 0 variable ref -> copy
     self._tower0_of = {}  # copy ref -> tower 0's variable
     self._slots = {}  # op name -> slot variable made for tower 0's variables
+    self._making_copy = False  # creating one of the copies below
+    # Per "sum" variable: its value at the last fold, where copies started.
+    self._bases = {}
+
+  def check_not_local(self, kwargs):
+    """Refuses a local variable in a tower_local_scope, which cannot fold."""
+    if self.local_reduce is not None and not self._making_copy:
+      raise ValueError(
+          "tower_local_scope: the variable {!r} is created in collections {} "
+          "that leave out GLOBAL_VARIABLES. A tower-local variable is a "
+          "global one (tower 0's is saved, holding the reduction over "
+          "towers): create it with the default collections, or outside the "
+          "scope.".format(kwargs.get("name"), kwargs.get("collections")))
 
   def note_tower0_variable(self, variable, trainable: bool):
     """Records a variable tower 0 created (tower-local if in the scope)."""
@@ -121,10 +134,12 @@ class TowerVariables:
       return variable
     copies = self._copies[index]
     if variable.ref() not in copies:
-      initial = _zeros_like if reduce == SUM else _value_of
-      copy = self._local_variable(index, variable, initial)
+      copy = self._local_variable(index, variable)
       copies[variable.ref()] = copy
       self._tower0_of[copy.ref()] = variable
+      if reduce == SUM and variable.ref() not in self._bases:
+        self._bases[variable.ref()] = self._local_variable(
+            0, variable, name="tower_local_base/" + variable.op.name)
     return copies[variable.ref()]
 
   def in_tower(self, index: int, variable):
@@ -154,11 +169,12 @@ class TowerVariables:
           "optimizers that create per-variable slots in variable order are "
           "supported.".format(name, tower0_name))
     tower0_slot = self._slots[tower0_name]
-    return tf.compat.v1.Variable(
-        initial_value=_value_of(tower0_slot), trainable=False,
-        collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
-        name=kwargs.get("name"), dtype=tower0_slot.dtype.base_dtype,
-        use_resource=resource_variable_ops.is_resource_variable(tower0_slot))
+    with self._copying():
+      return tf.compat.v1.Variable(
+          initial_value=_value_of(tower0_slot), trainable=False,
+          collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
+          name=kwargs.get("name"), dtype=tower0_slot.dtype.base_dtype,
+          use_resource=True)
 
   def fold_tower_local(self, has_rows) -> Optional[tf.Operation]:
     """Folds every tower's copy into tower 0's variable, per its reduction."""
@@ -170,24 +186,39 @@ class TowerVariables:
         continue
       with tf.device(variable.device), tf.name_scope(
           variable.op.name + "_over_towers"):
-        folds.append(_FOLDS[reduce](variable, per_tower, has_rows))
+        if reduce == SUM:
+          folds.append(_fold_sum(variable, per_tower, has_rows,
+                                 self._bases[ref]))
+        else:
+          folds.append(_fold_mean(variable, per_tower, has_rows))
     return tf.group(*folds, name="tower_local_fold") if folds else None
 
-  def _local_variable(self, index, variable, initial):
-    """A local copy of `variable` on tower `index`'s device."""
-    initial_value = (_value_of(variable) if initial is _value_of else
-                     lambda: _zeros_like(variable))
-    with self.graph.name_scope(None), tf.device(self._devices[index]):
+  @contextlib.contextmanager
+  def _copying(self):
+    self._making_copy = True
+    try:
+      yield
+    finally:
+      self._making_copy = False
+
+  def _local_variable(self, index, variable, name=None):
+    """A local variable on tower `index`'s device, starting as `variable`."""
+    if not resource_variable_ops.is_resource_variable(variable):
+      # TensorFlow rebuilds a ref variable's initial value inside the new
+      # variable's colocation, where tower 0's variable cannot be read.
+      raise ValueError(
+          "Tower {} needs its own copy of {!r}, which is a ref variable "
+          "(use_resource=False). Per-tower copies are made of resource "
+          "variables, TensorFlow 2's default: create it with "
+          "use_resource=True, or use variable_strategy='parameter_server'."
+          .format(index, variable.op.name))
+    with self.graph.name_scope(None), tf.device(
+        self._devices[index]), self._copying():
       return tf.compat.v1.Variable(
-          initial_value=initial_value, trainable=False,
+          initial_value=_value_of(variable), trainable=False,
           collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
-          name="tower_{}/{}".format(index, variable.op.name),
-          dtype=variable.dtype.base_dtype,
-          use_resource=resource_variable_ops.is_resource_variable(variable))
-
-
-def _zeros_like(variable):
-  return tf.zeros(variable.shape, variable.dtype.base_dtype)
+          name=name or "tower_{}/{}".format(index, variable.op.name),
+          dtype=variable.dtype.base_dtype, use_resource=True)
 
 
 def _value_of(variable):
@@ -202,17 +233,24 @@ def _value_of(variable):
     return tf.identity(variable.read_value())
 
 
-def _fold_sum(variable, per_tower, has_rows):
-  """tower 0 += every other tower's copy (masked by rows); copies = 0."""
-  copies = [(c, rows) for c, rows in zip(per_tower[1:], has_rows[1:])
-            if c is not None]
-  terms = [_masked(c.read_value(), rows) for c, rows in copies
-           if rows is not False]
-  if not terms:
-    return tf.group(*[c.assign(_zeros_like(c)) for c, _ in copies])
-  added = variable.assign_add(tf.math.add_n(terms))
-  with tf.control_dependencies([added]):
-    return tf.group(*[c.assign(_zeros_like(c)) for c, _ in copies])
+def _fold_sum(variable, per_tower, has_rows, base):
+  """tower 0 += what every other tower added since the last fold.
+
+  Every copy started the step at `base`; the towers that had rows add
+  their copy less the base to tower 0's variable, and then every copy and
+  the base start again from the new total.
+  """
+  copies = [c for c in per_tower[1:] if c is not None]
+  start = base.read_value()
+  added = [_masked(c.read_value() - start, rows)
+           for c, rows in zip(per_tower[1:], has_rows[1:])
+           if c is not None and rows is not False]
+  if added:
+    with tf.control_dependencies(added):
+      total = variable.assign_add(tf.math.add_n(added), read_value=True)
+  else:
+    total = variable.read_value()
+  return tf.group(*[c.assign(total) for c in copies + [base]])
 
 
 def _fold_mean(variable, per_tower, has_rows):
@@ -233,4 +271,3 @@ def _masked(value, rows):
   return tf.where(rows, value, tf.zeros_like(value))
 
 
-_FOLDS: Dict[str, object] = {SUM: _fold_sum, MEAN: _fold_mean}

@@ -77,6 +77,8 @@ class Wrapping:
     context = _active_context()
     if context is None:
       return apply(self.optimizer, grads_and_vars)
+    grads_and_vars = list(grads_and_vars)
+    _check_own_copies(context, grads_and_vars)
     if not context.is_last_tower:
       collected = tf.no_op(name="tower_optimizer_collect")
       context.record_optimizer_call(self, grads_and_vars, apply, collected)
@@ -156,6 +158,29 @@ def tower_variables(var_list):
     return var_list
   return [context.variables.in_tower(context.tower_index, v)
           for v in tf.nest.flatten(var_list)]
+
+
+def _check_own_copies(context, grads_and_vars):
+  """A replicated tower must bring gradients for its copies, not tower 0's.
+
+  Its loss was computed from its copies, so a gradient it took with respect
+  to tower 0's variable (`tf.gradients(loss, tf.trainable_variables())`) is
+  None or wrong; training on it would leave the copies behind unnoticed.
+  """
+  index = context.tower_index
+  if not context.is_replicated or index == 0:
+    return
+  for _, variable in grads_and_vars:
+    copy = context.variables.in_tower(index, variable)
+    if copy is not variable:
+      raise ValueError(
+          "variable_strategy='replicated': tower {} applies a gradient for "
+          "tower 0's variable {!r}, but it computes with its own copy {!r}. "
+          "Take gradients with TowerOptimizer.compute_gradients(loss) (or "
+          "minimize), which differentiates with respect to each tower's "
+          "copies, or with respect to the variables the tower's layers "
+          "hold, then clip or change them and call apply_gradients.".format(
+              index, variable.op.name, copy.op.name))
 
 
 def _same_call_in_every_tower(context, position):

@@ -331,3 +331,117 @@ def test_batch_norm_statistics_are_tower0s_in_every_tower(graph):
   # Shard means [2, 3] and [8, 9]; from 0 with momentum 0.5 in either order
   # (or both reading 0): every result is at least half of the smaller.
   assert np.all(moving_mean >= [1.0, 1.5])
+
+
+# Optimizer patterns beyond minimize, on a linear model.
+
+LINEAR_X = np.arange(24, dtype=np.float32).reshape(6, 4) / 10
+LINEAR_Y = np.arange(6, dtype=np.float32).reshape(6, 1) / 5
+
+
+def _train_linear(model_fn, steps=3, **wrap_kwargs):
+  """Losses and global variables after `steps` steps; unwrapped if no kwargs."""
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    x = tf.constant(LINEAR_X, name="x")
+    y = tf.constant(LINEAR_Y, name="y")
+    if wrap_kwargs:
+      model_fn = replicate.replicate_model_fn(model_fn, **wrap_kwargs)
+    spec = model_fn(x, y, TRAIN)
+    with tf.compat.v1.Session(config=session_config(2)) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      session.run(tf.compat.v1.local_variables_initializer())
+      losses = [session.run([spec.loss, spec.train_op])[0]
+                for _ in range(steps)]
+      return losses, session.run({v.op.name: v for v in
+                                  tf.compat.v1.global_variables()})
+
+
+def _two_adams_model_fn(features, labels, mode):
+  w = tf.compat.v1.get_variable(
+      "w", [4, 1], initializer=tf.compat.v1.constant_initializer(0.1))
+  loss = tf.compat.v1.losses.mean_squared_error(labels,
+                                                tf.matmul(features, w))
+  first = replicate.TowerOptimizer(tf.compat.v1.train.AdamOptimizer(0.05))
+  second = replicate.TowerOptimizer(tf.compat.v1.train.AdamOptimizer(0.01))
+  train_op = tf.group(
+      first.minimize(loss, tf.compat.v1.train.get_global_step()),
+      second.minimize(loss))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize("strategy", ["parameter_server", REPLICATED])
+def test_two_optimizers_of_one_kind_on_one_variable(strategy):
+  # Each makes its own slots, w/Adam, w/Adam_1 and w/Adam_2, w/Adam_3, as
+  # unwrapped; re-entering tower 0's scope must not reuse the first names.
+  expected_losses, expected = _train_linear(_two_adams_model_fn)
+  losses, got = _train_linear(_two_adams_model_fn, devices=cpus(2),
+                              variable_strategy=strategy)
+  assert sorted(got) == sorted(expected)
+  assert {"w/Adam_2", "w/Adam_3", "beta1_power_1"} <= set(got)
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  for name, value in expected.items():
+    np.testing.assert_allclose(got[name], value, rtol=1e-5, err_msg=name)
+
+
+def _keras_get_updates_model_fn(features, labels, mode):
+  w = tf.compat.v1.get_variable(
+      "w", [4, 1], initializer=tf.compat.v1.constant_initializer(0.1))
+  loss = tf.compat.v1.losses.mean_squared_error(labels,
+                                                tf.matmul(features, w))
+  optimizer = replicate.TowerOptimizer(tf.keras.optimizers.legacy.SGD(0.5))
+  # tower 0's variables, from the collection, in every tower
+  update, = optimizer.get_updates(loss, tf.compat.v1.trainable_variables())
+  with tf.control_dependencies([update]):
+    train_op = tf.compat.v1.assign_add(tf.compat.v1.train.get_global_step(),
+                                       1)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_keras_get_updates_with_tower0s_variables_updates_the_copies():
+  expected_losses, expected = _train_linear(_keras_get_updates_model_fn)
+  losses, got = _train_linear(_keras_get_updates_model_fn, devices=cpus(2),
+                              variable_strategy=REPLICATED)
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  np.testing.assert_allclose(got["w"], expected["w"], rtol=1e-5)
+
+
+def _gradients_of_collection_model_fn(features, labels, mode):
+  w = tf.compat.v1.get_variable(
+      "w", [4, 1], initializer=tf.compat.v1.constant_initializer(0.1))
+  loss = tf.compat.v1.losses.mean_squared_error(labels,
+                                                tf.matmul(features, w))
+  variables = tf.compat.v1.trainable_variables()  # tower 0's, in any tower
+  grads, _ = tf.clip_by_global_norm(tf.gradients(loss, variables), 100.0)
+  train_op = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.05)).apply_gradients(
+          zip(grads, variables), tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_gradients_for_tower0s_variables_are_refused_when_replicated():
+  # Tower 1 computes with its copy, so these gradients are None: training
+  # on them would leave the copies behind silently.
+  with pytest.raises(ValueError, match=(
+      r"tower 1 applies a gradient for tower 0's variable 'w', but it "
+      r"computes with its own copy 'tower_1/w'\. Take gradients with "
+      r"TowerOptimizer\.compute_gradients")):
+    _train_linear(_gradients_of_collection_model_fn, devices=cpus(2),
+                  variable_strategy=REPLICATED)
+
+
+def test_ref_variables_are_refused_when_replicated():
+  def model_fn(features, labels, mode):
+    w = tf.compat.v1.get_variable(
+        "w", [4, 1], initializer=tf.compat.v1.constant_initializer(0.1),
+        use_resource=False)
+    loss = tf.reduce_sum(tf.matmul(features, w))
+    train_op = replicate.TowerOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1)).minimize(loss)
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  with pytest.raises(ValueError, match=(
+      r"Tower 1 needs its own copy of 'w', which is a ref variable "
+      r"\(use_resource=False\)\..*use_resource=True, or use "
+      r"variable_strategy='parameter_server'")):
+    _train_linear(model_fn, devices=cpus(2), variable_strategy=REPLICATED)

@@ -62,8 +62,9 @@ def test_the_saved_variable_holds_the_sum_and_the_mean(strategy):
   values = _train(_model_fn, rows=7, strategy=strategy)
   # 7 rows a step, counted in shards of 3, 2 and 2, for 2 steps.
   assert values["examples_seen"] == 14
+  # Every tower starts the next step from the total.
   assert values["tower_1/examples_seen"] == values[
-      "tower_2/examples_seen"] == 0  # folded into tower 0's
+      "tower_2/examples_seen"] == 14
   # Shard means (1+2+3)/3 = 2, (4+5)/2 = 4.5, (6+7)/2 = 6.5; their mean is
   # 13/3, and every copy starts the next step from it.
   for name in ("mean_x", "tower_1/mean_x", "tower_2/mean_x"):
@@ -71,6 +72,27 @@ def test_the_saved_variable_holds_the_sum_and_the_mean(strategy):
   variables = {name for name in values if not name.startswith("tower_")}
   assert {"examples_seen", "mean_x"} <= variables
   assert "tower_1/examples_seen" in values  # a local copy, never saved
+
+
+def _offset_model_fn(features, labels, mode):
+  """Predicts x + offset, where offset is a saved sum (10 to start)."""
+  with replicate.tower_local_scope(reduce="sum"):
+    offset = tf.compat.v1.get_variable(
+        "offset", [], trainable=False,
+        initializer=tf.compat.v1.constant_initializer(10.0))
+  return tf.estimator.EstimatorSpec(mode, predictions=features + offset)
+
+
+def test_every_tower_reads_the_reduced_value():
+  model_fn = replicate.replicate_model_fn(_offset_model_fn, devices=cpus(3))
+  with tf.Graph().as_default():
+    spec = model_fn(tf.constant(X), None, tf.estimator.ModeKeys.PREDICT)
+    with tf.compat.v1.Session(config=session_config(3)) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      session.run(tf.compat.v1.local_variables_initializer())
+      predictions = session.run(spec.predictions)
+  # Rows 1..7 on towers of 3, 2 and 2 rows: each adds the same 10.
+  np.testing.assert_allclose(predictions, X + 10.0)
 
 
 def test_a_tower_on_a_stand_in_row_counts_nothing():
@@ -128,3 +150,17 @@ def _scoped_variable(reduce, **kwargs):
 def test_bad_tower_local_variables_fail_clearly(reduce, kwargs, message):
   with pytest.raises(ValueError, match=message):
     _scoped_variable(reduce, **kwargs)
+
+
+def test_a_local_variable_in_the_scope_is_refused():
+  def model_fn(features, labels, mode):
+    with replicate.tower_local_scope(reduce="sum"):
+      tf.compat.v1.get_local_variable("v", [], trainable=False)
+    return tf.estimator.EstimatorSpec(mode, predictions=features)
+
+  with tf.Graph().as_default():
+    with pytest.raises(ValueError, match=(
+        r"tower_local_scope: the variable 'v' is created in collections "
+        r"\['local_variables'\] that leave out GLOBAL_VARIABLES")):
+      replicate.replicate_model_fn(model_fn, devices=cpus(2))(
+          tf.constant(X), None, tf.estimator.ModeKeys.PREDICT)
