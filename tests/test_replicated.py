@@ -357,11 +357,15 @@ def _train_linear(model_fn, steps=3, **wrap_kwargs):
                                   tf.compat.v1.global_variables()})
 
 
-def _two_adams_model_fn(features, labels, mode):
+def _linear_loss(features, labels):
   w = tf.compat.v1.get_variable(
       "w", [4, 1], initializer=tf.compat.v1.constant_initializer(0.1))
-  loss = tf.compat.v1.losses.mean_squared_error(labels,
+  return tf.compat.v1.losses.mean_squared_error(labels,
                                                 tf.matmul(features, w))
+
+
+def _two_adams_model_fn(features, labels, mode):
+  loss = _linear_loss(features, labels)
   first = replicate.TowerOptimizer(tf.compat.v1.train.AdamOptimizer(0.05))
   second = replicate.TowerOptimizer(tf.compat.v1.train.AdamOptimizer(0.01))
   train_op = tf.group(
@@ -385,10 +389,7 @@ def test_two_optimizers_of_one_kind_on_one_variable(strategy):
 
 
 def _keras_get_updates_model_fn(features, labels, mode):
-  w = tf.compat.v1.get_variable(
-      "w", [4, 1], initializer=tf.compat.v1.constant_initializer(0.1))
-  loss = tf.compat.v1.losses.mean_squared_error(labels,
-                                                tf.matmul(features, w))
+  loss = _linear_loss(features, labels)
   optimizer = replicate.TowerOptimizer(tf.keras.optimizers.legacy.SGD(0.5))
   # tower 0's variables, from the collection, in every tower
   update, = optimizer.get_updates(loss, tf.compat.v1.trainable_variables())
@@ -407,10 +408,7 @@ def test_keras_get_updates_with_tower0s_variables_updates_the_copies():
 
 
 def _gradients_of_collection_model_fn(features, labels, mode):
-  w = tf.compat.v1.get_variable(
-      "w", [4, 1], initializer=tf.compat.v1.constant_initializer(0.1))
-  loss = tf.compat.v1.losses.mean_squared_error(labels,
-                                                tf.matmul(features, w))
+  loss = _linear_loss(features, labels)
   variables = tf.compat.v1.trainable_variables()  # tower 0's, in any tower
   grads, _ = tf.clip_by_global_norm(tf.gradients(loss, variables), 100.0)
   train_op = replicate.TowerOptimizer(
