@@ -13,13 +13,12 @@ names tower 0 gave them and resolve to tower 0's variables.
 """
 
 import contextlib
+import re
 from typing import Any, List, NamedTuple, Optional
 
-import re
-
 import tensorflow as tf
-from keras.src import backend as keras_backend
-from tensorflow.python.ops import variable_scope as variable_scope_lib
+
+from replicate import names
 
 # The graph collection that holds the active context while towers are built;
 # emptied again before the wrapped model_fn returns.
@@ -62,7 +61,7 @@ class ReplicationContext:
     self._device_functions = device_functions
     self._outer_name_scope = graph.get_name_scope()
     self._outer_variable_scope = tf.compat.v1.get_variable_scope()
-    self._counters = _NameCounters(graph)
+    self._counters = names.NameCounters(graph)
     self._tower0_variables = {}  # op name -> variable, as tower 0 made them
     self._is_applying = False  # building an aggregated update
     # What each tower's variables are: tower 0's, or its own copies
@@ -236,65 +235,6 @@ def current_context() -> Optional[ReplicationContext]:
   """The context of the towers being built in the default graph, if any."""
   found = tf.compat.v1.get_default_graph().get_collection(_CONTEXT_COLLECTION)
   return found[0] if found else None
-
-
-class _NameCounters:
-  """Snapshots of the graph's name counters, and of its losses collection.
-
-  Default names (`tf.compat.v1.variable_scope(None, default_name='dense')`,
-  unnamed `tf.compat.v1.layers` layers, `tf.compat.v1.metrics`) are made
-  unique with per-graph counters. Each tower starts from the counters tower 0
-  started from, so tower i picks the same names as tower 0 and shares its
-  variables; afterwards the counters are left as tower 0 left them.
-  TensorFlow keeps these counters in private places; this class is the only
-  code that touches them.
-
-  The `LOSSES` collection is treated the same way, so that
-  `tf.compat.v1.losses.get_total_loss()` in tower i sums tower i's losses,
-  not tower 0's too. (Regularization losses are left alone: they belong to
-  the shared variables, and every tower must see them.)
-  """
-
-  def __init__(self, graph):
-    with graph.as_default():
-      self._scope_store = variable_scope_lib.get_variable_scope_store()
-      self._layer_uids = keras_backend.get_default_graph_uid_map()
-    self._graph = graph
-    self._start = None
-    self._end = None
-
-  def scope_counts(self):
-    return dict(self._scope_store.variable_scopes_count)
-
-  def set_scope_counts(self, counts):
-    self._scope_store.variable_scopes_count = dict(counts)
-
-  def save_start(self):
-    self._start = self._snapshot()
-
-  def save_end_of_tower0(self):
-    self._end = self._snapshot()
-
-  def restore_start(self):
-    self._restore(self._start)
-
-  def restore_end_of_tower0(self):
-    if self._end is not None:
-      self._restore(self._end)
-
-  def _snapshot(self):
-    return (dict(self._scope_store.variable_scopes_count),
-            dict(self._layer_uids),
-            self._graph.get_collection(tf.compat.v1.GraphKeys.LOSSES))
-
-  def _restore(self, snapshot):
-    scopes, layers, losses = snapshot
-    self._scope_store.variable_scopes_count = dict(scopes)
-    self._layer_uids.clear()
-    self._layer_uids.update(layers)
-    key = tf.compat.v1.GraphKeys.LOSSES
-    if losses or self._graph.get_collection(key):
-      self._graph.get_collection_ref(key)[:] = losses
 
 
 def _is_tower_local(variable_kwargs) -> bool:

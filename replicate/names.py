@@ -1,0 +1,69 @@
+"""The graph's name counters, which make tower i pick tower 0's names.
+
+TensorFlow keeps these counters in private places (the variable scope
+store's counts, Keras's layer-name uids); this module is the only code that
+touches them.
+"""
+
+import tensorflow as tf
+from keras.src import backend as keras_backend
+from tensorflow.python.ops import variable_scope as variable_scope_lib
+
+
+class NameCounters:
+  """Snapshots of the graph's name counters, and of its losses collection.
+
+  Default names (`tf.compat.v1.variable_scope(None, default_name='dense')`,
+  unnamed `tf.compat.v1.layers` layers, `tf.compat.v1.metrics`) are made
+  unique with per-graph counters. Each tower starts from the counters tower 0
+  started from, so tower i picks the same names as tower 0 and shares its
+  variables; afterwards the counters are left as tower 0 left them.
+  TensorFlow keeps these counters in private places; this class is the only
+  code that touches them.
+
+  The `LOSSES` collection is treated the same way, so that
+  `tf.compat.v1.losses.get_total_loss()` in tower i sums tower i's losses,
+  not tower 0's too. (Regularization losses are left alone: they belong to
+  the shared variables, and every tower must see them.)
+  """
+
+  def __init__(self, graph):
+    with graph.as_default():
+      self._scope_store = variable_scope_lib.get_variable_scope_store()
+      self._layer_uids = keras_backend.get_default_graph_uid_map()
+    self._graph = graph
+    self._start = None
+    self._end = None
+
+  def scope_counts(self):
+    return dict(self._scope_store.variable_scopes_count)
+
+  def set_scope_counts(self, counts):
+    self._scope_store.variable_scopes_count = dict(counts)
+
+  def save_start(self):
+    self._start = self._snapshot()
+
+  def save_end_of_tower0(self):
+    self._end = self._snapshot()
+
+  def restore_start(self):
+    self._restore(self._start)
+
+  def restore_end_of_tower0(self):
+    if self._end is not None:
+      self._restore(self._end)
+
+  def _snapshot(self):
+    return (dict(self._scope_store.variable_scopes_count),
+            dict(self._layer_uids),
+            self._graph.get_collection(tf.compat.v1.GraphKeys.LOSSES))
+
+  def _restore(self, snapshot):
+    scopes, layers, losses = snapshot
+    self._scope_store.variable_scopes_count = dict(scopes)
+    self._layer_uids.clear()
+    self._layer_uids.update(layers)
+    key = tf.compat.v1.GraphKeys.LOSSES
+    if losses or self._graph.get_collection(key):
+      self._graph.get_collection_ref(key)[:] = losses
