@@ -5,10 +5,7 @@ A linear model, 2 towers per worker (virtual CPUs), trained with
 training task writes what it did to `<model_dir>/tasks/<task>.json` when it
 stops: its own number of steps and the global step before and after.
 
-  python tests/cluster_job.py MODEL_DIR MAX_STEPS {async,sync} SECONDS_PER_STEP
-
-SECONDS_PER_STEP paces every step, so that on two cores a worker that
-starts a second after the chief still has steps left to contribute.
+  python tests/cluster_job.py MODEL_DIR MAX_STEPS {async,sync}
 
 The Estimator starts a task's server with only the `gpu_options` of the
 session config, so virtual CPUs never reach it and a worker would have one
@@ -21,7 +18,6 @@ the Estimator's). On GPUs none of this is needed.
 import json
 import os
 import sys
-import time
 
 import numpy as np
 import tensorflow as tf
@@ -59,9 +55,8 @@ def input_fn():
 class _Record(tf.compat.v1.train.SessionRunHook):
   """Counts this task's steps; writes them, with the global step, at the end."""
 
-  def __init__(self, path, seconds_per_step):
+  def __init__(self, path):
     self._path = path
-    self._seconds_per_step = seconds_per_step
     self._steps = 0
     self._first = None
     self._previous = None
@@ -81,7 +76,6 @@ class _Record(tf.compat.v1.train.SessionRunHook):
       self._went_back = True
     self._previous = global_step
     self._steps += 1
-    time.sleep(self._seconds_per_step)  # pacing, see the module docstring
 
   def end(self, session):
     record = {"steps": self._steps, "first_global_step": self._first,
@@ -106,18 +100,17 @@ def _serve_with_two_cpus():
       config=tf.compat.v1.ConfigProto(device_count={"CPU": 2}))
 
 
-def main(model_dir, max_steps, mode, seconds_per_step):
+def main(model_dir, max_steps, mode):
   server = _serve_with_two_cpus()  # noqa: F841 (kept alive while training)
   config = tf.estimator.RunConfig(
-      model_dir=model_dir, save_checkpoints_steps=20,
+      model_dir=model_dir, save_checkpoints_steps=100,
       session_config=tf.compat.v1.ConfigProto(device_count={"CPU": 2}),
       experimental_max_worker_delay_secs=0, log_step_count_steps=50)
   estimator = tf.estimator.Estimator(
       replicate.replicate_model_fn(model_fn), config=config,
       params={"sync": mode == "sync", "is_chief": config.is_chief})
   task = "{}:{}".format(config.task_type, config.task_id)
-  record = _Record(os.path.join(model_dir, "tasks", task + ".json"),
-                   seconds_per_step)
+  record = _Record(os.path.join(model_dir, "tasks", task + ".json"))
   tf.estimator.train_and_evaluate(
       estimator,
       tf.estimator.TrainSpec(input_fn, max_steps=max_steps, hooks=[record]),
@@ -126,4 +119,4 @@ def main(model_dir, max_steps, mode, seconds_per_step):
 
 if __name__ == "__main__":
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.INFO)
-  main(sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]))
+  main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

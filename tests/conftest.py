@@ -1,6 +1,7 @@
 """Shared test set-up: quiet TensorFlow, virtual CPU devices, small graphs."""
 
 import os
+import threading
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -54,3 +55,39 @@ def checkpoint_values(model_dir):
   reader = tf.train.load_checkpoint(model_dir)
   return {name: reader.get_tensor(name)
           for name, _ in tf.train.list_variables(model_dir)}
+
+
+class RecordingLog:
+  """A `log` stream whose lines a test can wait for."""
+
+  def __init__(self):
+    self._text = ""
+    self._changed = threading.Condition()
+
+  def write(self, text):
+    with self._changed:
+      self._text += text
+      self._changed.notify_all()
+
+  def flush(self):
+    pass
+
+  def lines(self):
+    with self._changed:
+      return self._text.splitlines()
+
+  def wait_for_prefix(self, prefix, timeout=20):
+    """Waits for a line starting with `prefix`; returns that line."""
+    return self.wait_for(lambda line: line.startswith(prefix), timeout,
+                         "starting {!r}".format(prefix))
+
+  def wait_for(self, is_wanted, timeout, description="wanted"):
+    """Waits for a line for which `is_wanted(line)`; returns that line."""
+    def find():
+      return next((line for line in self._text.splitlines()
+                   if is_wanted(line)), None)
+    with self._changed:
+      if not self._changed.wait_for(find, timeout):
+        raise AssertionError("no line {} after {} s in:\n{}".format(
+            description, timeout, self._text[-20000:]))
+      return find()

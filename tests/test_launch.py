@@ -13,12 +13,14 @@ import pytest
 
 from replicate import launch
 from replicate.launch import LocalCluster
+from conftest import RecordingLog
 
 # Prints its TF_CONFIG, a line on stderr, then does what BEHAVIOUR_<TYPE>
-# says: "exit N", "sleep" (the default for ps, as a ps serves forever),
-# "ignore-term" (sleeps through SIGTERM) or "spawn" (sleeps with a child).
+# says: "exit N", "sleep" (waits for a signal: the default for ps, as a ps
+# serves forever), "ignore-term" (waits through SIGTERM) or "spawn" (waits
+# with a child).
 CHILD = r"""
-import json, os, signal, subprocess, sys, time
+import json, os, signal, subprocess, sys
 config = json.loads(os.environ["TF_CONFIG"])
 kind = config["task"]["type"]
 print(json.dumps(config))
@@ -31,45 +33,14 @@ if behaviour == "ignore-term":
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if behaviour == "spawn":
   grandchild = subprocess.Popen(
-      [sys.executable, "-c", "import time; time.sleep(3600)"])
+      [sys.executable, "-c", "import signal; signal.pause()"])
   print("grandchild", grandchild.pid)
 print("ready", os.getpid(), flush=True)
-time.sleep(3600)
+signal.pause()  # runs until a signal ends it
 """
 COMMAND = [sys.executable, "-c", CHILD]
 REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
 TIMEOUT = 20
-
-
-class RecordingLog:
-  """A `log` stream whose lines a test can wait for."""
-
-  def __init__(self):
-    self._text = ""
-    self._changed = threading.Condition()
-
-  def write(self, text):
-    with self._changed:
-      self._text += text
-      self._changed.notify_all()
-
-  def flush(self):
-    pass
-
-  def lines(self):
-    with self._changed:
-      return self._text.splitlines()
-
-  def wait_for_prefix(self, prefix, timeout=TIMEOUT):
-    """Waits for a line starting with `prefix`; returns that line."""
-    def find():
-      return next((line for line in self._text.splitlines()
-                   if line.startswith(prefix)), None)
-    with self._changed:
-      if not self._changed.wait_for(find, timeout):
-        raise AssertionError("no line starting {!r} in:\n{}".format(
-            prefix, self._text))
-      return find()
 
 
 def configs_by_task(lines):

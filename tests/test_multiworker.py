@@ -8,6 +8,7 @@ graph the chief saved.
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -19,17 +20,16 @@ import tensorflow as tf
 import replicate
 from replicate import hooks
 from replicate.launch import LocalCluster
+from conftest import RecordingLog
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                    "cluster_job.py")
 ROOT = os.path.dirname(os.path.dirname(JOB))
-SECONDS_PER_STEP = "0.02"
 TIMEOUT = 120  # seconds for any one cluster run; a run takes about 10
 
 
 def _cluster(model_dir, max_steps, mode, log):
-  command = [sys.executable, JOB, str(model_dir), str(max_steps), mode,
-             SECONDS_PER_STEP]
+  command = [sys.executable, JOB, str(model_dir), str(max_steps), mode]
   env = {"PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
   return LocalCluster(command, num_ps=1, num_workers=2, env=env, log=log)
 
@@ -72,19 +72,18 @@ def _local_input_fn():
 
 
 @pytest.fixture
-def log(tmp_path):
-  """Every task's lines; printed by pytest if the test fails."""
-  path = tmp_path / "cluster.log"
-  with open(path, "w") as stream:
-    yield stream
-  print(path.read_text()[-20000:])
+def log():
+  """Every task's lines, which a test can wait for; printed on failure."""
+  recording = RecordingLog()
+  yield recording
+  print("\n".join(recording.lines())[-20000:])
 
 
 def test_asynchronous_training_uses_both_workers(tmp_path, log, monkeypatch):
   monkeypatch.delenv("TF_CONFIG", raising=False)
   model_dir = tmp_path / "model"
   started = time.monotonic()
-  with _cluster(model_dir, 200, "async", log) as cluster:
+  with _cluster(model_dir, 3000, "async", log) as cluster:
     assert _wait_all(cluster, started) == [0, 0]
   records = _records(str(model_dir))
   assert sorted(records) == ["chief:0", "worker:0"]
@@ -92,11 +91,12 @@ def test_asynchronous_training_uses_both_workers(tmp_path, log, monkeypatch):
   # Asynchronous: every step of either worker is one update of the global
   # step, so their steps add up to it; both took a fair share.
   assert chief["steps"] + worker["steps"] == worker["last_global_step"]
-  assert worker["last_global_step"] >= 200
-  assert chief["steps"] >= 40 and worker["steps"] >= 40
-  # The worker joined as soon as the chief had initialised the variables,
-  # not after TensorFlow's 30 s retry.
-  assert worker["first_global_step"] < 40
+  assert worker["last_global_step"] >= 3000
+  assert chief["steps"] >= 300 and worker["steps"] >= 300
+  # The worker joined as soon as the chief had initialised the variables
+  # (here within the first steps), not after TensorFlow's 30 s retry, by
+  # which time the chief's 3000 steps (about 5 s) would have been done.
+  assert worker["first_global_step"] < 1000
   # Two towers per worker, variables on the ps task.
   graph = tf.compat.v1.GraphDef()
   with open(os.path.join(model_dir, "graph.pbtxt")) as f:
@@ -121,13 +121,13 @@ def test_synchronous_training_aggregates_both_and_stops_promptly(
     assert _wait_all(cluster, started) == [0, 0]
     elapsed = time.monotonic() - started
   records = _records(str(model_dir))
-  # Each global step is one update from both workers' gradients, so each
-  # ran about as many steps as there were updates (give or take the
-  # tokens at the start and end); asynchronously, 100 steps would have
-  # taken the two workers together about 100 steps, 50 each.
-  for record in records.values():
-    assert record["last_global_step"] == 100
-    assert abs(record["steps"] - 100) <= 3, record
+  # Each global step is one update aggregating 2 gradients, so the two
+  # workers ran at least about 2 steps per update together (stale ones
+  # are dropped; a worker that joins late leaves the first updates to the
+  # other); asynchronously, 100 updates take about 100 steps together.
+  steps = [record["steps"] for record in records.values()]
+  assert [r["last_global_step"] for r in records.values()] == [100, 100]
+  assert sum(steps) >= 196 and min(steps) >= 50, records
   # Unfixed, the chief waits 120 s at its close for gradients that never
   # come (SyncReplicasOptimizer's queue runner); a run takes about 12 s.
   assert elapsed < 60, elapsed
@@ -139,20 +139,26 @@ def _latest_step(model_dir):
   return int(path.rsplit("-", 1)[1]) if path else -1
 
 
+def _saved_checkpoint(at_least):
+  """Whether a log line is the chief saving a checkpoint >= `at_least`."""
+  def is_saved(line):
+    match = re.match(r"\[chief:0\] .*Saving checkpoints for (\d+) ", line)
+    return match is not None and int(match.group(1)) >= at_least
+  return is_saved
+
+
 def test_a_restarted_chief_keeps_the_workers_updates(tmp_path, log,
                                                      monkeypatch):
   monkeypatch.delenv("TF_CONFIG", raising=False)
   model_dir = tmp_path / "model"
   started = time.monotonic()
-  with _cluster(model_dir, 600, "async", log) as cluster:
-    while _latest_step(model_dir) < 100:  # the chief's checkpoints
-      assert time.monotonic() < started + TIMEOUT, "no checkpoint 100"
-      assert cluster.process("chief", 0).poll() is None
-      time.sleep(0.1)  # polls the checkpoint files; no ordering relies on it
+  with _cluster(model_dir, 6000, "async", log) as cluster:
+    log.wait_for(_saved_checkpoint(500), TIMEOUT, "saving checkpoint 500+")
     cluster.kill("chief", 0, signal.SIGKILL)
     assert cluster.wait("chief", 0, timeout=10) == -signal.SIGKILL
-    killed_at = _latest_step(model_dir)
-    cluster.restart("chief", 0)  # the worker trained on meanwhile
+    killed_at = _latest_step(model_dir)  # the one being saved, or before
+    assert killed_at > 0
+    cluster.restart("chief", 0)  # the worker trains on meanwhile
     assert _wait_all(cluster, started) == [0, 0]
   records = _records(str(model_dir))
   chief, worker = records["chief:0"], records["worker:0"]
@@ -160,7 +166,7 @@ def test_a_restarted_chief_keeps_the_workers_updates(tmp_path, log,
   # global step back to it, and the worker's updates since with it.
   assert chief["first_global_step"] > killed_at
   assert worker["global_step_went_back"] is False
-  assert worker["last_global_step"] >= 600
+  assert worker["last_global_step"] >= 6000
   assert _restored_loss(str(model_dir))["global_step"] == worker[
       "last_global_step"]
 
