@@ -18,6 +18,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from replicate import allreduce
+from replicate import sharding
 
 GradsAndVars = List[Tuple[Any, tf.Variable]]
 
@@ -41,7 +42,7 @@ def sum_grads_and_vars(per_tower: Sequence[GradsAndVars],
       continue
     with tf.device(device or variable.device), tf.name_scope(
         _op_name(variable) + "_sum_over_towers"):
-      summed.append((_sum([_keep_if_rows(g, rows) for g, rows in grads]),
+      summed.append((_sum([sharding.zero_unless_rows(g, rows) for g, rows in grads]),
                      variable))
   return summed
 
@@ -57,7 +58,7 @@ def all_reduce_grads_and_vars(per_tower: Sequence[GradsAndVars],
   the copy's device, so one `apply_gradients` updates every copy alike. A
   variable a tower shares with tower 0 (it made no copy) is updated once.
   """
-  grads = [[None if rows is False or g is None else _keep_if_rows(g, rows)
+  grads = [[None if rows is False or g is None else sharding.zero_unless_rows(g, rows)
             for g, _ in tower] for tower, rows in zip(per_tower, has_rows)]
   summed = allreduce.all_reduce_grads(grads, devices, algorithm, compact)
   tower0_variables = [variable for _, variable in per_tower[0]]
@@ -93,16 +94,6 @@ def _as_slices(dense):
   rows = tf.shape(dense, out_type=tf.int64)[0]
   return tf.IndexedSlices(dense, tf.range(rows),
                           tf.shape(dense, out_type=tf.int64))
-
-
-def _keep_if_rows(grad, has_rows):
-  """The gradient, or zeros where the tower turned out to have no rows."""
-  if isinstance(has_rows, bool):
-    return grad
-  if isinstance(grad, tf.IndexedSlices):
-    values = tf.where(has_rows, grad.values, tf.zeros_like(grad.values))
-    return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
-  return tf.where(has_rows, grad, tf.zeros_like(grad))
 
 
 def _op_name(variable):

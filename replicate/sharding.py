@@ -86,6 +86,21 @@ def shard_has_rows(sizes) -> List[Any]:
   return tf.unstack(sizes > 0, num=int(sizes.shape[0]))
 
 
+def zero_unless_rows(value, has_rows):
+  """`value`, or zeros where its shard turned out to have no rows.
+
+  Selected with `tf.where`, not multiplied by 0, which would keep a NaN a
+  stand-in row produced. `value` may be `IndexedSlices`; `has_rows` is a
+  Python bool or a scalar bool tensor.
+  """
+  if isinstance(has_rows, bool):
+    return value
+  if isinstance(value, tf.IndexedSlices):
+    return tf.IndexedSlices(zero_unless_rows(value.values, has_rows),
+                            value.indices, value.dense_shape)
+  return tf.where(has_rows, value, tf.zeros_like(value))
+
+
 def _to_tensors(prefix, structure):
   """The same structure with every leaf a Tensor or SparseTensor."""
   if structure is None:

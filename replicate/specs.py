@@ -28,6 +28,7 @@ from typing import List
 import tensorflow as tf
 
 from replicate import graphs
+from replicate import sharding
 
 ModeKeys = tf.estimator.ModeKeys
 _export_outputs = tf.estimator.export
@@ -89,10 +90,8 @@ def _weighted_loss(tower_specs, context):
       if rows is False:
         continue
       loss = tf.convert_to_tensor(spec.loss)
-      term = loss * tf.cast(weight, loss.dtype)
-      if rows is not True:
-        term = tf.where(rows, term, tf.zeros_like(term))
-      terms.append(term)
+      terms.append(sharding.zero_unless_rows(
+          loss * tf.cast(weight, loss.dtype), rows))
     return tf.math.add_n(terms, name="sum")
 
 
@@ -226,9 +225,8 @@ def _move_into(target, sources, context):
     rows = context.has_rows[index]
     if rows is False:
       continue
-    value = tf.convert_to_tensor(source)
-    kept.append(value if rows is True else
-                tf.where(rows, value, tf.zeros_like(value)))
+    kept.append(sharding.zero_unless_rows(tf.convert_to_tensor(source),
+                                          rows))
   sources = [source for _, source in sources]
   if not kept:
     return tf.group(*[_zeroed(s) for s in sources])

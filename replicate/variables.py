@@ -31,6 +31,7 @@ import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
 from replicate import context as context_lib
+from replicate import sharding
 
 SUM = "sum"
 MEAN = "mean"
@@ -242,7 +243,7 @@ def _fold_sum(variable, per_tower, has_rows, base):
   """
   copies = [c for c in per_tower[1:] if c is not None]
   start = base.read_value()
-  added = [_masked(c.read_value() - start, rows)
+  added = [sharding.zero_unless_rows(c.read_value() - start, rows)
            for c, rows in zip(per_tower[1:], has_rows[1:])
            if c is not None and rows is not False]
   if added:
@@ -259,15 +260,9 @@ def _fold_mean(variable, per_tower, has_rows):
   for copy, rows in zip(per_tower, has_rows):
     if copy is None or rows is False:
       continue
-    values.append(_masked(copy.read_value(), rows))
+    values.append(sharding.zero_unless_rows(copy.read_value(), rows))
     counts.append(tf.cast(rows, variable.dtype.base_dtype))
   mean = tf.math.divide_no_nan(tf.math.add_n(values), tf.math.add_n(counts))
   return tf.group(*[c.assign(mean) for c in per_tower if c is not None])
-
-
-def _masked(value, rows):
-  if isinstance(rows, bool):
-    return value
-  return tf.where(rows, value, tf.zeros_like(value))
 
 
