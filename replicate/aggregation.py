@@ -70,6 +70,11 @@ def all_reduce_grads_and_vars(per_tower: Sequence[GradsAndVars],
   return combined
 
 
+def add_gradients(grads):
+  """The sum of gradients of one variable: dense, `IndexedSlices` or mixed."""
+  return _sum(grads)
+
+
 def _sum(grads):
   if len(grads) == 1:
     return grads[0]

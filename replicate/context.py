@@ -19,6 +19,9 @@ from typing import Any, List, NamedTuple, Optional
 import tensorflow as tf
 
 from replicate import names
+from replicate import sharding
+from replicate import tower_collections
+from replicate import weighting
 
 # The graph collection that holds the active context while towers are built;
 # emptied again before the wrapped model_fn returns.
@@ -30,9 +33,10 @@ class OptimizerCall(NamedTuple):
   optimizer: Any
   grads_and_vars: List[Any]
   name_scope: str  # the name scope the call was made in
-  variable_scope: Any  # the tf.compat.v1.VariableScope it was made in
-  apply: Any  # apply(optimizer, grads_and_vars), with the call's arguments
-  result: Any  # the op the call returned (None in the last tower)
+  result: Any  # what the call returned: tower 0's update, in every tower
+  # Tower 0 only: the (stand-in gradient, variable) pairs its update was
+  # built on, connected to the sums by the last tower (see `pending`).
+  pending: Optional[List[Any]] = None
 
 
 class Aggregation(NamedTuple):
@@ -46,24 +50,33 @@ class Aggregation(NamedTuple):
 class ReplicationContext:
   """Which tower is being built, how many there are, and what they did."""
 
-  def __init__(self, graph, devices, device_functions, weights, has_rows,
-               sizes, may_stand_in, tower_variables,
-               aggregation=None):
+  def __init__(self, graph, devices, device_functions, shards,
+               loss_reduction, tower_variables, aggregation=None):
     self.graph = graph
     self.devices = devices
     self.num_towers = len(devices)
-    self.weights = weights  # loss weight per tower (float or scalar tensor)
-    self.has_rows = has_rows  # per tower: bool or scalar bool tensor
-    self.sizes = sizes  # real rows per tower (list of ints or int32 [N])
-    self.may_stand_in = may_stand_in  # a tower may run on a stand-in row
+    self.shards = shards  # the `sharding.Shards` the towers are built on
+    # Each tower's share of the batch, n_i / n (float or scalar tensor).
+    self.shares = sharding.shard_shares(shards.sizes, shards.batch_size)
+    self.has_rows = sharding.shard_has_rows(shards.sizes)
+    self.sizes = shards.sizes  # real rows per tower (list of ints or int32 [N])
+    self.may_stand_in = shards.may_stand_in  # a tower may run on a stand-in row
     self.tower_index = None  # the tower being built, or None
     self.optimizer_calls = [[] for _ in devices]  # per tower, in order
+    self.tower_ops = [[] for _ in devices]  # per tower, the ops it built
     self._device_functions = device_functions
     self._outer_name_scope = graph.get_name_scope()
     self._outer_variable_scope = tf.compat.v1.get_variable_scope()
     self._counters = names.NameCounters(graph)
+    sums_losses = loss_reduction == tf.compat.v1.losses.Reduction.SUM
+    self.collections = tower_collections.TowerCollections(
+        graph, self.num_towers, sums_losses)
+    # Loss weights per tower, and the denominators that may replace them.
+    self.weights = weighting.TowerWeights(
+        sharding.shard_weights(shards.sizes, shards.batch_size,
+                               loss_reduction), self.has_rows, sums_losses)
     self._tower0_variables = {}  # op name -> variable, as tower 0 made them
-    self._is_applying = False  # building an aggregated update
+    self._is_applying = False  # building tower 0's update
     # What each tower's variables are: tower 0's, or its own copies
     # (a `replicate.variables.TowerVariables`).
     self.variables = tower_variables
@@ -104,6 +117,8 @@ class ReplicationContext:
       self._counters.save_start()
     else:
       self._counters.restore_start()
+    self.collections.enter(index)
+    first_op = len(self.graph.get_operations())
     try:
       with self.graph.device(self._device_functions[index]), \
           tf.compat.v1.variable_creator_scope(self._variable_creator(index)):
@@ -117,50 +132,50 @@ class ReplicationContext:
                   self.tower_name_scope(index) + "/"):
             yield
     finally:
+      self.tower_ops[index] = self.graph.get_operations()[first_op:]
+      self.collections.leave(index)
       if index == 0:
         self._counters.save_end_of_tower0()
       self.tower_index = None
 
   def finish_towers(self):
-    """Leaves the name counters as the unwrapped model_fn would have."""
-    self._counters.restore_end_of_tower0()
+    """Leaves names and collections as the unwrapped model_fn would have.
 
-  def record_optimizer_call(self, optimizer, grads_and_vars, apply,
-                            result) -> int:
+    Also completes what waited for every tower: the sum of the towers'
+    loss denominators.
+    """
+    self._counters.restore_end_of_tower0()
+    self.collections.finish()
+    self.weights.finish()
+
+  def record_optimizer_call(self, optimizer, grads_and_vars, result,
+                            pending=None) -> int:
     """Records the current tower's call; returns its position in the tower."""
     calls = self.optimizer_calls[self.tower_index]
     calls.append(OptimizerCall(optimizer, list(grads_and_vars),
-                               self.graph.get_name_scope(),
-                               tf.compat.v1.get_variable_scope(), apply,
-                               result))
+                               self.graph.get_name_scope(), result, pending))
     return len(calls) - 1
 
   @contextlib.contextmanager
-  def scopes_of(self, call: OptimizerCall):
-    """Re-enters the device, variable scope and name scope of tower 0's `call`.
-
-    The aggregated update is built in the last tower but belongs to tower 0,
-    so that slots and accumulators get the names, and the reuse setting, the
-    unwrapped model_fn gives them.
-    """
-    name_scope = call.name_scope + "/" if call.name_scope else ""
+  def applying(self):
+    """Tower 0 builds its update: the optimizer's own variables are made."""
     self._is_applying = True
     try:
-      with self.graph.device(self._device_functions[0]), \
-          tf.compat.v1.variable_scope(call.variable_scope,
-                                      auxiliary_name_scope=False), \
-          self.graph.name_scope(name_scope):
-        try:
-          yield
-        finally:
-          # Leaving a re-entered VariableScope puts back the scope counts it
-          # found, forgetting the slot scopes made inside ('w/Adam'); a
-          # second optimizer on the same variable would then pick
-          # 'w/Adam' again. Keep what the update counted, as unwrapped.
-          counts = self._counters.scope_counts()
+      yield
     finally:
       self._is_applying = False
-    self._counters.set_scope_counts(counts)
+
+  @contextlib.contextmanager
+  def scopes_of(self, call: OptimizerCall):
+    """Tower 0's device and the name scope of its `call`, for the sums.
+
+    The sums are built in the last tower, once every tower's gradients
+    exist, but feed tower 0's update.
+    """
+    name_scope = call.name_scope + "/" if call.name_scope else ""
+    with self.graph.device(self._device_functions[0]), \
+        self.graph.name_scope(name_scope):
+      yield
 
   def _variable_getter(self, index):
     """For `get_variable` in tower `index`: tower 0's variable or its copy."""
@@ -212,8 +227,8 @@ class ReplicationContext:
 
 
 @contextlib.contextmanager
-def replication_context(devices, device_functions, weights, has_rows, sizes,
-                        may_stand_in, tower_variables, aggregation=None):
+def replication_context(devices, device_functions, shards, loss_reduction,
+                        tower_variables, aggregation=None):
   """Makes a `ReplicationContext` current for the default graph, then clears it."""
   graph = tf.compat.v1.get_default_graph()
   if graph.get_collection(_CONTEXT_COLLECTION):
@@ -221,9 +236,8 @@ def replication_context(devices, device_functions, weights, has_rows, sizes,
         "replicate_model_fn was called while another replicated model_fn was "
         "being built in the same graph; wrap the model_fn once (nested "
         "replicate_model_fn calls are not supported).")
-  context = ReplicationContext(graph, devices, device_functions, weights,
-                               has_rows, sizes, may_stand_in, tower_variables,
-                               aggregation)
+  context = ReplicationContext(graph, devices, device_functions, shards,
+                               loss_reduction, tower_variables, aggregation)
   graph.add_to_collection(_CONTEXT_COLLECTION, context)
   try:
     yield context

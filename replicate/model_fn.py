@@ -176,11 +176,7 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
       for device in tower_devices
   ]
   with context_lib.replication_context(
-      tower_devices, device_functions,
-      weights=sharding.shard_weights(shards.sizes, shards.batch_size,
-                                     loss_reduction),
-      has_rows=sharding.shard_has_rows(shards.sizes), sizes=shards.sizes,
-      may_stand_in=shards.may_stand_in,
+      tower_devices, device_functions, shards, loss_reduction,
       tower_variables=variables_lib.TowerVariables(
           tf.compat.v1.get_default_graph(), tower_devices,
           is_replicated=aggregation.all_reduce is not None),

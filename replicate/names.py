@@ -5,13 +5,12 @@ store's counts, Keras's layer-name uids); this module is the only code that
 touches them.
 """
 
-import tensorflow as tf
 from keras.src import backend as keras_backend
 from tensorflow.python.ops import variable_scope as variable_scope_lib
 
 
 class NameCounters:
-  """Snapshots of the graph's name counters, and of its losses collection.
+  """Snapshots of the graph's name counters.
 
   Default names (`tf.compat.v1.variable_scope(None, default_name='dense')`,
   unnamed `tf.compat.v1.layers` layers, `tf.compat.v1.metrics`) are made
@@ -21,25 +20,15 @@ class NameCounters:
   TensorFlow keeps these counters in private places; this class is the only
   code that touches them.
 
-  The `LOSSES` collection is treated the same way, so that
-  `tf.compat.v1.losses.get_total_loss()` in tower i sums tower i's losses,
-  not tower 0's too. (Regularization losses are left alone: they belong to
-  the shared variables, and every tower must see them.)
+  (What towers see of the loss collections is `replicate.tower_collections`.)
   """
 
   def __init__(self, graph):
     with graph.as_default():
       self._scope_store = variable_scope_lib.get_variable_scope_store()
       self._layer_uids = keras_backend.get_default_graph_uid_map()
-    self._graph = graph
     self._start = None
     self._end = None
-
-  def scope_counts(self):
-    return dict(self._scope_store.variable_scopes_count)
-
-  def set_scope_counts(self, counts):
-    self._scope_store.variable_scopes_count = dict(counts)
 
   def save_start(self):
     self._start = self._snapshot()
@@ -56,14 +45,10 @@ class NameCounters:
 
   def _snapshot(self):
     return (dict(self._scope_store.variable_scopes_count),
-            dict(self._layer_uids),
-            self._graph.get_collection(tf.compat.v1.GraphKeys.LOSSES))
+            dict(self._layer_uids))
 
   def _restore(self, snapshot):
-    scopes, layers, losses = snapshot
+    scopes, layers = snapshot
     self._scope_store.variable_scopes_count = dict(scopes)
     self._layer_uids.clear()
     self._layer_uids.update(layers)
-    key = tf.compat.v1.GraphKeys.LOSSES
-    if losses or self._graph.get_collection(key):
-      self._graph.get_collection_ref(key)[:] = losses

@@ -15,7 +15,7 @@ TF 2 canned estimators take) by `KerasTowerOptimizer`, which
 wraps, since canned estimators check that.
 """
 
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import tensorflow as tf
 
@@ -67,28 +67,38 @@ class TowerOptimizer(wrapping.Wrapping, _V1Optimizer):
 
   _family = _V1Optimizer
 
-  def __new__(cls, optimizer_or_optimizer_fn=None):
+  def __new__(cls, optimizer_or_optimizer_fn=None,
+              gradient_transformers=None):
     if cls is TowerOptimizer and _family_of(
         optimizer_or_optimizer_fn) is _KerasOptimizer:
-      return KerasTowerOptimizer(optimizer_or_optimizer_fn)
+      return KerasTowerOptimizer(optimizer_or_optimizer_fn,
+                                 gradient_transformers)
     return super().__new__(cls)
 
-  def __init__(self, optimizer_or_optimizer_fn: Union[_V1Optimizer,
-                                                      _KerasOptimizer,
-                                                      Callable[[], Any]]):
-    self._init_wrapping(optimizer_or_optimizer_fn)
+  def __init__(self,
+               optimizer_or_optimizer_fn: Union[_V1Optimizer, _KerasOptimizer,
+                                                Callable[[], Any]],
+               gradient_transformers: Optional[Sequence[Callable]] = None):
+    self._init_wrapping(optimizer_or_optimizer_fn, gradient_transformers)
     name = getattr(optimizer_or_optimizer_fn, "get_name", lambda: None)()
     super().__init__(use_locking=False, name=name or "TowerOptimizer")
 
   def compute_gradients(self, loss, var_list=None, *args, **kwargs):
-    """Weights the loss by this tower's share of the batch, then differentiates.
+    """Weights the loss by this tower's weight, then differentiates.
 
     With replicated variables, tower i differentiates with respect to its
     own copies of `var_list` (default: the trainable variables).
     """
-    return self.optimizer.compute_gradients(
-        self._weighted_loss(loss), wrapping.tower_variables(var_list), *args,
-        **kwargs)
+    loss = self._weighted_loss(loss)
+    variables = wrapping.tower_variables(var_list)
+    if not isinstance(variables, list):
+      return self.optimizer.compute_gradients(loss, variables, *args,
+                                              **kwargs)
+    return self._tower_gradients(
+        lambda loss_, variables_: [g for g, _ in self.optimizer.
+                                   compute_gradients(loss_, variables_, *args,
+                                                     **kwargs)],
+        loss, variables)
 
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
     """Records this tower's gradients; the last tower applies their sum once."""
@@ -123,17 +133,18 @@ class KerasTowerOptimizer(wrapping.Wrapping, _KerasOptimizer):
 
   _family = _KerasOptimizer
 
-  def __init__(self, optimizer_or_optimizer_fn):
-    self._init_wrapping(optimizer_or_optimizer_fn)
+  def __init__(self, optimizer_or_optimizer_fn, gradient_transformers=None):
+    self._init_wrapping(optimizer_or_optimizer_fn, gradient_transformers)
     name = getattr(optimizer_or_optimizer_fn, "_name", None)
     super().__init__(name=name or "TowerOptimizer")
 
   def get_gradients(self, loss, params):
-    return self.optimizer.get_gradients(self._weighted_loss(loss),
-                                        wrapping.tower_variables(params))
+    return [grad for grad, _ in self._tower_gradients(
+        self.optimizer.get_gradients, self._weighted_loss(loss),
+        list(wrapping.tower_variables(params)))]
 
   def get_updates(self, loss, params):
-    params = wrapping.tower_variables(params)  # a replicated tower's copies
+    params = list(wrapping.tower_variables(params))  # a replicated tower's copies
     grads = self.get_gradients(loss, params)
     return [self.apply_gradients(list(zip(grads, params)))]
 

@@ -69,21 +69,29 @@ def shard_sizes(batch_size, num_shards: int):
 
 def shard_weights(sizes, batch_size, loss_reduction: str) -> List[Any]:
   """Each tower's loss weight: 1 for SUM, else its share `n_i / n`."""
-  num_shards = len(sizes) if isinstance(sizes, list) else int(sizes.shape[0])
   if loss_reduction == Reduction.SUM:
-    return [1.0] * num_shards
+    return [1.0] * _num_shards(sizes)
+  return shard_shares(sizes, batch_size)
+
+
+def shard_shares(sizes, batch_size) -> List[Any]:
+  """Each shard's share of the batch, `n_i / n` (0 for an empty batch)."""
   if isinstance(batch_size, int):
     return [size / batch_size if batch_size else 0.0 for size in sizes]
   shares = tf.math.divide_no_nan(
       tf.cast(sizes, tf.float32), tf.cast(batch_size, tf.float32))
-  return tf.unstack(shares, num=num_shards, name="tower_weights")
+  return tf.unstack(shares, num=_num_shards(sizes), name="tower_shares")
+
+
+def _num_shards(sizes) -> int:
+  return len(sizes) if isinstance(sizes, list) else int(sizes.shape[0])
 
 
 def shard_has_rows(sizes) -> List[Any]:
   """Whether each shard has at least one row (Python bools when known)."""
   if isinstance(sizes, list):
     return [size > 0 for size in sizes]
-  return tf.unstack(sizes > 0, num=int(sizes.shape[0]))
+  return tf.unstack(sizes > 0, num=_num_shards(sizes))
 
 
 def zero_unless_rows(value, has_rows):

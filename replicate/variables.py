@@ -177,6 +177,18 @@ class TowerVariables:
           name=kwargs.get("name"), dtype=tower0_slot.dtype.base_dtype,
           use_resource=True)
 
+  def copy_ops(self, index: int) -> set:
+    """The ops of tower `index`'s copies (tower-local or replicated)."""
+    if index == 0:
+      return set()
+    return {copy.op for copy in self._copies[index].values()}
+
+  def then_fold(self, op, has_rows):
+    """`op`, then the fold of the tower-local variables, if there are any."""
+    with tf.control_dependencies([op]):
+      fold = self.fold_tower_local(has_rows)
+    return op if fold is None else tf.group(op, fold)
+
   def fold_tower_local(self, has_rows) -> Optional[tf.Operation]:
     """Folds every tower's copy into tower 0's variable, per its reduction."""
     folds = []

@@ -3,17 +3,27 @@
 On the wrapped optimizer: one per graph (the Estimator builds a graph per
 train, evaluate and export call), made from the instance or function given.
 
-On towers: computing gradients weights the tower's loss by its share of the
-batch; applying them records the tower's call, and the last tower's call
-sums (or, with replicated variables, all-reduces) every tower's gradients
-and applies them once, with tower 0's optimizer, in tower 0's scopes. Calls
-are matched across towers by their position.
+On towers: computing gradients weights the tower's loss by its weight (see
+`replicate.weighting`). Tower 0's `apply_gradients` builds the one update of
+the step with the wrapped optimizer, in tower 0's scopes, on stand-ins for
+the summed gradients (see `replicate.pending`), so it returns the real update
+and the optimizer's slots exist once it returns. Towers 1..N-1 record their
+gradients and return tower 0's update; the last tower sums (or, with
+replicated variables, all-reduces) every tower's gradients and connects the
+sums to tower 0's update. Calls are matched across towers by position.
+
+On `gradient_transformers`: functions `grads_and_vars -> grads_and_vars`
+applied, in order, to the summed gradients before the update (with one
+tower, and outside `replicate_model_fn`, to the gradients given).
 """
+
+from typing import Any, Callable, List, Optional, Sequence
 
 import tensorflow as tf
 
 from replicate import aggregation
 from replicate import context as context_lib
+from replicate import pending
 
 V1Optimizer = tf.compat.v1.train.Optimizer
 KerasOptimizer = tf.keras.optimizers.legacy.Optimizer
@@ -24,12 +34,14 @@ class Wrapping:
 
   _family = None  # the optimizer class a subclass wraps
 
-  def _init_wrapping(self, optimizer_or_optimizer_fn):
+  def _init_wrapping(self, optimizer_or_optimizer_fn,
+                     gradient_transformers: Optional[Sequence[Callable]]):
     if isinstance(optimizer_or_optimizer_fn, Wrapping):
       raise ValueError(
           "TowerOptimizer was given a TowerOptimizer; wrap the optimizer "
           "once. Received: {!r}.".format(optimizer_or_optimizer_fn))
     self._optimizer_or_optimizer_fn = optimizer_or_optimizer_fn
+    self._gradient_transformers = _checked_transformers(gradient_transformers)
     self._built = None  # (graph, optimizer) for a function, per graph
 
   @property
@@ -55,55 +67,90 @@ class Wrapping:
     return checked(wrapped(), self._family)
 
   def _weighted_loss(self, loss):
-    """The loss weighted by the current tower's share of the batch."""
+    """The loss weighted by the current tower's weight."""
     context = _active_context()
     if context is None:
       return loss
-    weight = context.weights[context.tower_index]
+    weight = context.weights.of(context.tower_index)
     if isinstance(weight, float) and weight == 1.0:
       return loss
     if callable(loss):
       return lambda: loss() * tf.cast(weight, tf.float32)
     return loss * tf.cast(weight, loss.dtype)
 
-  def _collect_or_apply(self, grads_and_vars, apply):
-    """Records the tower's gradients; in the last tower, applies their sum.
+  def _transformed(self, grads_and_vars):
+    for transform in self._gradient_transformers:
+      grads_and_vars = list(transform(list(grads_and_vars)))
+    return grads_and_vars
 
-    `apply(optimizer, grads_and_vars)` makes the update. The sum is applied
-    with tower 0's optimizer and tower 0's `apply` (its `global_step` and
-    `name`): tower 0's optimizer object is the one the returned spec's hooks
-    (tower 0's) refer to, e.g. a SyncReplicasOptimizer's hook.
+  def _collect_or_apply(self, grads_and_vars, apply):
+    """Tower 0 builds the update; the other towers feed it their gradients.
+
+    `apply(optimizer, grads_and_vars)` makes the update with the wrapped
+    optimizer and the call's arguments (its `global_step` and `name`).
+    Every tower gets back tower 0's update: what a tower makes wait for it
+    (an `ExponentialMovingAverage`, a step counter) waits for the one
+    update of the step.
     """
     context = _active_context()
     if context is None:
-      return apply(self.optimizer, grads_and_vars)
+      return apply(self.optimizer, self._transformed(grads_and_vars))
     grads_and_vars = list(grads_and_vars)
     _check_own_copies(context, grads_and_vars)
-    if not context.is_last_tower:
-      collected = tf.no_op(name="tower_optimizer_collect")
-      context.record_optimizer_call(self, grads_and_vars, apply, collected)
-      return collected
-    position = context.record_optimizer_call(self, grads_and_vars, apply,
-                                             None)
-    per_tower = _same_call_in_every_tower(context, position)
-    tower0_call = context.optimizer_calls[0][position]
-    with context.scopes_of(tower0_call):
-      if context.is_replicated:
-        summed = aggregation.all_reduce_grads_and_vars(
-            per_tower, context.has_rows, context.devices,
-            context.aggregation.all_reduce,
-            context.aggregation.compact_gradients)
-      else:
-        summed = aggregation.sum_grads_and_vars(
-            per_tower, context.has_rows, context.aggregation.sum_device)
-      update = tower0_call.apply(tower0_call.optimizer.optimizer, summed)
-    update_op = getattr(update, "op", update)
-    for calls in context.optimizer_calls[:-1]:
-      # What an earlier tower's apply_gradients returned stands for the
-      # update, as it would unwrapped: what waits for it (a global-step
-      # increment after training) must wait for the update.
-      calls[position].result._add_control_input(update_op)  # pylint: disable=protected-access
+    if context.tower_index == 0:
+      return self._build_update(context, grads_and_vars, apply)
+    position = context.record_optimizer_call(self, grads_and_vars, None)
+    tower0_call = _tower0_call(context, position)
+    if context.is_last_tower:
+      _connect_sums(context, position)
+    return tower0_call.result
+
+  def _build_update(self, context, grads_and_vars, apply):
+    """Tower 0's update, on stand-ins for the sums over towers."""
+    per_tower = [[(pending.stand_in(grad, "pending_gradient"), variable)
+                  for grad, variable in grads_and_vars]]
+    if context.is_replicated:
+      # Every copy gets the same update in the same apply_gradients, so
+      # that the optimizer's own step (Adam's beta powers) moves once.
+      for index in range(1, context.num_towers):
+        per_tower.append([
+            (pending.stand_in(grad, "pending_gradient"), copy)
+            for grad, copy in ((grad, context.variables.for_tower(
+                index, variable)) for grad, variable in grads_and_vars)
+            if grad is not None and copy is not None and
+            context.variables.tower0_variable(copy) is not copy])
+    with context.applying():
+      update = apply(self.optimizer, [
+          pair for tower in per_tower for pair in self._transformed(tower)])
+    context.record_optimizer_call(
+        self, grads_and_vars, update,
+        pending=[pair for tower in per_tower for pair in tower])
     return update
+
+  def _tower_gradients(self, compute, loss, variables):
+    """`compute(loss, variables)` for this tower, as (gradient, variable).
+
+    With replicated variables, tower i's loss may also read tower 0's
+    variables themselves (the regularization losses every tower sees are
+    tower 0's): that gradient belongs to tower i's copy too, since the copy
+    and the variable hold the same value.
+    """
+    context = _active_context()
+    originals = []
+    if context is not None and context.is_replicated and variables:
+      originals = [context.variables.tower0_variable(v) for v in variables]
+      originals = [v for v, copy in zip(originals, variables) if v is not copy]
+    own = list(compute(loss, list(variables)))
+    if originals and not callable(loss):
+      by_original = {v.ref(): g for v, g in zip(
+          originals, tf.compat.v1.gradients(loss, originals))}
+      for position, variable in enumerate(variables):
+        extra = by_original.get(
+            context.variables.tower0_variable(variable).ref())
+        if extra is not None:
+          own[position] = extra if own[position] is None else (
+              aggregation.add_gradients([own[position], extra]))
+    return list(zip(own, variables))
 
   def get_slot(self, *args, **kwargs):
     return self.optimizer.get_slot(*args, **kwargs)
@@ -122,6 +169,19 @@ class Wrapping:
     if name.startswith("_"):
       raise AttributeError(name)
     return getattr(self.optimizer, name)
+
+
+def _checked_transformers(gradient_transformers) -> List[Callable]:
+  if gradient_transformers is None:
+    return []
+  if callable(gradient_transformers) or not isinstance(
+      gradient_transformers, (list, tuple)) or not all(
+          callable(t) for t in gradient_transformers):
+    raise ValueError(
+        "TowerOptimizer(gradient_transformers=...) takes a list of "
+        "functions, each taking and returning a list of (gradient, "
+        "variable) pairs. Received: {!r}.".format(gradient_transformers))
+  return list(gradient_transformers)
 
 
 def checked(optimizer, family):
@@ -183,8 +243,8 @@ def _check_own_copies(context, grads_and_vars):
               index, variable.op.name, copy.op.name))
 
 
-def _same_call_in_every_tower(context, position):
-  """Every tower's gradients for call `position`, checked to be alike."""
+def _tower0_call(context, position):
+  """Tower 0's call at `position`, which tower i's call must match."""
   first = context.optimizer_calls[0]
   if len(first) <= position:
     raise ValueError(
@@ -193,7 +253,41 @@ def _same_call_in_every_tower(context, position):
         "optimizer calls in the same order. Make the calls independent of "
         "the tower's data.".format(context.tower_index, position + 1,
                                    len(first)))
-  reference = first[position]
+  return first[position]
+
+
+def _connect_sums(context, position):
+  """Sums call `position`'s gradients over towers; feeds tower 0's update."""
+  per_tower = _same_call_in_every_tower(context, position)
+  tower0_call = context.optimizer_calls[0][position]
+  with context.scopes_of(tower0_call):
+    if context.is_replicated:
+      summed = aggregation.all_reduce_grads_and_vars(
+          per_tower, context.has_rows, context.devices,
+          context.aggregation.all_reduce,
+          context.aggregation.compact_gradients)
+    else:
+      summed = aggregation.sum_grads_and_vars(
+          per_tower, context.has_rows, context.aggregation.sum_device)
+    by_variable = {variable.ref(): grad for grad, variable in summed}
+    for stand_in, variable in tower0_call.pending:
+      total = by_variable.get(variable.ref())
+      if stand_in is None:
+        if total is not None:
+          raise ValueError(
+              "Tower 0 has no gradient for {!r}, but another tower has one: "
+              "each tower's loss must depend on the same variables. Make "
+              "the model_fn build the same model whatever its data.".format(
+                  variable.op.name))
+        continue
+      pending.connect(stand_in, total if total is not None else
+                      tf.zeros_like(stand_in if not isinstance(
+                          stand_in, tf.IndexedSlices) else stand_in.values))
+
+
+def _same_call_in_every_tower(context, position):
+  """Every tower's gradients for call `position`, checked to be alike."""
+  reference = context.optimizer_calls[0][position]
   per_tower = []
   for index, calls in enumerate(context.optimizer_calls):
     call = calls[position] if position < len(calls) else None

@@ -5,14 +5,16 @@ import tensorflow as tf
 
 from conftest import cpus, run_initialized
 from replicate import context as context_lib
+from replicate import sharding
 from replicate import variables as variables_lib
 
 
 def _context(graph, count=2):
   functions = [lambda op, d=d: d for d in cpus(count)]
   return context_lib.replication_context(
-      cpus(count), functions, weights=[1.0] * count, has_rows=[True] * count,
-      sizes=[1] * count, may_stand_in=False,
+      cpus(count), functions,
+      sharding.split_batch(tf.ones([count, 1]), None, count),
+      tf.compat.v1.losses.Reduction.MEAN,
       tower_variables=variables_lib.TowerVariables(graph, cpus(count),
                                                    is_replicated=False))
 

@@ -62,10 +62,12 @@ def test_sum_reduction_sums_tower_gradients(graph):
   assert run_initialized(w_after) == pytest.approx(-3.0)
 
 
-def test_every_towers_train_op_runs_once_per_step(graph):
+def test_a_train_op_change_that_ignores_the_rows_happens_once_per_step(graph):
+  # Unwrapped, the counter gains 1 per step; so it must wrapped, not 1 per
+  # tower: only changes computed from a tower's own rows run in every tower.
   def model_fn(features, labels, mode):
     counter = tf.compat.v1.get_variable(
-        "towers_run", [], trainable=False, initializer=tf.zeros_initializer())
+        "steps_run", [], trainable=False, initializer=tf.zeros_initializer())
     spec = _linear_model_fn()(features, labels, mode)
     side_effect = tf.compat.v1.assign_add(counter, 1.0)
     return spec._replace(train_op=tf.group(spec.train_op, side_effect))
@@ -73,13 +75,13 @@ def test_every_towers_train_op_runs_once_per_step(graph):
   spec = replicate.replicate_model_fn(model_fn, devices=cpus(3))(
       tf.ones([6]), None, TRAIN)
   counter = [v for v in tf.compat.v1.global_variables()
-             if v.op.name == "towers_run"][0]
+             if v.op.name == "steps_run"][0]
   with tf.compat.v1.Session(config=tf.compat.v1.ConfigProto(
       device_count={"CPU": 3})) as session:
     session.run(tf.compat.v1.global_variables_initializer())
     session.run(spec.train_op)
     session.run(spec.train_op)
-    assert session.run(counter) == 6.0  # 3 towers x 2 steps
+    assert session.run(counter) == 2.0  # 2 steps, whatever the towers
 
 
 def test_several_optimizers_and_losses_each_apply_once(graph):

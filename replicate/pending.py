@@ -1,0 +1,71 @@
+"""Stand-ins for values that exist only once every tower is built.
+
+On why: tower 0's `apply_gradients` must return the real update, so that
+what the `model_fn` makes wait for it (an `ExponentialMovingAverage` after
+the step, a `Saver` that must see the optimizer's slots) waits for the one
+update of the step; but the other towers' gradients, whose sum the update
+applies, are built after tower 0. Tower 0 therefore builds the update on a
+stand-in for each summed gradient, and once the last tower has built the
+sum, `connect` points everything that read the stand-in at the sum. The same
+goes for the sum of the towers' loss denominators
+(`replicate.loss_denominator`).
+
+On shapes: a stand-in has the shape of what tower 0 had, with dimension 0
+left open for the parts of `IndexedSlices` (the towers' slices are
+concatenated), so the final value fits wherever the stand-in was read.
+"""
+
+from typing import Any
+
+import tensorflow as tf
+
+
+def stand_in(value: Any, name: str = "pending") -> Any:
+  """A stand-in for a later value shaped like `value` (Tensor or slices).
+
+  Until connected it passes `value` through, so an unconnected stand-in
+  still computes something valid.
+  """
+  if value is None:
+    return None
+  if isinstance(value, tf.IndexedSlices):
+    return tf.IndexedSlices(
+        _open_dim0(value.values, name + "_values"),
+        _open_dim0(value.indices, name + "_indices"), value.dense_shape)
+  value = tf.convert_to_tensor(value)
+  return tf.compat.v1.placeholder_with_default(value, value.shape, name=name)
+
+
+def connect(pending: Any, value: Any) -> None:
+  """Makes every reader of the stand-in `pending` read `value` instead."""
+  if isinstance(pending, tf.IndexedSlices):
+    value = _as_slices(value)
+    _reroute(pending.values, value.values)
+    _reroute(pending.indices, tf.cast(value.indices, pending.indices.dtype))
+    return
+  if isinstance(value, tf.IndexedSlices):
+    value = tf.convert_to_tensor(value)
+  _reroute(pending, tf.cast(value, pending.dtype))
+
+
+def _open_dim0(tensor, name):
+  shape = tensor.shape
+  if shape.rank:
+    shape = tf.TensorShape([None]).concatenate(shape[1:])
+  return tf.compat.v1.placeholder_with_default(tensor, shape, name=name)
+
+
+def _reroute(old: tf.Tensor, new: tf.Tensor) -> None:
+  for consumer in old.consumers():
+    for position, tensor in enumerate(consumer.inputs):
+      if tensor is old:
+        consumer._update_input(position, new)  # pylint: disable=protected-access
+
+
+def _as_slices(value):
+  """`value` as `IndexedSlices`: a dense tensor becomes slices of every row."""
+  if isinstance(value, tf.IndexedSlices):
+    return value
+  rows = tf.shape(value, out_type=tf.int64)[0]
+  return tf.IndexedSlices(value, tf.range(rows),
+                          tf.shape(value, out_type=tf.int64))

@@ -1,0 +1,243 @@
+"""The one `train_op` of a step, from the towers' `train_op`s.
+
+On the update: tower 0's optimizer calls built the one update of the step
+(see `replicate.wrapping`); every tower's call returned it.
+
+On other state changes: tower 0's `train_op` runs as the `model_fn` built it,
+so what it changes once per step (a step counter grouped with the update,
+an `ExponentialMovingAverage` made after it, an assignment of a constant or
+of variables' values) changes once, after the update where the `model_fn`
+made it wait. From towers 1..N-1 only the state changes that depend on the
+tower's own rows run (`seen.assign_add(tf.size(labels))`: each tower counts
+its rows, so the total is the batch's), and the writes to their
+`tower_local_scope` copies. A change depends on the rows when its value is
+computed from the tower's shard, or from its shape: with a batch of known
+size TensorFlow folds `tf.size(x)` and `tf.shape(x)` to constants, which
+this module recognises by the names TensorFlow gives them (`Size`, `Shape`);
+a count taken from the static `x.shape` is a plain constant, and counts once.
+
+On `UPDATE_OPS`: the variables the towers' `UPDATE_OPS` write (batch-norm
+moving mean and variance) are written once per step, by tower 0's op, with
+the towers' values combined by their share of the batch `n_i / n`; the
+other towers' writes are made to change nothing. An `assign` of
+`(1 - f) m + f x_i`, or an `assign_sub` of `f (m - x_i)`, becomes the same
+with `x` the share-weighted mean of the `x_i`: the moving mean moves as it
+would with the whole batch's mean.
+
+On towers without rows (a stand-in row): their `UPDATE_OPS` values weigh 0,
+and their other kept writes (`assign_add`, `assign_sub`, `assign`) are made
+to change nothing.
+"""
+
+import re
+from typing import List
+
+import tensorflow as tf
+
+from replicate import sharding
+
+# Variable writes: op type -> "add", "sub" or "set" (value input 1).
+_WRITE_KINDS = {
+    "Assign": "set", "AssignVariableOp": "set",
+    "AssignAdd": "add", "AssignAddVariableOp": "add",
+    "AssignSub": "sub", "AssignSubVariableOp": "sub",
+}
+# Other ops whose running is the point, beyond variable writes.
+_EFFECT_TYPES = frozenset([
+    "Assert", "Print", "PrintV2", "PyFunc", "EagerPyFunc", "CountUpTo",
+    "ResourceCountUpTo"
+])
+_EFFECT_PREFIXES = ("Assign", "Scatter", "ResourceScatter")
+# What TensorFlow names a shape it folded to a constant (`tf.size`,
+# `tf.shape` of a tensor whose shape is known when the graph is built).
+_FOLDED_SHAPE = re.compile(r"(Size|Shape)(_[0-9]+)?")
+
+
+def combine_train_op(tower_specs, context) -> tf.Operation:
+  """Tower 0's train_op, the towers' own-row changes, then the fold."""
+  _check_optimizer_calls(context)
+  combine_update_ops(context)
+  kept = []
+  for index, spec in enumerate(tower_specs[1:], start=1):
+    if spec.train_op is None or context.has_rows[index] is False:
+      continue
+    for op in _own_row_effects(index, spec.train_op, context):
+      _change_nothing_unless_rows(op, context.has_rows[index])
+      kept.append(op)
+  train_op = tf.group(tower_specs[0].train_op, *kept,
+                      name="train_op_over_towers")
+  return context.variables.then_fold(train_op, context.has_rows)
+
+
+def combine_update_ops(context) -> None:
+  """Makes tower 0's `UPDATE_OPS` writes write the towers' weighted values."""
+  writes = [_update_writes(index, context)
+            for index in range(context.num_towers)]
+  for index, tower_writes in enumerate(writes[1:], start=1):
+    if [_written(op) for op in tower_writes] != [
+        _written(op) for op in writes[0]]:
+      raise ValueError(
+          "Tower {}'s UPDATE_OPS write {} and tower 0's write {}: each "
+          "tower's model_fn must make the same updates (batch norm, moving "
+          "averages), whatever its data.".format(
+              index, [_written(op).name for op in tower_writes],
+              [_written(op).name for op in writes[0]]))
+  with tf.name_scope("update_ops_over_towers"):
+    for position, tower0_write in enumerate(writes[0]):
+      _check_rewritable(tower0_write)
+      terms = []
+      for index, tower_writes in enumerate(writes):
+        rows = context.has_rows[index]
+        if rows is False:
+          continue
+        value = tower_writes[position].inputs[1]
+        share = tf.cast(context.shares[index], value.dtype)
+        terms.append(sharding.zero_unless_rows(value * share, rows))
+      combined = tf.math.add_n(terms)
+      for tower_writes in writes[1:]:
+        _change_nothing(tower_writes[position], after=tower0_write)
+      tower0_write._update_input(1, combined)  # pylint: disable=protected-access
+
+
+def _check_optimizer_calls(context):
+  counts = [len(calls) for calls in context.optimizer_calls]
+  if not any(counts):
+    raise ValueError(
+        "The model_fn built a train_op on {} towers without a "
+        "TowerOptimizer, so each tower would update the variables with its "
+        "own gradients. Please wrap optimizers with TowerOptimizer: "
+        "replicate.TowerOptimizer(tf.compat.v1.train.AdamOptimizer(...)).".
+        format(context.num_towers))
+  if len(set(counts)) > 1:
+    raise ValueError(
+        "The towers made different numbers of TowerOptimizer.apply_gradients "
+        "calls ({}): each tower's model_fn was supposed to make the same "
+        "optimizer calls in the same order. Make the calls independent of "
+        "the tower's data.".format(", ".join(
+            "tower {}: {}".format(i, n) for i, n in enumerate(counts))))
+
+
+def _update_writes(index, context) -> List[tf.Operation]:
+  """The variable writes behind tower `index`'s `UPDATE_OPS`, in build order."""
+  tower_ops = context.tower_ops[index]
+  order = {op: position for position, op in enumerate(tower_ops)}
+  found = set()
+  for update in context.collections.update_ops(index):
+    op = getattr(update, "op", update)
+    for behind in _ops_behind([op], order, follow_control=True,
+                              stop_at_writes=True):
+      if behind.type in _WRITE_KINDS:
+        found.add(behind)
+  return sorted(found, key=order.get)
+
+
+def _own_row_effects(index, train_op, context) -> List[tf.Operation]:
+  """Tower `index`'s state changes that depend on its own rows."""
+  order = {op: position for position, op in enumerate(
+      context.tower_ops[index])}
+  update_writes = set(_update_writes(index, context))
+  own_copies = context.variables.copy_ops(index)
+  shard = _shard_tensors(context.shards, index)
+  effects = []
+  for op in _ops_behind([getattr(train_op, "op", train_op)], order,
+                        follow_control=True):
+    if not _is_effect(op) or op in update_writes:
+      continue
+    writes_own_copy = bool(op.inputs) and op.inputs[0].op in own_copies
+    if writes_own_copy or _reads_rows(op, order, shard):
+      effects.append(op)
+  return sorted(effects, key=order.get)
+
+
+def _ops_behind(ops, within, follow_control, stop_at_writes=False):
+  """The ops `ops` are built from (theirs too), among the ops in `within`."""
+  pending = [op for op in ops if op in within]
+  seen = set()
+  while pending:
+    op = pending.pop()
+    if op in seen:
+      continue
+    seen.add(op)
+    yield op
+    if stop_at_writes and op.type in _WRITE_KINDS:
+      continue
+    behind = [t.op for t in op.inputs]
+    if follow_control:
+      behind += op.control_inputs
+    pending.extend(o for o in behind if o in within and o not in seen)
+
+
+def _reads_rows(op, within, shard) -> bool:
+  """Whether `op`'s inputs are computed from the tower's rows."""
+  pending = list(op.inputs)
+  seen = set()
+  while pending:
+    tensor = pending.pop()
+    if tensor.ref() in shard:
+      return True
+    if tensor.ref() in seen or tensor.op not in within:
+      continue
+    seen.add(tensor.ref())
+    if tensor.op.type == "Const" and _FOLDED_SHAPE.fullmatch(
+        tensor.op.name.split("/")[-1]):
+      return True
+    pending.extend(tensor.op.inputs)
+  return False
+
+
+def _shard_tensors(shards, index):
+  leaves = tf.nest.flatten([shards.features[index], shards.labels[index]],
+                           expand_composites=True)
+  return {t.ref() for t in leaves if isinstance(t, tf.Tensor)}
+
+
+def _is_effect(op) -> bool:
+  return op.type in _EFFECT_TYPES or op.type.startswith(_EFFECT_PREFIXES)
+
+
+def _written(write_op):
+  """The op of the variable a write op writes."""
+  return write_op.inputs[0].op
+
+
+def _check_rewritable(op):
+  if op._control_flow_context is not None or op.graph.building_function:  # pylint: disable=protected-access
+    raise ValueError(
+        "The UPDATE_OPS write {!r} is built inside control flow (a tf.cond, "
+        "a while loop or a tf.function), where replicate_model_fn cannot "
+        "combine the towers' updates. Build the update outside control "
+        "flow.".format(op.name))
+
+
+def _change_nothing(op, after):
+  """Makes a write leave its variable as it is, once `after` has run."""
+  _check_rewritable(op)
+  if _WRITE_KINDS[op.type] == "set":
+    with tf.control_dependencies([after]):
+      value = _read(op)
+  else:
+    value = tf.zeros_like(op.inputs[1])
+  op._update_input(1, value)  # pylint: disable=protected-access
+  op._add_control_input(after)  # pylint: disable=protected-access
+
+
+def _change_nothing_unless_rows(op, has_rows):
+  """Where the tower may have no rows, its write changes nothing then."""
+  if isinstance(has_rows, bool) or op.type not in _WRITE_KINDS:
+    return
+  _check_rewritable(op)
+  value = op.inputs[1]
+  if _WRITE_KINDS[op.type] == "set":
+    unchanged = _read(op)
+  else:
+    unchanged = tf.zeros_like(value)
+  op._update_input(1, tf.where(has_rows, value, unchanged))  # pylint: disable=protected-access
+
+
+def _read(write_op):
+  """The current value of the variable `write_op` writes."""
+  target = write_op.inputs[0]
+  if target.dtype == tf.resource:
+    return tf.raw_ops.ReadVariableOp(resource=target,
+                                     dtype=write_op.get_attr("dtype"))
+  return tf.identity(target)

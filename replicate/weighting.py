@@ -1,0 +1,120 @@
+"""How much each tower's loss counts, and `replicate.loss_denominator`.
+
+On weights: with `Reduction.SUM` every tower's loss counts fully (weight 1);
+with an averaging reduction tower i's loss counts `n_i / n`, its share of
+the batch, which is exact when the loss is a mean over rows. A loss that
+averages over something else (non-zero weights, the tokens a padding mask
+keeps, a sum of weights) states its denominator with `loss_denominator`,
+and tower i then counts `d_i / sum_j d_j`, worked out at run time.
+"""
+
+from typing import Any, List, Optional
+
+import tensorflow as tf
+
+from replicate import pending
+from replicate import sharding
+
+
+def loss_denominator(denominator: Any) -> tf.Tensor:
+  """States what this tower's loss is averaged over; returns it as a tensor.
+
+  Args:
+    denominator: a scalar: the count or sum the `model_fn`'s loss divides by
+      (e.g. `tf.math.count_nonzero(weights)` for a
+      `SUM_BY_NONZERO_WEIGHTS` loss, `tf.reduce_sum(weights)` for `MEAN`,
+      `tf.reduce_sum(mask)` for a mean over the tokens a mask keeps).
+
+  On towers: inside `replicate_model_fn`, with an averaging
+  `loss_reduction`, tower i's loss (and so its gradients) is weighted by
+  `d_i / sum_j d_j` instead of its share of the rows, so that N towers
+  train on the loss one device would compute on the whole batch. Call it in
+  the `model_fn` before the optimizer, once per tower. Outside
+  `replicate_model_fn`, or with one tower, it does nothing.
+
+  ```python
+  def model_fn(features, labels, mode):
+    logits = tf.compat.v1.layers.dense(features["x"], 3)
+    weights = features["weight"]  # 0 for padding rows
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
+        labels, logits, weights=weights)  # SUM_BY_NONZERO_WEIGHTS
+    replicate.loss_denominator(tf.math.count_nonzero(weights))
+    ...
+  ```
+  """
+  from replicate import context as context_lib  # pylint: disable=import-outside-toplevel
+  context = context_lib.current_context()
+  if context is None or context.tower_index is None or context.num_towers < 2:
+    return tf.convert_to_tensor(denominator)
+  return context.weights.set_denominator(context.tower_index, denominator)
+
+
+class TowerWeights:
+  """Each tower's loss weight, by rows or by stated denominators."""
+
+  def __init__(self, weights: List[Any], has_rows: List[Any],
+               sums_losses: bool):
+    self._weights = list(weights)
+    self._has_rows = has_rows
+    self._sums_losses = sums_losses
+    self._is_read = [False] * len(weights)
+    self._denominators: List[Optional[tf.Tensor]] = [None] * len(weights)
+    self._total = None  # stand-in for sum_j d_j, connected by `finish`
+
+  def of(self, index: int):
+    """Tower `index`'s weight (float or scalar tensor), now fixed."""
+    self._is_read[index] = True
+    return self._weights[index]
+
+  def all(self) -> List[Any]:
+    return list(self._weights)
+
+  def set_denominator(self, index: int, denominator) -> tf.Tensor:
+    """Weights tower `index` by `denominator / sum over towers`."""
+    if self._sums_losses:
+      raise ValueError(
+          "replicate.loss_denominator was called, but replicate_model_fn "
+          "was given loss_reduction=Reduction.SUM, which sums the towers' "
+          "losses as they are. A denominator only applies to a loss that "
+          "averages: pass the reduction your loss uses (e.g. "
+          "Reduction.SUM_BY_NONZERO_WEIGHTS, Reduction.MEAN), or remove the "
+          "call.")
+    if self._denominators[index] is not None:
+      raise ValueError(
+          "replicate.loss_denominator was called twice in tower {}: a "
+          "tower's loss has one denominator. Call it once per model_fn "
+          "call, with the denominator of the loss the optimizer "
+          "minimizes.".format(index))
+    if self._is_read[index]:
+      raise ValueError(
+          "replicate.loss_denominator was called in tower {} after the "
+          "tower's loss was weighted (by TowerOptimizer's compute_gradients "
+          "or minimize). Call it before the optimizer.".format(index))
+    value = tf.convert_to_tensor(denominator)
+    if value.shape.rank not in (None, 0):
+      raise ValueError(
+          "replicate.loss_denominator takes a scalar, the count or sum the "
+          "tower's loss divides by. Received a tensor of shape {}: reduce "
+          "it, e.g. tf.reduce_sum(weights).".format(value.shape))
+    counted = sharding.zero_unless_rows(tf.cast(value, tf.float32),
+                                        self._has_rows[index])
+    if self._has_rows[index] is False:
+      counted = tf.zeros([], tf.float32)
+    self._denominators[index] = counted
+    if self._total is None:
+      self._total = pending.stand_in(counted, name="loss_denominator_total")
+    self._weights[index] = tf.math.divide_no_nan(counted, self._total)
+    return value
+
+  def finish(self) -> None:
+    """Connects the sum of the denominators; every tower must state one."""
+    if self._total is None:
+      return
+    missing = [i for i, d in enumerate(self._denominators) if d is None]
+    if missing:
+      raise ValueError(
+          "replicate.loss_denominator was called in some towers but not in "
+          "tower(s) {}: every tower's model_fn must state its loss "
+          "denominator, whatever its data.".format(missing))
+    with tf.name_scope("loss_denominator_over_towers"):
+      pending.connect(self._total, tf.math.add_n(self._denominators))
