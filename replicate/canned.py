@@ -9,7 +9,9 @@ they are refused with an error that says what to do instead:
 - a head that reduces its loss with SUM (every `tf.compat.v1.estimator`
   canned estimator, by default) needs `loss_reduction=Reduction.SUM`, and a
   head that averages needs a reduction that averages: otherwise each tower's
-  loss is weighted wrongly.
+  loss is weighted wrongly;
+- a v1 head with a `weight_column` that divides by the weights (`MEAN`,
+  `SUM_BY_NONZERO_WEIGHTS`) cannot be reproduced from the towers' losses.
 These look into the estimator's `model_fn` closure: TensorFlow has no public
 way to get from a `model_fn` to its estimator and head.
 """
@@ -22,6 +24,9 @@ Reduction = tf.compat.v1.losses.Reduction
 
 _NOT_GRADIENT_BASED = ("BoostedTrees", "KMeans")
 _SUM_REDUCTIONS = frozenset([Reduction.SUM, tf.keras.losses.Reduction.SUM])
+# Reductions that divide by the rows' weights (a v1 head with a weight
+# column): not reproducible from per-tower losses without their weights.
+_WEIGHT_DIVIDED = frozenset([Reduction.MEAN, Reduction.SUM_BY_NONZERO_WEIGHTS])
 
 
 def check_canned_model_fn(model_fn: Callable, loss_reduction: str) -> None:
@@ -50,6 +55,18 @@ def check_canned_model_fn(model_fn: Callable, loss_reduction: str) -> None:
         "given loss_reduction={!r}, which would weight each tower's loss "
         "wrongly. Pass loss_reduction={}.".format(name, head_reduction,
                                                   loss_reduction, wanted))
+  weight_column = getattr(head, "_weight_column", None)
+  if weight_column is not None and head_reduction in _WEIGHT_DIVIDED:
+    raise ValueError(
+        "The {} head has weight_column={!r} and loss_reduction={!r}: it "
+        "divides the loss by the weights of the rows it sees, so each tower "
+        "would divide by its own shard's weights, not the batch's. Give the "
+        "estimator loss_reduction=tf.compat.v1.losses.Reduction.SUM (and "
+        "replicate_model_fn loss_reduction=Reduction.SUM), or "
+        "Reduction.SUM_OVER_BATCH_SIZE (and the default loss_reduction "
+        "here), which towers reproduce exactly.".format(
+            name, getattr(weight_column, "key", weight_column),
+            head_reduction))
 
 
 def _closure_value(function: Optional[Callable],

@@ -73,6 +73,8 @@ def combine_update_ops(context) -> None:
   """Makes tower 0's `UPDATE_OPS` writes write the towers' weighted values."""
   writes = [_update_writes(index, context)
             for index in range(context.num_towers)]
+  for op in writes[0]:
+    _check_rewritable(op)
   for index, tower_writes in enumerate(writes[1:], start=1):
     if [_written(op) for op in tower_writes] != [
         _written(op) for op in writes[0]]:
@@ -84,7 +86,6 @@ def combine_update_ops(context) -> None:
               [_written(op).name for op in writes[0]]))
   with tf.name_scope("update_ops_over_towers"):
     for position, tower0_write in enumerate(writes[0]):
-      _check_rewritable(tower0_write)
       terms = []
       for index, tower_writes in enumerate(writes):
         rows = context.has_rows[index]
@@ -196,8 +197,16 @@ def _is_effect(op) -> bool:
 
 
 def _written(write_op):
-  """The op of the variable a write op writes."""
-  return write_op.inputs[0].op
+  """The op of the variable a write op writes (through control flow's)."""
+  op = write_op.inputs[0].op
+  while op.type in _PASSING_TYPES and op.inputs:
+    op = op.inputs[0].op
+  return op
+
+
+# Ops a variable's handle or ref passes through on its way to a write.
+_PASSING_TYPES = frozenset(["Enter", "RefEnter", "Identity", "RefIdentity",
+                            "Switch", "RefSwitch"])
 
 
 def _check_rewritable(op):

@@ -1,0 +1,90 @@
+"""What towers see of LOSSES, REGULARIZATION_LOSSES and UPDATE_OPS."""
+
+import pytest
+import tensorflow as tf
+
+from conftest import cpus, run_initialized
+from replicate import context as context_lib
+from replicate import sharding
+from replicate import variables as variables_lib
+
+Reduction = tf.compat.v1.losses.Reduction
+GraphKeys = tf.compat.v1.GraphKeys
+
+
+def _context(graph, count, reduction=Reduction.MEAN):
+  return context_lib.replication_context(
+      cpus(count), [lambda op, d=d: d for d in cpus(count)],
+      sharding.split_batch(tf.ones([count, 1]), None, count), reduction,
+      tower_variables=variables_lib.TowerVariables(graph, cpus(count),
+                                                   is_replicated=False))
+
+
+def _regularized_kernel():
+  return tf.compat.v1.get_variable(
+      "kernel", [2], initializer=tf.compat.v1.constant_initializer(3.0),
+      regularizer=lambda w: tf.reduce_sum(w * w))
+
+
+@pytest.mark.parametrize("reduction,later_towers_see", [
+    (Reduction.MEAN, 18.0),  # 3^2 + 3^2, weighted by each tower's share
+    (Reduction.SUM, 0.0),  # summed as they are: counted in tower 0 only
+])
+def test_every_tower_sees_tower0s_regularization(graph, reduction,
+                                                 later_towers_see):
+  seen = []
+  with _context(graph, 3, reduction) as context:
+    for index in range(3):
+      with context.tower_scope(index):
+        _regularized_kernel()
+        seen.append(tf.compat.v1.losses.get_regularization_loss())
+    context.finish_towers()
+  assert run_initialized(seen) == [18.0, later_towers_see, later_towers_see]
+  assert len(tf.compat.v1.losses.get_regularization_losses()) == 1
+
+
+def test_regularization_a_later_tower_adds_itself_is_left_out(graph):
+  # With "replicated", a layer regularises the tower's copy again; the
+  # tower must still count one regularization, tower 0's.
+  seen = []
+  with _context(graph, 2) as context:
+    for index in range(2):
+      with context.tower_scope(index):
+        kernel = _regularized_kernel()
+        tf.compat.v1.add_to_collection(GraphKeys.REGULARIZATION_LOSSES,
+                                       tf.reduce_sum(kernel) * 100.0)
+        seen.append(tf.compat.v1.losses.get_regularization_loss())
+    context.finish_towers()
+  assert run_initialized(seen) == [18.0 + 600.0, 18.0 + 600.0]
+  assert len(tf.compat.v1.losses.get_regularization_losses()) == 2
+
+
+def test_each_tower_sees_its_own_update_ops(graph):
+  seen = []
+  with _context(graph, 3) as context:
+    for index in range(3):
+      with context.tower_scope(index):
+        tf.compat.v1.add_to_collection(GraphKeys.UPDATE_OPS,
+                                       tf.no_op(name="update"))
+        seen.append([op.name for op in
+                     tf.compat.v1.get_collection(GraphKeys.UPDATE_OPS)])
+    context.finish_towers()
+    assert [op.name for op in context.collections.update_ops(2)] == [
+        "tower_2/update"]
+  assert seen == [["update"], ["tower_1/update"], ["tower_2/update"]]
+  assert [op.name for op in tf.compat.v1.get_collection(
+      GraphKeys.UPDATE_OPS)] == ["update"]
+
+
+def test_collections_held_before_the_model_fn_are_kept(graph):
+  before = tf.no_op(name="before")
+  tf.compat.v1.add_to_collection(GraphKeys.UPDATE_OPS, before)
+  with _context(graph, 2) as context:
+    for index in range(2):
+      with context.tower_scope(index):
+        tf.compat.v1.add_to_collection(GraphKeys.UPDATE_OPS,
+                                       tf.no_op(name="update"))
+        assert tf.compat.v1.get_collection(GraphKeys.UPDATE_OPS)[0] is before
+    context.finish_towers()
+  assert [op.name for op in tf.compat.v1.get_collection(
+      GraphKeys.UPDATE_OPS)] == ["before", "update"]
