@@ -52,7 +52,8 @@ def _train(model_fn, batches=None, towers=None, static=False, **wrap_kwargs):
       model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(towers),
                                               **wrap_kwargs)
     spec = model_fn(features=features, labels=labels, mode=TRAIN)
-    with tf.compat.v1.Session(config=session_config()) as session:
+    with tf.compat.v1.Session(
+        config=session_config(max(4, towers or 1))) as session:
       session.run(tf.compat.v1.global_variables_initializer())
       session.run(tf.compat.v1.local_variables_initializer())
       losses = []
@@ -220,17 +221,19 @@ def test_batch_norm_moving_mean_moves_with_the_whole_batchs_mean(
                              1 - (1 - shard_variance) * 0.1, rtol=1e-5)
 
 
-def test_batch_norm_with_identical_shards_matches_one_device_exactly():
+@pytest.mark.parametrize("towers", [3, 5])
+def test_batch_norm_with_identical_shards_matches_one_device_exactly(towers):
   # Identical shards: the shard variance is the batch's, so every variable
-  # (moving variance included) and every step must match.
-  rows = np.tile(_batches(rows=2, steps=1)[0][0], (3, 1))
-  labels = np.tile(np.array([0, 2], np.int32), 3)
-  batches = [(rows, labels)] * 4
+  # (moving variance included) and every step must match, over 12 steps
+  # with momentum 0.5 (5 towers each adding their update diverged).
+  rows = np.tile(_batches(rows=2, steps=1)[0][0], (towers, 1))
+  labels = np.tile(np.array([0, 2], np.int32), towers)
+  batches = [(rows, labels)] * 12
   model_fn = _batch_norm_model_fn(momentum=0.5)
   expected = _train(model_fn, batches)
-  actual = _train(model_fn, batches, towers=3)
+  actual = _train(model_fn, batches, towers=towers)
   _assert_same_training(expected, actual)
-  _assert_same_training(actual, _train(model_fn, batches, towers=3))
+  _assert_same_training(actual, _train(model_fn, batches, towers=towers))
 
 
 def test_batch_norm_ignores_a_tower_on_a_stand_in_row():
@@ -513,3 +516,28 @@ def test_saver_built_after_the_optimizer_saves_its_slots(
   for name, value in expected.items():
     np.testing.assert_allclose(actual[name], value, rtol=1e-5, atol=1e-6,
                                err_msg=name)
+
+
+# Keras layers' own regularization losses, summed by the model_fn.
+
+
+def _keras_losses_model_fn(features, labels, mode):
+  layer = tf.keras.layers.Dense(
+      3, kernel_regularizer=tf.keras.regularizers.l2(0.5),
+      kernel_initializer=tf.keras.initializers.Constant(
+          np.linspace(-0.6, 0.6, 9).reshape(3, 3)))
+  logits = layer(features["x"])
+  loss = (tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits) +
+          tf.math.add_n(layer.losses))
+  train_op = _optimizer().minimize(
+      loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize("strategy", [PS, REPLICATED])
+@pytest.mark.parametrize("towers", [2, 3])
+def test_keras_layer_losses_count_once_with_an_averaging_reduction(
+    towers, strategy):
+  _assert_same_training(_train(_keras_losses_model_fn),
+                        _train(_keras_losses_model_fn, towers=towers,
+                               variable_strategy=strategy))
