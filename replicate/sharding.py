@@ -69,7 +69,7 @@ def shard_sizes(batch_size, num_shards: int):
 
 def shard_weights(sizes, batch_size, loss_reduction: str) -> List[Any]:
   """Each tower's loss weight: 1 for SUM, else its share `n_i / n`."""
-  num_shards = len(sizes) if isinstance(sizes, list) else int(sizes.shape[0])
+  num_shards = len(sizes) if isinstance(sizes, list) else _static_dim0(sizes)
   if loss_reduction == Reduction.SUM:
     return [1.0] * num_shards
   if isinstance(batch_size, int):
@@ -83,7 +83,7 @@ def shard_has_rows(sizes) -> List[Any]:
   """Whether each shard has at least one row (Python bools when known)."""
   if isinstance(sizes, list):
     return [size > 0 for size in sizes]
-  return tf.unstack(sizes > 0, num=int(sizes.shape[0]))
+  return tf.unstack(sizes > 0, num=_static_dim0(sizes))
 
 
 def zero_unless_rows(value, has_rows):
@@ -184,9 +184,16 @@ def _batch_size(named_leaves):
 
 
 def _static_dim0(value):
+  """Dimension 0 as an int, or None when unknown.
+
+  Read through `dimension_value`: under TF 1 behaviour
+  (`disable_v2_behavior`) `shape[0]` is a `Dimension`, unhashable, and
+  `Dimension(None)` when unknown.
+  """
   if isinstance(value, tf.SparseTensor):
-    return tf.get_static_value(value.dense_shape[0])
-  return value.shape[0]
+    rows = tf.get_static_value(value.dense_shape[0])
+    return None if rows is None else int(rows)
+  return tf.compat.dimension_value(value.shape[0])
 
 
 def _dynamic_dim0(value):
