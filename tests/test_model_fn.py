@@ -302,3 +302,45 @@ def test_estimator_runs_a_labels_first_model_fn_wrapped_like_unwrapped(
     np.testing.assert_allclose(got[0][key], expected[0][key], rtol=1e-5)
   np.testing.assert_allclose(got[1], expected[1], rtol=1e-5)
   np.testing.assert_allclose(got[2], expected[1][:3], rtol=1e-5)
+
+
+def _two_features_model_fn(features, mode):
+  w = tf.compat.v1.get_variable("w", [], initializer=tf.ones_initializer())
+  return tf.estimator.EstimatorSpec(mode, predictions={
+      "x": w * features["x"], "other": features["other"] * 2.0})
+
+
+def test_prediction_with_features_of_different_lengths():
+  # What PREDICT does when features' dimension 0 disagree (README, errors).
+  def predict(make_features, feed):
+    with tf.Graph().as_default():
+      features = make_features()
+      spec = replicate.replicate_model_fn(
+          _two_features_model_fn, devices=cpus(2))(features, None, PREDICT)
+      with tf.compat.v1.Session(config=session_config(2)) as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        return session.run(spec.predictions, feed(features))
+
+  x, other = np.arange(4, dtype=np.float32), np.arange(3, dtype=np.float32)
+  # A serving graph (placeholders, as export builds) is one unsplit tower:
+  # each output comes back on its own, as unwrapped.
+  served = predict(
+      lambda: {name: tf.compat.v1.placeholder(tf.float32, [None])
+               for name in ("x", "other")},
+      lambda features: {features["x"]: x, features["other"]: other})
+  np.testing.assert_array_equal(served["x"], x)
+  np.testing.assert_array_equal(served["other"], other * 2.0)
+
+  # From an input pipeline the features are split across towers, which
+  # needs one batch size: the run-time check refuses, as in TRAIN and EVAL.
+  # (API.md promises each feature's outputs back on their own here too;
+  # that is not built yet: it needs each output's rows traced to a feature.)
+  def pipeline():
+    dataset = tf.data.Dataset.from_generator(
+        lambda: iter([{"x": x, "other": other}]), output_signature={
+            name: tf.TensorSpec([None], tf.float32) for name in ("x", "other")})
+    return tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
+
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match=r"must share dimension 0 \(the batch\)"):
+    predict(pipeline, lambda features: None)
