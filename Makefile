@@ -11,6 +11,18 @@ STAMP := $(VENV)/.installed
 export PIP_NO_INPUT := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
+# The second test run: the same library under TensorFlow 1 behaviour
+# (tf.compat.v1.disable_v2_behavior(), switched on in tests/conftest.py), as
+# a model still written for TF 1 runs it. The part of the suite that builds
+# and compares whole models (~3 minutes): equivalence, replicated, the
+# compat.v1 canned estimators on 3 towers (uneven batch, empty tower) and
+# their export, sharding, specs and the model_fn's arguments. TF 2 canned
+# estimators are TF 2 code and are left to the first run.
+TF1_TESTS := tests/test_tf1_behavior.py tests/test_equivalence.py \
+	tests/test_replicated.py tests/test_canned.py tests/test_model_fn.py \
+	tests/test_specs.py tests/test_sharding.py
+TF1_SELECTION := not v2 and not v1-1 and not v1-2
+
 .PHONY: venv demo test clean
 
 venv: $(STAMP)
@@ -18,8 +30,14 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/python examples/digits_demo.py --towers 2
 
+# Both runs always run; either one failing fails `make test`.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q tests
+	@status=0; \
+	$(VENV)/bin/python -m pytest -q tests || status=1; \
+	echo "== again under TensorFlow 1 behaviour (REPLICATE_TF1_BEHAVIOR=1) =="; \
+	REPLICATE_TF1_BEHAVIOR=1 $(VENV)/bin/python -m pytest -q $(TF1_TESTS) \
+		-k "$(TF1_SELECTION)" || status=1; \
+	exit $$status
 
 $(STAMP): requirements-test.txt setup.py
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11) and "replicate needs Python 3.11 (TensorFlow 2.15); $(PYTHON) is " + sys.version.split()[0] + ". Run: make PYTHON=/path/to/python3.11 ...")'

@@ -13,10 +13,15 @@ they are refused with an error that says what to do instead:
 - a v1 head with a `weight_column` that divides by the weights (`MEAN`,
   `SUM_BY_NONZERO_WEIGHTS`) cannot be reproduced from the towers' losses.
 These look into the estimator's `model_fn` closure: TensorFlow has no public
-way to get from a `model_fn` to its estimator and head.
+way to get from a `model_fn` to its estimator and head. The estimator is
+also found behind what users wrap `estimator.model_fn` in: a
+`functools.partial`, a `functools.wraps`-style wrapper (`__wrapped__`), a
+function that calls it (closures of closures, or an estimator the function
+names as a module global), a few levels deep.
 """
 
-from typing import Any, Callable, Optional
+import functools
+from typing import Any, Callable, Iterator, Optional
 
 import tensorflow as tf
 
@@ -27,11 +32,14 @@ _SUM_REDUCTIONS = frozenset([Reduction.SUM, tf.keras.losses.Reduction.SUM])
 # Reductions that divide by the rows' weights (a v1 head with a weight
 # column): not reproducible from per-tower losses without their weights.
 _WEIGHT_DIVIDED = frozenset([Reduction.MEAN, Reduction.SUM_BY_NONZERO_WEIGHTS])
+# How many wrappers deep the estimator is looked for: enough for a partial
+# of a decorated closure, bounded so a large object graph is not walked.
+_MAX_DEPTH = 4
 
 
 def check_canned_model_fn(model_fn: Callable, loss_reduction: str) -> None:
   """Raises if `model_fn` is a canned estimator's that towers would break."""
-  estimator = _closure_value(model_fn, _is_estimator)
+  estimator = _find_estimator(model_fn)
   if estimator is None:
     return
   name = type(estimator).__name__
@@ -69,16 +77,54 @@ def check_canned_model_fn(model_fn: Callable, loss_reduction: str) -> None:
             head_reduction))
 
 
-def _closure_value(function: Optional[Callable],
-                   predicate: Callable[[Any], bool]) -> Any:
+def _find_estimator(model_fn: Callable) -> Any:
+  """The canned estimator behind `model_fn` and its wrappers, or None."""
+  seen = set()
+  pending = [(model_fn, 0)]
+  while pending:
+    value, depth = pending.pop(0)  # breadth first: the nearest one wins
+    if id(value) in seen:
+      continue
+    seen.add(id(value))
+    if _is_estimator(value):
+      return value
+    if depth < _MAX_DEPTH and callable(value):
+      pending.extend((inner, depth + 1) for inner in _wrapped_values(value))
+  return None
+
+
+def _wrapped_values(function: Callable) -> Iterator[Any]:
+  """What `function` may wrap: a partial's parts, `__wrapped__`, a bound
+  method's object, its closure, and the module globals its code names."""
+  if isinstance(function, functools.partial):
+    yield function.func
+    yield from function.args
+    yield from (function.keywords or {}).values()
+  wrapped = getattr(function, "__wrapped__", None)
+  if wrapped is not None:
+    yield wrapped
+  owner = getattr(function, "__self__", None)
+  if owner is not None:
+    yield owner
+  yield from _cell_values(function)
+  code = getattr(function, "__code__", None)
+  names = getattr(function, "__globals__", None)
+  if code is not None and names is not None:
+    yield from (names[name] for name in code.co_names if name in names)
+
+
+def _cell_values(function: Optional[Callable]) -> Iterator[Any]:
   for cell in getattr(function, "__closure__", None) or ():
     try:
-      value = cell.cell_contents
+      yield cell.cell_contents
     except ValueError:  # an empty cell
       continue
-    if predicate(value):
-      return value
-  return None
+
+
+def _closure_value(function: Optional[Callable],
+                   predicate: Callable[[Any], bool]) -> Any:
+  return next((value for value in _cell_values(function) if predicate(value)),
+              None)
 
 
 def _is_estimator(value) -> bool:

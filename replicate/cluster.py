@@ -51,6 +51,8 @@ def tower_devices(devices: Optional[Sequence[str]], config) -> List[str]:
   `device_count` of virtual CPUs never reaches it).
   """
   task = worker_device(config)
+  if devices is not None:
+    _check_on_task(devices, config)
   available = _server_devices(config.master, task)
   if devices is None:
     gpus = [d for d in available if "/device:GPU:" in d]
@@ -111,6 +113,20 @@ def for_cluster(spec: tf.estimator.EstimatorSpec, config, num_ps: int
       defer_build=True, save_relative_paths=True)
   return spec._replace(scaffold=tf.compat.v1.train.Scaffold(
       saver=saver, copy_from_scaffold=spec.scaffold))
+
+
+def _check_on_task(devices, config):
+  """A task's towers are its own devices; another job or task is refused."""
+  for device in devices:
+    spec = tf.DeviceSpec.from_string(device)
+    if (spec.job not in (None, config.task_type) or
+        spec.task not in (None, config.task_id)):
+      raise ValueError(
+          "devices contains {!r}, which is not on this task ({}): in a "
+          "cluster with ps tasks each training task builds its towers on "
+          "its own devices. Name devices without a job or task, e.g. "
+          "'/gpu:0', and every task uses its own.".format(
+              device, worker_device(config)))
 
 
 def _server_devices(master, task):

@@ -3,6 +3,10 @@
 On device strings: any spelling TensorFlow accepts (`'/gpu:0'`, `'/GPU:0'`,
 `'/device:GPU:0'`, `'cpu:1'`, with or without `/job:.../task:...`) is normalised
 to TensorFlow's canonical form, so `'/gpu:0'` and `'/GPU:0'` are one device.
+A wildcard (`'/cpu:*'`) is refused when wrapping, since each entry is one
+tower; a job, replica or task is refused when the wrapped `model_fn` is
+called, unless the session it runs in has it (this task's own, in a ps
+cluster's training; the local session's otherwise).
 
 On placement: a device function puts every op of a tower on the tower's
 device, except the ops that create variables, which go where the
@@ -54,17 +58,19 @@ def normalize_devices(devices: Optional[Sequence[str]]) -> Optional[List[str]]:
 def tower_devices(devices: Optional[List[str]], config) -> List[str]:
   """The towers' devices: `devices` as given, or every local device.
 
-  Under an Estimator (`config` is its RunConfig) a given local device that
-  its session will not have is an error, not a silent soft placement onto
-  another device.
+  Under an Estimator (`config` is its RunConfig) a given device that its
+  session will not have is an error, not a silent soft placement onto
+  another device or a placement error when the session starts: another
+  job, replica or task (this session is local), or a device of a kind or
+  index it lacks.
   """
   session_config = config.session_config if config is not None else None
   if devices is None:
     return local_devices(session_config)
   if config is not None:
+    _check_in_local_session(devices, config)
     available = local_devices(session_config, every_kind=True)
-    missing = [d for d in devices if _is_local(d) and
-               _without_task(d) not in available]
+    missing = [d for d in devices if _without_task(d) not in available]
     if missing:
       raise ValueError(
           "devices contains {}, which the Estimator's session does not have "
@@ -145,6 +151,14 @@ def _canonical_device(device, devices) -> str:
     raise ValueError(
         "devices must hold device strings such as '/gpu:0'; {!r} is a {}. "
         "Received: {!r}.".format(device, type(device).__name__, devices))
+  if "*" in device:
+    # TensorFlow parses '/cpu:*' as a CPU with no index, which would
+    # silently become the one tower '/device:CPU:0'.
+    raise ValueError(
+        "devices contains {!r}, a wildcard; replicate_model_fn builds one "
+        "tower per device listed, so list each device, e.g. ['/cpu:0', "
+        "'/cpu:1'], or pass devices=None for every local GPU (or, with "
+        "none, every local CPU). Received: {!r}.".format(device, devices))
   try:
     spec = tf.DeviceSpec.from_string(device)
   except ValueError as error:
@@ -161,8 +175,38 @@ def _canonical_device(device, devices) -> str:
   return spec.to_string()
 
 
-def _is_local(device: str) -> bool:
-  return tf.DeviceSpec.from_string(device).job in (None, "localhost")
+def _check_in_local_session(devices: Sequence[str], config) -> None:
+  """Refuses a job, replica or task other than the local session's own.
+
+  Outside a ps cluster's training (see `replicate.cluster`) the Estimator
+  runs a local session: evaluation and prediction always, training when
+  the RunConfig has no ps tasks. Its only devices are
+  '/job:localhost/replica:0/task:0/...'.
+  """
+  for device in devices:
+    spec = tf.DeviceSpec.from_string(device)
+    names = [
+        "job {!r}".format(spec.job) if spec.job not in (None, "localhost")
+        else None,
+        "replica {}".format(spec.replica) if spec.replica not in (None, 0)
+        else None,
+        "task {}".format(spec.task) if spec.task not in (None, 0) else None,
+    ]
+    names = [name for name in names if name]
+    if not names:
+      continue
+    if getattr(config, "cluster_spec", None) and config.cluster_spec.jobs:
+      why = ("evaluation, prediction and training without ps tasks run in "
+             "a local session")
+    else:
+      why = ("this RunConfig has no cluster (no TF_CONFIG), so the session "
+             "is local")
+    raise ValueError(
+        "devices contains {!r}, which names {}; but {}, whose devices are "
+        "'/job:localhost/replica:0/task:0/...' only. Name devices without a "
+        "job, replica or task, e.g. '/cpu:0' or '/gpu:1': in a cluster with "
+        "ps tasks each training task places them on its own task.".format(
+            device, " and ".join(names), why))
 
 
 def _without_task(device: str) -> str:

@@ -114,12 +114,13 @@ def replicate_model_fn(
   _check_all_reduce(all_reduce, compact_gradients, variable_strategy)
   canned.check_canned_model_fn(model_fn, loss_reduction)
   model_fn_args = function_utils.fn_args(model_fn)
+  _check_takes_features(model_fn, model_fn_args)
 
   def replicated_model_fn(features, labels, mode, params=None, config=None):
     kwargs = _model_fn_kwargs(model_fn, model_fn_args, labels, mode, params,
                               config)
     if mode == tf.estimator.ModeKeys.PREDICT and _is_serving_input(features):
-      return model_fn(features, **kwargs)
+      return model_fn(features=features, **kwargs)
     num_ps = cluster.num_ps_tasks(config, mode)
     tower_devices, choose_variable_device, aggregation = _placement(
         fixed_devices, config, mode, num_ps, variable_strategy, all_reduce,
@@ -130,7 +131,7 @@ def replicate_model_fn(
       with tf.compat.v1.get_default_graph().device(
           devices_lib.tower_device_function(tower_devices[0],
                                             choose_variable_device)):
-        spec = model_fn(features, **kwargs)
+        spec = model_fn(features=features, **kwargs)
     else:
       spec = _build_towers(model_fn, features, labels, mode, kwargs,
                            tower_devices, loss_reduction,
@@ -187,7 +188,7 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
       if "labels" in tower_kwargs:
         tower_kwargs["labels"] = shards.labels[index]
       with context.tower_scope(index):
-        spec = model_fn(shards.features[index], **tower_kwargs)
+        spec = model_fn(features=shards.features[index], **tower_kwargs)
       if not isinstance(spec, tf.estimator.EstimatorSpec):
         raise ValueError(
             "replicate_model_fn needs the model_fn to return a "
@@ -234,8 +235,22 @@ def _check_all_reduce(all_reduce, compact_gradients, variable_strategy):
         .format(all_reduce, compact_gradients, variable_strategy))
 
 
+def _check_takes_features(model_fn, model_fn_args):
+  """The Estimator passes features by keyword, so the model_fn must name it."""
+  if "features" not in model_fn_args:
+    raise ValueError(
+        "The model_fn {!r} takes no argument named features (it takes {}); "
+        "the Estimator, and replicate_model_fn like it, passes every "
+        "argument by keyword. Name the model_fn's first argument features."
+        .format(model_fn, ", ".join(model_fn_args) or "none"))
+
+
 def _model_fn_kwargs(model_fn, model_fn_args, labels, mode, params, config):
-  """The arguments the Estimator would pass `model_fn`, checked the same way."""
+  """The keyword arguments the Estimator would pass, checked the same way.
+
+  Everything, features included, goes by keyword, so the model_fn's
+  parameters may come in any order, as the Estimator allows.
+  """
   kwargs = {}
   if "mode" in model_fn_args:
     kwargs["mode"] = mode

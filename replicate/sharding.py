@@ -9,12 +9,16 @@ On towers without rows: such a tower is built on a stand-in, a copy of the
 batch's first row, because much model code cannot run on an empty batch
 (feature columns reshape to `[batch, -1]`, which fails on 0 rows). Its weight
 is 0 and everything it computes is discarded: its loss and gradients (see
-`aggregation`), its metric updates and its predictions (see `specs`).
+`aggregation`), its metric updates and its predictions (see `specs`). A
+batch known to be empty when the graph is built has no row to stand in:
+every tower gets it empty, and tower 0's outputs count, as the unwrapped
+`model_fn`'s would.
 
 On weights: with `Reduction.SUM` every tower's loss counts fully (weight 1);
 with any other reduction tower i's loss is weighted by `n_i / n`, so that the
-weighted sum of per-shard means is the mean over the whole batch. An empty
-batch gives every tower weight 0, never NaN.
+weighted sum of per-shard means is the mean over the whole batch. A batch
+found empty at run time gives every tower weight 0, never NaN; one known to
+be empty gives tower 0 weight 1.
 """
 
 from typing import Any, List, NamedTuple, Union
@@ -75,21 +79,37 @@ def shard_weights(sizes, batch_size, loss_reduction: str) -> List[Any]:
 
 
 def shard_shares(sizes, batch_size) -> List[Any]:
-  """Each shard's share of the batch, `n_i / n` (0 for an empty batch)."""
+  """Each shard's share of the batch, `n_i / n`.
+
+  A batch known to be empty is all tower 0's (see `shard_has_rows`): its
+  share is 1, the others' 0. One empty at run time gives every shard 0.
+  """
+  num_shards = _num_shards(sizes)
   if isinstance(batch_size, int):
-    return [size / batch_size if batch_size else 0.0 for size in sizes]
+    if not batch_size:
+      return [1.0] + [0.0] * (num_shards - 1)
+    return [size / batch_size for size in sizes]
   shares = tf.math.divide_no_nan(
       tf.cast(sizes, tf.float32), tf.cast(batch_size, tf.float32))
-  return tf.unstack(shares, num=_num_shards(sizes), name="tower_shares")
+  return tf.unstack(shares, num=num_shards, name="tower_shares")
 
 
 def _num_shards(sizes) -> int:
-  return len(sizes) if isinstance(sizes, list) else int(sizes.shape[0])
+  return len(sizes) if isinstance(sizes, list) else _static_dim0(sizes)
 
 
 def shard_has_rows(sizes) -> List[Any]:
-  """Whether each shard has at least one row (Python bools when known)."""
+  """Whether each shard's outputs count (Python bools when known).
+
+  A shard counts when it has at least one row. A batch known to be empty
+  when the graph is built counts in tower 0, as the whole batch: tower 0
+  runs the model_fn on it exactly as unwrapped (its loss, its zero
+  gradients: a no-op step that still advances the global step), where
+  discarding every tower would leave no gradient at all to apply.
+  """
   if isinstance(sizes, list):
+    if not any(sizes):
+      return [True] + [False] * (len(sizes) - 1)
     return [size > 0 for size in sizes]
   return tf.unstack(sizes > 0, num=_num_shards(sizes))
 
@@ -192,9 +212,16 @@ def _batch_size(named_leaves):
 
 
 def _static_dim0(value):
+  """Dimension 0 as an int, or None when unknown.
+
+  Read through `dimension_value`: under TF 1 behaviour
+  (`disable_v2_behavior`) `shape[0]` is a `Dimension`, unhashable, and
+  `Dimension(None)` when unknown.
+  """
   if isinstance(value, tf.SparseTensor):
-    return tf.get_static_value(value.dense_shape[0])
-  return value.shape[0]
+    rows = tf.get_static_value(value.dense_shape[0])
+    return None if rows is None else int(rows)
+  return tf.compat.dimension_value(value.shape[0])
 
 
 def _dynamic_dim0(value):

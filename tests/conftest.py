@@ -11,6 +11,14 @@ import tensorflow as tf  # noqa: E402
 
 tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
 
+# `make test` runs part of the suite a second time with REPLICATE_TF1_BEHAVIOR=1:
+# TensorFlow 1 behaviour (Dimension shapes, ref variables by default, v1
+# control flow), as a model still written for TF 1 runs it. It is switched
+# here, before any test module builds a graph, and holds for the process.
+IS_TF1_BEHAVIOR = os.environ.get("REPLICATE_TF1_BEHAVIOR") == "1"
+if IS_TF1_BEHAVIOR:
+  tf.compat.v1.disable_v2_behavior()
+
 TRAIN = tf.estimator.ModeKeys.TRAIN
 EVAL = tf.estimator.ModeKeys.EVAL
 PREDICT = tf.estimator.ModeKeys.PREDICT
@@ -26,6 +34,26 @@ def cpus(count):
 def session_config(count=MAX_CPUS):
   """A session with `count` virtual CPU devices, as the Estimator would get."""
   return tf.compat.v1.ConfigProto(device_count={"CPU": count})
+
+
+@pytest.fixture(autouse=True)
+def resource_variables_for_replicated(request):
+  """Under TF 1 behaviour, resource variables for "replicated" tests only.
+
+  TF 1 behaviour makes ref variables by default, and "replicated" refuses
+  to copy a ref variable, with an error that says to use resource variables
+  (tests/test_replicated.py checks it). A TF 1 model that wants
+  "replicated" must therefore turn them on, as done here; every other test
+  keeps TF 1's ref variables, which the other strategies must handle.
+  """
+  if not (IS_TF1_BEHAVIOR and "replicated" in request.node.nodeid):
+    yield
+    return
+  tf.compat.v1.enable_resource_variables()
+  try:
+    yield
+  finally:
+    tf.compat.v1.disable_resource_variables()
 
 
 @pytest.fixture

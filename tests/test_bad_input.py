@@ -85,6 +85,14 @@ def _device_the_session_lacks():
                                          config=config)
 
 
+def _device_of_another_job():
+  config = tf.estimator.RunConfig(session_config=session_config(2))
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    _wrap(devices=["/job:foo/cpu:0", "/job:foo/cpu:1"])(
+        tf.ones([4]), None, TRAIN, config=config)
+
+
 BAD_INPUTS = {
     "scalar feature": (
         lambda: _call(lambda: {"x": tf.constant(3.0)}), ValueError,
@@ -123,6 +131,12 @@ BAD_INPUTS = {
         _device_the_session_lacks, ValueError,
         r"contains '/device:GPU:3', which the Estimator's session does not "
         r"have \(it has /device:CPU:0, /device:CPU:1\)"),
+    "a device of a job the local session lacks": (
+        _device_of_another_job, ValueError, r"contains '/job:foo/device:CPU:0', which names job "
+        r"'foo'; but this RunConfig has no cluster"),
+    "a wildcard device": (
+        lambda: _wrap(devices=["/cpu:*"]), ValueError,
+        r"contains '/cpu:\*', a wildcard; .* list each device"),
     "unknown variable strategy": (
         lambda: _wrap(variable_strategy="mirrored"), ValueError,
         r"variable_strategy must be one of 'parameter_server', "

@@ -8,6 +8,7 @@ last batch has 2 rows, so 3 towers meet an uneven batch and a tower without
 rows.
 """
 
+import functools
 import json
 import os
 import shutil
@@ -212,3 +213,78 @@ def test_a_canned_estimator_not_trained_by_gradients_is_refused(tmp_path):
   with pytest.raises(ValueError, match="KMeansClustering is not trained by "
                      "gradients through an optimizer"):
     replicate.replicate_model_fn(kmeans.model_fn)
+
+
+# The same checks through whatever wraps `estimator.model_fn`.
+
+_GLOBAL_ESTIMATOR = None  # set by a test: a model_fn naming a global one
+
+
+def _through_partial(estimator):
+  return functools.partial(estimator.model_fn)
+
+
+def _through_wrapped_attribute(estimator):
+  class Logged:  # a callable object, as functools.update_wrapper leaves it
+    def __init__(self, model_fn):
+      functools.update_wrapper(self, model_fn)
+
+    def __call__(self, features, labels, mode, config):
+      return self.__wrapped__(features, labels, mode, config)
+
+  return Logged(estimator.model_fn)
+
+
+def _through_a_closure(estimator):
+  def my_fn(features, labels, mode, config):
+    return estimator.model_fn(features, labels, mode, config)
+
+  return my_fn
+
+
+def _through_a_closure_of_a_closure(estimator):
+  inner = _through_a_closure(estimator)
+
+  def outer(features, labels, mode, config):
+    return inner(features, labels, mode, config)
+
+  return outer
+
+
+def _through_a_global(estimator):
+  global _GLOBAL_ESTIMATOR
+  _GLOBAL_ESTIMATOR = estimator
+
+  def my_fn(features, labels, mode, config):
+    return _GLOBAL_ESTIMATOR.model_fn(features, labels, mode, config)
+
+  return my_fn
+
+
+WRAPPERS = [_through_partial, _through_wrapped_attribute, _through_a_closure,
+            _through_a_closure_of_a_closure, _through_a_global]
+
+
+@pytest.fixture
+def wrap_model_fn(request, monkeypatch):
+  monkeypatch.setattr(sys.modules[__name__], "_GLOBAL_ESTIMATOR", None)
+  return request.param
+
+
+@pytest.mark.parametrize("wrap_model_fn", WRAPPERS, indirect=True,
+                         ids=lambda f: f.__name__[len("_through_"):])
+def test_the_canned_checks_see_through_wrappers(wrap_model_fn, tmp_path):
+  kmeans = tf.compat.v1.estimator.experimental.KMeans(
+      2, model_dir=str(tmp_path / "kmeans"))
+  with pytest.raises(ValueError, match="KMeansClustering is not trained by "
+                     "gradients through an optimizer"):
+    replicate.replicate_model_fn(wrap_model_fn(kmeans))
+  # A compat.v1 head sums its loss: the default reduction would weight each
+  # tower's loss wrongly (a 3-tower step off by a factor of about 3).
+  classifier = _make("DNNClassifier", "v1", str(tmp_path / "dnn"))
+  with pytest.raises(ValueError, match="The DNNClassifier head reduces its "
+                     "loss with 'weighted_sum'.*Pass loss_reduction=tf.compat"
+                     ".v1.losses.Reduction.SUM."):
+    replicate.replicate_model_fn(wrap_model_fn(classifier))
+  replicate.replicate_model_fn(wrap_model_fn(classifier),
+                               loss_reduction=Reduction.SUM)

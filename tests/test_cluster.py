@@ -140,6 +140,29 @@ def test_a_device_the_worker_does_not_have_is_refused(monkeypatch):
     _build(config, devices=["/cpu:0", "/cpu:2"])
 
 
+@pytest.mark.parametrize("listed, entry", [
+    (["/job:worker/task:1/cpu:0"], "/job:worker/task:1/device:CPU:0"),
+    (["/cpu:0", "/job:foo/cpu:1"], "/job:foo/device:CPU:1"),
+])
+def test_a_device_of_another_task_is_refused(monkeypatch, listed, entry):
+  with pytest.raises(ValueError, match=(
+      r"devices contains '{}', which is not on this task "
+      r"\(/job:worker/task:0\): in a cluster with ps tasks each training task "
+      r"builds its towers on its own devices\. Name devices without a job or "
+      r"task, e.g\. '/gpu:0'".format(entry))):
+    _build(_config(monkeypatch), devices=listed)
+
+
+def test_evaluation_in_a_cluster_refuses_a_task_qualified_device(
+    monkeypatch):
+  with pytest.raises(ValueError, match=(
+      r"contains '/job:chief/task:0/device:CPU:0', which names job 'chief'; "
+      r"but evaluation, prediction and training without ps tasks run in a "
+      r"local session")):
+    _build(_config(monkeypatch, "chief"), mode=EVAL,
+           devices=["/job:chief/task:0/cpu:0", "/job:chief/task:0/cpu:1"])
+
+
 def test_one_tower_per_worker_still_puts_variables_on_the_ps(monkeypatch):
   # A worker whose server has one device: no towers to build, but its
   # variables must be the ps tasks' shared ones, not its own.

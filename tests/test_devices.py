@@ -23,10 +23,42 @@ def test_any_spelling_is_normalised():
     ([""], "contains '', which names no device type"),
     (["/gpu:0", 1], "1 is a int"),
     ("/gpu:0", "must be a list of device strings"),
+    # A wildcard would become the one tower '/device:CPU:0'.
+    (["/cpu:*"], r"contains '/cpu:\*', a wildcard; replicate_model_fn builds "
+     r"one tower per device listed, so list each device, e.g. \['/cpu:0', "
+     r"'/cpu:1'\], or pass devices=None"),
+    (["/gpu:0", "/device:GPU:*"], r"contains '/device:GPU:\*', a wildcard"),
 ])
 def test_bad_devices_are_named_in_the_error(bad, expected):
   with pytest.raises(ValueError, match=expected):
     devices.normalize_devices(bad)
+
+
+@pytest.mark.parametrize("listed, expected", [
+    (["/job:foo/cpu:0", "/job:foo/cpu:1"],
+     r"contains '/job:foo/device:CPU:0', which names job 'foo'; but this "
+     r"RunConfig has no cluster \(no TF_CONFIG\), so the session is local, "
+     r"whose devices are '/job:localhost/replica:0/task:0/\.\.\.' only\. "
+     r"Name devices without a job, replica or task, e.g\. '/cpu:0'"),
+    (["/task:3/cpu:0", "/task:3/cpu:1"],
+     r"contains '/task:3/device:CPU:0', which names task 3; but this "
+     r"RunConfig has no cluster"),
+    (["/cpu:0", "/job:worker/replica:1/task:2/cpu:1"],
+     r"contains '/job:worker/replica:1/task:2/device:CPU:1', which names job "
+     r"'worker' and replica 1 and task 2"),
+])
+def test_another_job_or_task_than_the_local_sessions_is_refused(listed,
+                                                                 expected):
+  config = tf.estimator.RunConfig(session_config=session_config(2))
+  with pytest.raises(ValueError, match=expected):
+    devices.tower_devices(devices.normalize_devices(listed), config)
+
+
+def test_the_local_sessions_own_job_and_task_are_accepted():
+  listed = devices.normalize_devices(
+      ["/job:localhost/replica:0/task:0/cpu:0", "/task:0/cpu:1"])
+  config = tf.estimator.RunConfig(session_config=session_config(2))
+  assert devices.tower_devices(listed, config) == listed
 
 
 def test_local_devices_counts_what_the_session_config_gives():

@@ -196,7 +196,7 @@ def test_large_embedding_gradients_are_gathered_and_train_alike(algorithm):
               op.outputs[0].dtype == tf.float32]
   assert sorted(op.device for op in gathered) == [
       "/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
-  assert {op.outputs[0].shape[0] for op in gathered} == {14}
+  assert {op.outputs[0].shape.as_list()[0] for op in gathered} == {14}
   assert not [op for op in graph.get_operations()
               if "all_reduce" in op.name and op.outputs and
               op.outputs[0].shape.num_elements() == VOCABULARY]

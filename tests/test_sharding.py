@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import run_initialized
+import replicate
+from conftest import cpus, run_initialized, session_config
 from replicate import sharding
 
 Reduction = tf.compat.v1.losses.Reduction
@@ -123,8 +124,10 @@ def test_empty_batch_weighs_zero_not_nan(graph):
   weights = run_initialized(
       sharding.shard_weights(sizes, batch_size, Reduction.MEAN))
   assert weights == [0.0, 0.0]
-  assert sharding.shard_weights([0, 0], 0, Reduction.MEAN) == [0.0, 0.0]
   assert run_initialized(sharding.shard_has_rows(sizes)) == [False, False]
+  # Known to be empty when the graph is built: the batch is tower 0's.
+  assert sharding.shard_weights([0, 0], 0, Reduction.MEAN) == [1.0, 0.0]
+  assert sharding.shard_has_rows([0, 0, 0]) == [True, False, False]
 
 
 def test_static_dimension_0_mismatch_names_both(graph):
@@ -152,3 +155,67 @@ def test_run_time_dimension_0_mismatch_is_invalid_argument(graph):
 def test_unsplittable_inputs_are_clear_errors(graph, make_features, expected):
   with pytest.raises(ValueError, match=expected):
     sharding.split_batch(make_features(), None, 2)
+
+
+def _empty_batch_model_fn(features, labels, mode):
+  w = tf.compat.v1.get_variable(
+      "w", [4, 1], initializer=tf.compat.v1.constant_initializer(
+          [1.0, 2.0, 3.0, 4.0]))
+  predictions = tf.matmul(features, w)
+  if mode == tf.estimator.ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions=predictions)
+  loss = tf.compat.v1.losses.mean_squared_error(labels, predictions)
+  train_op = replicate.TowerOptimizer(
+      tf.compat.v1.train.AdamOptimizer(0.1)).minimize(
+          loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=train_op,
+      eval_metric_ops={"mae": tf.compat.v1.metrics.mean_absolute_error(
+          labels, predictions)})
+
+
+def _on_an_empty_batch(model_fn, mode):
+  """Builds `model_fn` on constant features [0, 4]; runs one step."""
+  with tf.Graph().as_default():
+    global_step = tf.compat.v1.train.get_or_create_global_step()
+    del global_step  # created as the Estimator does; a global variable
+    spec = model_fn(tf.zeros([0, 4]), tf.zeros([0, 1]), mode)
+    with tf.compat.v1.Session(config=session_config(3)) as session:
+      session.run([tf.compat.v1.global_variables_initializer(),
+                   tf.compat.v1.local_variables_initializer()])
+      if mode == tf.estimator.ModeKeys.TRAIN:
+        loss, _ = session.run([spec.loss, spec.train_op])
+        variables = tf.compat.v1.global_variables()
+        return [loss] + session.run(variables), dict(zip(
+            [v.op.name for v in variables], session.run(variables)))
+      if mode == tf.estimator.ModeKeys.EVAL:
+        session.run(spec.eval_metric_ops["mae"][1])
+        return session.run([spec.loss, spec.eval_metric_ops["mae"][0]]), {}
+      return [session.run(spec.predictions)], {}
+
+
+@pytest.mark.parametrize("reduction", [Reduction.SUM_BY_NONZERO_WEIGHTS,
+                                       Reduction.SUM])
+@pytest.mark.parametrize("towers", [2, 3])
+def test_a_batch_known_to_be_empty_trains_a_no_op_step_as_unwrapped(
+    towers, reduction):
+  wrapped = replicate.replicate_model_fn(
+      _empty_batch_model_fn, devices=cpus(towers), loss_reduction=reduction)
+  for mode in (tf.estimator.ModeKeys.TRAIN, tf.estimator.ModeKeys.EVAL,
+               tf.estimator.ModeKeys.PREDICT):
+    expected, _ = _on_an_empty_batch(_empty_batch_model_fn, mode)
+    got, got_variables = _on_an_empty_batch(wrapped, mode)
+    assert len(got) == len(expected), mode
+    for got_value, expected_value in zip(got, expected):
+      np.testing.assert_array_equal(got_value, expected_value, err_msg=mode)
+    if mode == tf.estimator.ModeKeys.TRAIN:
+      # Unwrapped: a mean over no rows is 0, so the gradient is 0; the step
+      # counts, Adam's beta1 power advances (0.9 -> 0.81), w stays.
+      assert got[0] == 0.0
+      assert got_variables["global_step"] == 1
+      np.testing.assert_array_equal(got_variables["w"].ravel(),
+                                    [1.0, 2.0, 3.0, 4.0])
+      assert got_variables["beta1_power"] == pytest.approx(0.81)
+      assert not got_variables["w/Adam"].any()
+    if mode == tf.estimator.ModeKeys.PREDICT:
+      assert got[0].shape == (0, 1)
