@@ -113,12 +113,14 @@ class Wrapping:
       # Every copy gets the same update in the same apply_gradients, so
       # that the optimizer's own step (Adam's beta powers) moves once.
       for index in range(1, context.num_towers):
-        per_tower.append([
-            (pending.stand_in(grad, "pending_gradient"), copy)
-            for grad, copy in ((grad, context.variables.for_tower(
-                index, variable)) for grad, variable in grads_and_vars)
-            if grad is not None and copy is not None and
-            context.variables.tower0_variable(copy) is not copy])
+        copies = []
+        for grad, variable in grads_and_vars:
+          if grad is None:
+            continue
+          copy = context.variables.for_tower(index, variable)
+          if copy is not variable:
+            copies.append((pending.stand_in(grad, "pending_gradient"), copy))
+        per_tower.append(copies)
     with context.applying():
       update = apply(self.optimizer, [
           pair for tower in per_tower for pair in self._transformed(tower)])
