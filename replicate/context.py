@@ -243,6 +243,7 @@ def replication_context(devices, device_functions, shards, loss_reduction,
     yield context
   finally:
     graph.clear_collection(_CONTEXT_COLLECTION)
+    context.collections.finish()  # also when a tower raised
 
 
 def current_context() -> Optional[ReplicationContext]:

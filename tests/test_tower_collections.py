@@ -88,3 +88,17 @@ def test_collections_held_before_the_model_fn_are_kept(graph):
     context.finish_towers()
   assert [op.name for op in tf.compat.v1.get_collection(
       GraphKeys.UPDATE_OPS)] == ["before", "update"]
+
+
+def test_collections_are_plain_again_when_a_tower_raises(graph):
+  with pytest.raises(RuntimeError, match="model_fn failed"):
+    with _context(graph, 2) as context:
+      with context.tower_scope(0):
+        _regularized_kernel()
+      with context.tower_scope(1):
+        raise RuntimeError("model_fn failed")
+  collection = graph.get_collection_ref(GraphKeys.REGULARIZATION_LOSSES)
+  assert type(collection) is list  # pylint: disable=unidiomatic-typecheck
+  tf.compat.v1.add_to_collection(GraphKeys.REGULARIZATION_LOSSES,
+                                 tf.constant(1.0))
+  assert len(graph.get_collection(GraphKeys.REGULARIZATION_LOSSES)) == 2
