@@ -18,6 +18,7 @@ from typing import Any, List, NamedTuple, Optional
 
 import tensorflow as tf
 
+from replicate import matching
 from replicate import names
 
 # The graph collection that holds the active context while towers are built;
@@ -62,7 +63,7 @@ class ReplicationContext:
     self._outer_name_scope = graph.get_name_scope()
     self._outer_variable_scope = tf.compat.v1.get_variable_scope()
     self._counters = names.NameCounters(graph)
-    self._tower0_variables = {}  # op name -> variable, as tower 0 made them
+    self._tower0_variables = matching.Tower0Variables()
     self._is_applying = False  # building an aggregated update
     # What each tower's variables are: tower 0's, or its own copies
     # (a `replicate.variables.TowerVariables`).
@@ -174,21 +175,22 @@ class ReplicationContext:
     """Tower 0 records its variables; towers 1..N-1 get tower 0's.
 
     `reuse=True` shares what `tf.compat.v1.get_variable` makes; this shares
-    the rest (Keras layers, as in the TF 2 canned estimators), matched by the
-    name tower 0 gave them. Tower-local variables (metrics: created with
-    collections that leave out GLOBAL_VARIABLES) are created as usual, and
-    so are the optimizer's own variables made by the aggregated update,
-    except that with replicated variables a copy's slots copy tower 0's.
-    Where a tower has its own copies (see `replicate.variables`), it gets
-    those in place of tower 0's variables.
+    the rest (`tf.Variable`, Keras layers as in the TF 2 canned estimators)
+    by creation: each variable tower i creates is the one tower 0 created at
+    the same point (see `replicate.matching`). Tower-local variables (metrics:
+    created with collections that leave out GLOBAL_VARIABLES) are created
+    as usual, and so are the optimizer's own variables made by the
+    aggregated update, except that with replicated variables a copy's slots
+    copy tower 0's. Where a tower has its own copies (see
+    `replicate.variables`), it gets those in place of tower 0's variables.
     """
 
     def creator(next_creator, **kwargs):
       if _is_tower_local(kwargs):
         self.variables.check_not_local(kwargs)
         return next_creator(**kwargs)
-      own_name = self.graph.unique_name(kwargs.get("name") or "Variable",
-                                        mark_as_used=False)
+      requested = kwargs.get("name") or "Variable"
+      own_name = self.graph.unique_name(requested, mark_as_used=False)
       if self._is_applying:
         if not self.is_replicated:
           return next_creator(**kwargs)
@@ -196,17 +198,18 @@ class ReplicationContext:
                                        next_creator, kwargs)
       if index == 0:
         variable = next_creator(**kwargs)
-        self._tower0_variables[variable.op.name] = variable
+        self._tower0_variables.record(variable)
         self.variables.note_tower0_variable(variable, variable.trainable)
         return variable
-      name = self.to_tower0_name(own_name, index)
-      if name not in self._tower0_variables:
-        raise ValueError(
-            "Tower {} creates the variable {!r}, but tower 0 made no variable "
-            "named {!r}: each tower's model_fn must create the same "
-            "variables, so that every tower trains tower 0's.".format(
-                index, own_name, name))
-      return self.variables.for_tower(index, self._tower0_variables[name])
+      tower0_variable = self._tower0_variables.match(
+          index, own_name, self.to_tower0_name(own_name, index), kwargs)
+      variable = self.variables.for_tower(index, tower0_variable)
+      if self.graph.unique_name(requested, mark_as_used=False) == own_name:
+        # Creating the variable would have taken its name, as it did in
+        # tower 0: take it, so the tower's next one ('Variable_1', 'w_1')
+        # is named, and matched, as tower 0's next one was.
+        self.graph.unique_name(requested, mark_as_used=True)
+      return variable
 
     return creator
 
