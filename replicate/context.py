@@ -49,7 +49,7 @@ class ReplicationContext:
 
   def __init__(self, graph, devices, device_functions, weights, has_rows,
                sizes, may_stand_in, tower_variables,
-               aggregation=None):
+               aggregation=None, tower_inputs=None):
     self.graph = graph
     self.devices = devices
     self.num_towers = len(devices)
@@ -57,6 +57,8 @@ class ReplicationContext:
     self.has_rows = has_rows  # per tower: bool or scalar bool tensor
     self.sizes = sizes  # real rows per tower (list of ints or int32 [N])
     self.may_stand_in = may_stand_in  # a tower may run on a stand-in row
+    # Per tower: its shard of (features, labels), or None if not known.
+    self.tower_inputs = tower_inputs
     self.tower_index = None  # the tower being built, or None
     self.optimizer_calls = [[] for _ in devices]  # per tower, in order
     self._device_functions = device_functions
@@ -216,7 +218,8 @@ class ReplicationContext:
 
 @contextlib.contextmanager
 def replication_context(devices, device_functions, weights, has_rows, sizes,
-                        may_stand_in, tower_variables, aggregation=None):
+                        may_stand_in, tower_variables, aggregation=None,
+                        tower_inputs=None):
   """Makes a `ReplicationContext` current for the default graph, then clears it."""
   graph = tf.compat.v1.get_default_graph()
   if graph.get_collection(_CONTEXT_COLLECTION):
@@ -226,7 +229,7 @@ def replication_context(devices, device_functions, weights, has_rows, sizes,
         "replicate_model_fn calls are not supported).")
   context = ReplicationContext(graph, devices, device_functions, weights,
                                has_rows, sizes, may_stand_in, tower_variables,
-                               aggregation)
+                               aggregation, tower_inputs)
   graph.add_to_collection(_CONTEXT_COLLECTION, context)
   try:
     yield context

@@ -184,7 +184,8 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
       tower_variables=variables_lib.TowerVariables(
           tf.compat.v1.get_default_graph(), tower_devices,
           is_replicated=aggregation.all_reduce is not None),
-      aggregation=aggregation) as context:
+      aggregation=aggregation,
+      tower_inputs=list(zip(shards.features, shards.labels))) as context:
     tower_specs = []
     for index in range(num_towers):
       tower_kwargs = dict(kwargs)

@@ -14,10 +14,9 @@ the metric over every row seen, with no side effect on read. This holds for
 metrics whose variables are sums (every `tf.compat.v1.metrics` function and
 Keras metric states such as `total`, `count`, true positives).
 
-On PREDICT: predictions and every export output are concatenated along
-dimension 0 in tower order, so they line up with the input rows; what a
-tower computed on a stand-in row (see `sharding`) is left out, and its metric
-updates are zeroed, not moved.
+On predictions and export outputs (every mode): see `replicate.outputs`.
+A tower on a stand-in row (see `sharding`) has its metric updates zeroed,
+not moved.
 
 Scaffold and hooks are tower 0's: each tower makes the same ones, and tower
 0's are what the unwrapped model_fn makes.
@@ -28,10 +27,10 @@ from typing import List
 import tensorflow as tf
 
 from replicate import graphs
+from replicate import outputs as outputs_lib
 from replicate import sharding
 
 ModeKeys = tf.estimator.ModeKeys
-_export_outputs = tf.estimator.export
 
 # Op types that own a variable's storage: a metric's value leads back to these.
 _VARIABLE_OP_TYPES = frozenset(["VarHandleOp", "VariableV2", "Variable"])
@@ -43,10 +42,8 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
   _check_alike(tower_specs)
   fields = tower_specs[0]._asdict()
   fields["mode"] = mode
-  concat = _Concatenator(context)
-  fields["predictions"] = concat.structure(
-      "predictions", [spec.predictions for spec in tower_specs])
-  fields["export_outputs"] = _concat_export_outputs(tower_specs, concat)
+  fields["predictions"], fields["export_outputs"] = (
+      outputs_lib.combine_outputs(tower_specs, context))
   if tower_specs[0].loss is not None:
     fields["loss"] = _weighted_loss(tower_specs, context)
   fields.update(_COMBINERS[mode](tower_specs, context))
@@ -179,17 +176,6 @@ _COMBINERS = {
 }
 
 
-def _concat_export_outputs(tower_specs, concat):
-  outputs = tower_specs[0].export_outputs
-  if not outputs:
-    return outputs
-  return {
-      key: _concat_export_output(
-          key, [spec.export_outputs[key] for spec in tower_specs], concat)
-      for key in outputs
-  }
-
-
 def _reduced_metric(key, tower_metrics, context):
   """(tower 0's value, an update that also sums the towers into tower 0's)."""
   value, _ = tower_metrics[0]
@@ -255,53 +241,3 @@ def _metric_variables(value):
     if op in candidates and candidates[op] not in found:
       found.append(candidates[op])
   return found
-
-
-class _Concatenator:
-  """Puts per-tower values back together along dimension 0, in tower order."""
-
-  def __init__(self, context):
-    self._context = context
-
-  def structure(self, name, values):
-    """A tensor or a dict of them, per tower, concatenated."""
-    if values[0] is None:
-      return None
-    if isinstance(values[0], dict):
-      return {key: self.tensors(name + "[{!r}]".format(key),
-                                [v[key] for v in values])
-              for key in values[0]}
-    return self.tensors(name, values)
-
-  def tensors(self, name, tensors):
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
-    if tensors[0].shape.rank == 0:
-      raise ValueError(
-          "{} is a scalar in each tower, so it cannot be put back together "
-          "along the batch; return batch-major values (shape [batch, ...]) "
-          "from the model_fn. Received: {!r}.".format(name, tensors[0]))
-    if self._context.may_stand_in:
-      # Keep each tower's real rows: none from a tower on a stand-in row.
-      sizes = self._context.sizes
-      tensors = [t[:sizes[i]] for i, t in enumerate(tensors)]
-    return tf.concat(tensors, axis=0)
-
-
-def _concat_export_output(key, outputs, concat):
-  first = outputs[0]
-  name = "export_outputs[{!r}]".format(key)
-  if isinstance(first, _export_outputs.ClassificationOutput):
-    return _export_outputs.ClassificationOutput(
-        scores=concat.structure(name + ".scores", [o.scores for o in outputs]),
-        classes=concat.structure(name + ".classes",
-                                 [o.classes for o in outputs]))
-  if isinstance(first, _export_outputs.RegressionOutput):
-    return _export_outputs.RegressionOutput(
-        concat.tensors(name + ".value", [o.value for o in outputs]))
-  if isinstance(first, _export_outputs.PredictOutput):
-    return _export_outputs.PredictOutput(
-        concat.structure(name, [o.outputs for o in outputs]))
-  raise ValueError(
-      "{} is a {}; replicate_model_fn can put back together PredictOutput, "
-      "RegressionOutput and ClassificationOutput.".format(
-          name, type(first).__name__))
