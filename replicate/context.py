@@ -122,7 +122,25 @@ class ReplicationContext:
     finally:
       if index == 0:
         self._counters.save_end_of_tower0()
+      else:
+        self._drop_summaries_of(index)
       self.tower_index = None
+
+  def _drop_summaries_of(self, index):
+    """Keeps one of each summary: tower 0's, under the model_fn's own tag.
+
+    Tower i's copies (tagged `tower_i/...`) would add tags the unwrapped
+    model_fn never writes; like MirroredStrategy, which records the first
+    replica's, the summaries hold tower 0's shard. Summaries the aggregated
+    update makes are built in tower 0's scopes, and are kept.
+    """
+    key = tf.compat.v1.GraphKeys.SUMMARIES
+    if not self.graph.get_collection(key):
+      return  # not get_collection_ref, which would add the collection
+    prefix = self.tower_name_scope(index) + "/"
+    summaries = self.graph.get_collection_ref(key)
+    summaries[:] = [s for s in summaries
+                    if not getattr(s, "name", "").startswith(prefix)]
 
   def finish_towers(self):
     """Leaves the name counters as the unwrapped model_fn would have."""
