@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from replicate import matching
 from replicate import names
+from replicate import scaffolds
 
 # The graph collection that holds the active context while towers are built;
 # emptied again before the wrapped model_fn returns.
@@ -67,6 +68,9 @@ class ReplicationContext:
     self._counters = names.NameCounters(graph)
     self._tower0_variables = matching.Tower0Variables()
     self._is_applying = False  # building an aggregated update
+    # The local variables and tables there were when tower 0 was built (a
+    # `replicate.scaffolds.LocalState`), for a model_fn's own local_init_op.
+    self.local_state_after_tower0 = None
     # What each tower's variables are: tower 0's, or its own copies
     # (a `replicate.variables.TowerVariables`).
     self.variables = tower_variables
@@ -122,6 +126,7 @@ class ReplicationContext:
     finally:
       if index == 0:
         self._counters.save_end_of_tower0()
+        self.local_state_after_tower0 = scaffolds.local_state(self.graph)
       else:
         self._drop_summaries_of(index)
       self.tower_index = None

@@ -19,7 +19,9 @@ A tower on a stand-in row (see `sharding`) has its metric updates zeroed,
 not moved.
 
 Scaffold and hooks are tower 0's: each tower makes the same ones, and tower
-0's are what the unwrapped model_fn makes.
+0's are what the unwrapped model_fn makes. A `local_init_op` of the
+model_fn's own also initialises the other towers' local state (see
+`replicate.scaffolds`).
 """
 
 from typing import List
@@ -28,6 +30,7 @@ import tensorflow as tf
 
 from replicate import graphs
 from replicate import outputs as outputs_lib
+from replicate import scaffolds
 from replicate import sharding
 
 ModeKeys = tf.estimator.ModeKeys
@@ -47,6 +50,8 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
   if tower_specs[0].loss is not None:
     fields["loss"] = _weighted_loss(tower_specs, context)
   fields.update(_COMBINERS[mode](tower_specs, context))
+  fields["scaffold"] = scaffolds.initializing_towers(
+      fields["scaffold"], context.local_state_after_tower0, context.graph)
   return tf.estimator.EstimatorSpec(**fields)
 
 
