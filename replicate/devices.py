@@ -25,6 +25,15 @@ _VARIABLE_OP_TYPES = frozenset(
     ["Variable", "VariableV2", "VarHandleOp", "AutoReloadVariable"])
 
 
+# Ops that run functions (tf.cond, tf.while_loop, RNNs, tf.function calls):
+# they take a captured variable's handle but only pass it on to the
+# function, whose own reads are left to the placer; the op itself runs on
+# the tower.
+_CONTROL_FLOW_OP_TYPES = frozenset([
+    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall"])
+
+
 def normalize_devices(devices: Optional[Sequence[str]]) -> Optional[List[str]]:
   """Returns `devices` in canonical spelling, or None; raises on bad entries."""
   if devices is None:
@@ -120,14 +129,17 @@ def tower_device_function(tower_device: str,
   A device the model_fn sets itself (`with tf.device(...)`) is kept: it is
   merged over the chosen one, as `tf.compat.v1.train.replica_device_setter`
   does. Ops that take a variable's handle are left to the placer, which
-  puts them with the variable.
+  puts them with the variable, except control flow (`If`, `While`, function
+  calls): those take a captured variable's handle only to pass it to their
+  functions, and run on the tower like the functions' other ops.
   """
 
   def choose(op):
     if op.type in _VARIABLE_OP_TYPES:
       spec = tf.DeviceSpec.from_string(
           choose_variable_device(op) or tower_device)
-    elif any(t.dtype == tf.resource for t in op.inputs):
+    elif op.type not in _CONTROL_FLOW_OP_TYPES and any(
+        t.dtype == tf.resource for t in op.inputs):
       # An op on a variable's handle runs where the variable lives; the
       # placer puts it there. Pinning it to the tower breaks, e.g., a read
       # inside a tf.cond branch, whose handle has no device of its own.
