@@ -104,9 +104,14 @@ def _misplaced(graph, tower, device):
 
 
 @pytest.mark.parametrize("towers", [2, 3])
-def test_every_op_of_a_tower_is_on_its_device(towers):
+def test_every_op_of_a_replicated_tower_is_on_its_device(towers):
+  # Replicated: each tower's variables are on its device, so its control
+  # flow can run there too. (A parameter-server variable captured by an If
+  # or While keeps that op with the variable: TensorFlow colocates the
+  # lowered control flow with the handle it takes.)
   graph, _ = _build(replicate.replicate_model_fn(
-      _model_fn, devices=cpus(towers)), towers)
+      _model_fn, devices=cpus(towers), variable_strategy="replicated"),
+                    towers)
   control_flow = [op for op in graph.get_operations()
                   if op.name.startswith("tower_1/") and
                   op.type in ("If", "StatelessIf", "While", "StatelessWhile")]
@@ -116,10 +121,11 @@ def test_every_op_of_a_tower_is_on_its_device(towers):
 
 
 @pytest.mark.parametrize("towers", [2, 3])
-def test_towers_with_control_flow_train_like_one_device(towers):
+@pytest.mark.parametrize("strategy", ["parameter_server", "replicated"])
+def test_towers_with_control_flow_train_like_one_device(towers, strategy):
   results = []
   for model_fn, count in ((_model_fn, 1), (replicate.replicate_model_fn(
-      _model_fn, devices=cpus(towers)), towers)):
+      _model_fn, devices=cpus(towers), variable_strategy=strategy), towers)):
     graph, spec = _build(model_fn, count)
     with graph.as_default():
       variables = {v.op.name: v for v in tf.compat.v1.trainable_variables()}
@@ -127,6 +133,8 @@ def test_towers_with_control_flow_train_like_one_device(towers):
       strict.allow_soft_placement = False
       with tf.compat.v1.Session(config=strict) as session:
         session.run(tf.compat.v1.global_variables_initializer())
+        # Replicated copies: local variables starting from tower 0's.
+        session.run(tf.compat.v1.local_variables_initializer())
         losses = [session.run([spec.loss, spec.train_op])[0]
                   for _ in range(3)]
         results.append((losses, session.run(variables)))
