@@ -18,10 +18,12 @@ from typing import Any, List, NamedTuple, Optional
 
 import tensorflow as tf
 
+from replicate import matching
 from replicate import names
 from replicate import sharding
 from replicate import tower_collections
 from replicate import weighting
+from replicate import scaffolds
 
 # The graph collection that holds the active context while towers are built;
 # emptied again before the wrapped model_fn returns.
@@ -75,12 +77,20 @@ class ReplicationContext:
     self.weights = weighting.TowerWeights(
         sharding.shard_weights(shards.sizes, shards.batch_size,
                                loss_reduction), self.has_rows, sums_losses)
-    self._tower0_variables = {}  # op name -> variable, as tower 0 made them
+    self._tower0_variables = matching.Tower0Variables()
     self._is_applying = False  # building tower 0's update
+    # The local variables and tables there were when tower 0 was built (a
+    # `replicate.scaffolds.LocalState`), for a model_fn's own local_init_op.
+    self.local_state_after_tower0 = None
     # What each tower's variables are: tower 0's, or its own copies
     # (a `replicate.variables.TowerVariables`).
     self.variables = tower_variables
     self.aggregation = aggregation or Aggregation()
+
+  @property
+  def tower_inputs(self):
+    """Per tower: its shard of (features, labels)."""
+    return list(zip(self.shards.features, self.shards.labels))
 
   @property
   def is_replicated(self) -> bool:
@@ -136,7 +146,26 @@ class ReplicationContext:
       self.collections.leave(index)
       if index == 0:
         self._counters.save_end_of_tower0()
+        self.local_state_after_tower0 = scaffolds.local_state(self.graph)
+      else:
+        self._drop_summaries_of(index)
       self.tower_index = None
+
+  def _drop_summaries_of(self, index):
+    """Keeps one of each summary: tower 0's, under the model_fn's own tag.
+
+    Tower i's copies (tagged `tower_i/...`) would add tags the unwrapped
+    model_fn never writes; like MirroredStrategy, which records the first
+    replica's, the summaries hold tower 0's shard. Summaries the aggregated
+    update makes are built in tower 0's scopes, and are kept.
+    """
+    key = tf.compat.v1.GraphKeys.SUMMARIES
+    if not self.graph.get_collection(key):
+      return  # not get_collection_ref, which would add the collection
+    prefix = self.tower_name_scope(index) + "/"
+    summaries = self.graph.get_collection_ref(key)
+    summaries[:] = [s for s in summaries
+                    if not getattr(s, "name", "").startswith(prefix)]
 
   def finish_towers(self):
     """Leaves names and collections as the unwrapped model_fn would have.
@@ -189,21 +218,22 @@ class ReplicationContext:
     """Tower 0 records its variables; towers 1..N-1 get tower 0's.
 
     `reuse=True` shares what `tf.compat.v1.get_variable` makes; this shares
-    the rest (Keras layers, as in the TF 2 canned estimators), matched by the
-    name tower 0 gave them. Tower-local variables (metrics: created with
-    collections that leave out GLOBAL_VARIABLES) are created as usual, and
-    so are the optimizer's own variables made by the aggregated update,
-    except that with replicated variables a copy's slots copy tower 0's.
-    Where a tower has its own copies (see `replicate.variables`), it gets
-    those in place of tower 0's variables.
+    the rest (`tf.Variable`, Keras layers as in the TF 2 canned estimators)
+    by creation: each variable tower i creates is the one tower 0 created at
+    the same point (see `replicate.matching`). Tower-local variables (metrics:
+    created with collections that leave out GLOBAL_VARIABLES) are created
+    as usual, and so are the optimizer's own variables made by the
+    aggregated update, except that with replicated variables a copy's slots
+    copy tower 0's. Where a tower has its own copies (see
+    `replicate.variables`), it gets those in place of tower 0's variables.
     """
 
     def creator(next_creator, **kwargs):
       if _is_tower_local(kwargs):
         self.variables.check_not_local(kwargs)
         return next_creator(**kwargs)
-      own_name = self.graph.unique_name(kwargs.get("name") or "Variable",
-                                        mark_as_used=False)
+      requested = kwargs.get("name") or "Variable"
+      own_name = self.graph.unique_name(requested, mark_as_used=False)
       if self._is_applying:
         if not self.is_replicated:
           return next_creator(**kwargs)
@@ -211,17 +241,18 @@ class ReplicationContext:
                                        next_creator, kwargs)
       if index == 0:
         variable = next_creator(**kwargs)
-        self._tower0_variables[variable.op.name] = variable
+        self._tower0_variables.record(variable)
         self.variables.note_tower0_variable(variable, variable.trainable)
         return variable
-      name = self.to_tower0_name(own_name, index)
-      if name not in self._tower0_variables:
-        raise ValueError(
-            "Tower {} creates the variable {!r}, but tower 0 made no variable "
-            "named {!r}: each tower's model_fn must create the same "
-            "variables, so that every tower trains tower 0's.".format(
-                index, own_name, name))
-      return self.variables.for_tower(index, self._tower0_variables[name])
+      tower0_variable = self._tower0_variables.match(
+          index, own_name, self.to_tower0_name(own_name, index), kwargs)
+      variable = self.variables.for_tower(index, tower0_variable)
+      if self.graph.unique_name(requested, mark_as_used=False) == own_name:
+        # Creating the variable would have taken its name, as it did in
+        # tower 0: take it, so the tower's next one ('Variable_1', 'w_1')
+        # is named, and matched, as tower 0's next one was.
+        self.graph.unique_name(requested, mark_as_used=True)
+      return variable
 
     return creator
 

@@ -29,6 +29,15 @@ _VARIABLE_OP_TYPES = frozenset(
     ["Variable", "VariableV2", "VarHandleOp", "AutoReloadVariable"])
 
 
+# Ops that run functions (tf.cond, tf.while_loop, RNNs, tf.function calls).
+# They take a captured variable's handle to pass it to their functions; when
+# TensorFlow lowers them, their nodes and the functions' reads are colocated
+# with that handle, so they can run on the tower only if the variable does.
+_CONTROL_FLOW_OP_TYPES = frozenset([
+    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall"])
+
+
 def normalize_devices(devices: Optional[Sequence[str]]) -> Optional[List[str]]:
   """Returns `devices` in canonical spelling, or None; raises on bad entries."""
   if devices is None:
@@ -126,14 +135,19 @@ def tower_device_function(tower_device: str,
   A device the model_fn sets itself (`with tf.device(...)`) is kept: it is
   merged over the chosen one, as `tf.compat.v1.train.replica_device_setter`
   does. Ops that take a variable's handle are left to the placer, which
-  puts them with the variable.
+  puts them with the variable. Control flow (`If`, `While`, function
+  calls) that captures only variables on the tower's own device (replicated
+  copies, round-robin variables placed there) runs on the tower; the ops
+  inside its functions are placed like the tower's other ops either way.
   """
 
   def choose(op):
     if op.type in _VARIABLE_OP_TYPES:
       spec = tf.DeviceSpec.from_string(
           choose_variable_device(op) or tower_device)
-    elif any(t.dtype == tf.resource for t in op.inputs):
+    elif any(t.dtype == tf.resource for t in op.inputs) and not (
+        op.type in _CONTROL_FLOW_OP_TYPES and
+        _handles_are_on(op, tower_device)):
       # An op on a variable's handle runs where the variable lives; the
       # placer puts it there. Pinning it to the tower breaks, e.g., a read
       # inside a tf.cond branch, whose handle has no device of its own.
@@ -144,6 +158,25 @@ def tower_device_function(tower_device: str,
         tf.DeviceSpec.from_string(op.device or "")).to_string()
 
   return choose
+
+
+def _handles_are_on(op, tower_device) -> bool:
+  """Whether every variable handle `op` takes lives on `tower_device`.
+
+  A handle from elsewhere (a parameter-server variable, or one captured by
+  an outer function, whose device is unknown) would pin the variable's
+  reads inside the control flow to the tower: TensorFlow refuses that
+  ("Cannot colocate nodes"), so such an op is left with the variable.
+  """
+  tower = tf.DeviceSpec.from_string(tower_device)
+  for tensor in op.inputs:
+    if tensor.dtype != tf.resource:
+      continue
+    if tensor.op.type not in _VARIABLE_OP_TYPES or not tensor.op.device:
+      return False
+    if tf.DeviceSpec.from_string(tensor.op.device) != tower:
+      return False
+  return True
 
 
 def _canonical_device(device, devices) -> str:

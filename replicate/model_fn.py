@@ -5,6 +5,7 @@ per device inside the replication context (`context`, `devices`), then combine
 the towers' specs into one (`specs`). `TowerOptimizer` does the gradient side.
 """
 
+import inspect
 from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
@@ -79,9 +80,11 @@ def replicate_model_fn(
   On modes: TRAIN returns the whole batch's loss and a `train_op` that
   applies the summed gradients once per step; EVAL reports every metric over
   the whole batch; PREDICT concatenates predictions and export outputs in
-  input order. A serving graph (PREDICT with features fed by placeholders, as
-  `export_saved_model` builds) is built as one tower with no device
-  placement, so the SavedModel serves any batch size on any machine.
+  input order. A SavedModel's graph (PREDICT with features fed by
+  placeholders, as `export_saved_model` builds, and the TRAIN and EVAL
+  graphs of `experimental_export_all_saved_models`) is built as one tower
+  with no device placement, so the SavedModel loads on any machine and
+  serves any batch size.
 
   On clusters: with a `RunConfig` whose `TF_CONFIG` cluster has ps tasks,
   each training task builds one tower per device of its own server, the
@@ -119,7 +122,7 @@ def replicate_model_fn(
   def replicated_model_fn(features, labels, mode, params=None, config=None):
     kwargs = _model_fn_kwargs(model_fn, model_fn_args, labels, mode, params,
                               config)
-    if mode == tf.estimator.ModeKeys.PREDICT and _is_serving_input(features):
+    if _is_export_graph(mode, features):
       return model_fn(features=features, **kwargs)
     num_ps = cluster.num_ps_tasks(config, mode)
     tower_devices, choose_variable_device, aggregation = _placement(
@@ -271,6 +274,26 @@ def _model_fn_kwargs(model_fn, model_fn_args, labels, mode, params, config):
   if "config" in model_fn_args:
     kwargs["config"] = config
   return kwargs
+
+
+def _is_export_graph(mode, features):
+  """Whether the graph is a SavedModel's, to build as one unplaced tower.
+
+  A serving graph is PREDICT with features fed by placeholders. The TRAIN
+  and EVAL graphs of `experimental_export_all_saved_models` are fed by
+  placeholders too, but so is training through a `FeedFnHook` (and a
+  model_fn called by hand), which must keep its towers: for those modes the
+  Estimator's export method is recognised among the callers.
+  """
+  if mode == tf.estimator.ModeKeys.PREDICT and _is_serving_input(features):
+    return True
+  exporting = tf.estimator.Estimator._add_meta_graph_for_mode.__code__  # pylint: disable=protected-access
+  frame = inspect.currentframe()
+  while frame is not None:
+    if frame.f_code is exporting:
+      return True
+    frame = frame.f_back
+  return False
 
 
 def _is_serving_input(features):

@@ -7,13 +7,14 @@ On TRAIN: the one train_op of the step (see `replicate.train_op`).
 
 On EVAL: every metric over the whole batch (see `replicate.metrics`).
 
-On PREDICT: predictions and every export output are concatenated along
-dimension 0 in tower order, so they line up with the input rows; what a
-tower computed on a stand-in row (see `sharding`) is left out, and its metric
-updates are zeroed, not moved.
+On predictions and export outputs (every mode): see `replicate.outputs`.
+A tower on a stand-in row (see `sharding`) has its metric updates zeroed,
+not moved.
 
 Scaffold and hooks are tower 0's: each tower makes the same ones, and tower
-0's are what the unwrapped model_fn makes.
+0's are what the unwrapped model_fn makes. A `local_init_op` of the
+model_fn's own also initialises the other towers' local state (see
+`replicate.scaffolds`).
 """
 
 from typing import List
@@ -21,11 +22,12 @@ from typing import List
 import tensorflow as tf
 
 from replicate import metrics
+from replicate import outputs as outputs_lib
+from replicate import scaffolds
 from replicate import sharding
 from replicate import train_op as train_op_lib
 
 ModeKeys = tf.estimator.ModeKeys
-_export_outputs = tf.estimator.export
 
 
 def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
@@ -34,13 +36,13 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
   _check_alike(tower_specs)
   fields = tower_specs[0]._asdict()
   fields["mode"] = mode
-  concat = _Concatenator(context)
-  fields["predictions"] = concat.structure(
-      "predictions", [spec.predictions for spec in tower_specs])
-  fields["export_outputs"] = _concat_export_outputs(tower_specs, concat)
+  fields["predictions"], fields["export_outputs"] = (
+      outputs_lib.combine_outputs(tower_specs, context))
   if tower_specs[0].loss is not None:
     fields["loss"] = _weighted_loss(tower_specs, context)
   fields.update(_COMBINERS[mode](tower_specs, context))
+  fields["scaffold"] = scaffolds.initializing_towers(
+      fields["scaffold"], context.local_state_after_tower0, context.graph)
   return tf.estimator.EstimatorSpec(**fields)
 
 
@@ -106,64 +108,3 @@ _COMBINERS = {
     ModeKeys.EVAL: _eval_fields,
     ModeKeys.PREDICT: _predict_fields,
 }
-
-
-def _concat_export_outputs(tower_specs, concat):
-  outputs = tower_specs[0].export_outputs
-  if not outputs:
-    return outputs
-  return {
-      key: _concat_export_output(
-          key, [spec.export_outputs[key] for spec in tower_specs], concat)
-      for key in outputs
-  }
-
-
-class _Concatenator:
-  """Puts per-tower values back together along dimension 0, in tower order."""
-
-  def __init__(self, context):
-    self._context = context
-
-  def structure(self, name, values):
-    """A tensor or a dict of them, per tower, concatenated."""
-    if values[0] is None:
-      return None
-    if isinstance(values[0], dict):
-      return {key: self.tensors(name + "[{!r}]".format(key),
-                                [v[key] for v in values])
-              for key in values[0]}
-    return self.tensors(name, values)
-
-  def tensors(self, name, tensors):
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
-    if tensors[0].shape.rank == 0:
-      raise ValueError(
-          "{} is a scalar in each tower, so it cannot be put back together "
-          "along the batch; return batch-major values (shape [batch, ...]) "
-          "from the model_fn. Received: {!r}.".format(name, tensors[0]))
-    if self._context.may_stand_in:
-      # Keep each tower's real rows: none from a tower on a stand-in row.
-      sizes = self._context.sizes
-      tensors = [t[:sizes[i]] for i, t in enumerate(tensors)]
-    return tf.concat(tensors, axis=0)
-
-
-def _concat_export_output(key, outputs, concat):
-  first = outputs[0]
-  name = "export_outputs[{!r}]".format(key)
-  if isinstance(first, _export_outputs.ClassificationOutput):
-    return _export_outputs.ClassificationOutput(
-        scores=concat.structure(name + ".scores", [o.scores for o in outputs]),
-        classes=concat.structure(name + ".classes",
-                                 [o.classes for o in outputs]))
-  if isinstance(first, _export_outputs.RegressionOutput):
-    return _export_outputs.RegressionOutput(
-        concat.tensors(name + ".value", [o.value for o in outputs]))
-  if isinstance(first, _export_outputs.PredictOutput):
-    return _export_outputs.PredictOutput(
-        concat.structure(name, [o.outputs for o in outputs]))
-  raise ValueError(
-      "{} is a {}; replicate_model_fn can put back together PredictOutput, "
-      "RegressionOutput and ClassificationOutput.".format(
-          name, type(first).__name__))

@@ -151,7 +151,8 @@ def test_scalar_predictions_cannot_be_put_back_together(graph):
     return tf.estimator.EstimatorSpec(
         mode, predictions={"total": tf.reduce_sum(features)})
 
-  with pytest.raises(ValueError, match=r"predictions\['total'\] is a scalar"):
+  with pytest.raises(ValueError, match=r"predictions\[.total.\] is computed "
+                     r"from each tower.s rows but is a scalar"):
     replicate.replicate_model_fn(model_fn, devices=cpus(2))(
         tf.ones([4]), None, PREDICT)
 

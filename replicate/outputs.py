@@ -1,0 +1,163 @@
+"""Putting the towers' predictions and export outputs back together.
+
+On batch-major values: a value computed from the tower's rows (it depends on
+the tower's shard of `features` or `labels`) has one row per input row; the
+towers' values are concatenated along dimension 0 in tower order, so they
+line up with the input rows. What a tower computed on a stand-in row (see
+`sharding`) is left out.
+
+On values that do not depend on the rows: a value computed from constants
+and variables only (class names as a `[3]` constant, a temperature) is the
+same in every tower; tower 0's is returned whole, as unwrapped. Whether a
+value depends on the rows is decided by walking the graph back from tower
+0's value to tower 0's shard.
+
+On values that cannot be put back together: a value computed from the rows
+with no batch dimension (a scalar mean of the logits) is what one device
+computes over the whole batch, which no combination of the towers' values
+gives. In `predictions` it is a `ValueError` naming it. In `export_outputs`
+it becomes a tensor that fails, naming it, when run: the multi-tower graph's
+export outputs are never run by `Estimator.predict` (it fetches
+`predictions`), and a SavedModel export builds the `model_fn` as one tower
+(see `replicate.model_fn`), where the export output is the `model_fn`'s own.
+"""
+
+from typing import Optional
+
+import tensorflow as tf
+
+from replicate import graphs
+
+_export_outputs = tf.estimator.export
+
+
+class _CannotCombineError(ValueError):
+  """A tower's value that cannot be put back together along the batch."""
+
+
+def combine_outputs(tower_specs, context):
+  """(predictions, export_outputs) over every tower, from one spec per tower."""
+  combiner = _Combiner(context)
+  predictions = combiner.structure(
+      "predictions", [spec.predictions for spec in tower_specs])
+  outputs = tower_specs[0].export_outputs
+  if outputs:
+    lenient = _Combiner(context, is_lenient=True)
+    outputs = {
+        key: _combined_export_output(
+            "export_outputs[{!r}]".format(key),
+            [spec.export_outputs[key] for spec in tower_specs], lenient)
+        for key in outputs
+    }
+  return predictions, outputs
+
+
+class _Combiner:
+  """Puts per-tower values back together, or returns tower 0's whole.
+
+  A lenient one (for export outputs) returns a value it cannot put back
+  together as a tensor that fails when run; a strict one raises.
+  """
+
+  def __init__(self, context, is_lenient=False):
+    self._context = context
+    self._is_lenient = is_lenient
+    inputs = getattr(context, "tower_inputs", None)
+    # The ops that produce tower 0's shard: a value that reaches none of
+    # them does not depend on the tower's rows. None: unknown, so every
+    # value is taken to depend on them.
+    self._tower0_input_ops = None if inputs is None else frozenset(
+        t.op for t in tf.nest.flatten(inputs[0], expand_composites=True)
+        if isinstance(t, tf.Tensor))
+    self._tower_rows = None if inputs is None else [
+        _static_rows(tower_inputs) for tower_inputs in inputs]
+
+  def structure(self, name, values):
+    """A tensor or a dict of them, per tower, put back together."""
+    if values[0] is None:
+      return None
+    if isinstance(values[0], dict):
+      return {key: self.tensors(name + "[{!r}]".format(key),
+                                [v[key] for v in values])
+              for key in values[0]}
+    return self.tensors(name, values)
+
+  def tensors(self, name, tensors):
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not self._depends_on_rows(tensors[0]):
+      return tensors[0]
+    try:
+      self._check_batch_major(name, tensors)
+    except _CannotCombineError as error:
+      if not self._is_lenient:
+        raise
+      return _failing_when_run(tensors[0], str(error))
+    if self._context.may_stand_in:
+      # Keep each tower's real rows: none from a tower on a stand-in row.
+      sizes = self._context.sizes
+      tensors = [t[:sizes[i]] for i, t in enumerate(tensors)]
+    return tf.concat(tensors, axis=0)
+
+  def _depends_on_rows(self, tensor):
+    if self._tower0_input_ops is None:
+      return True
+    return any(op in self._tower0_input_ops
+               for op in graphs.ops_behind([tensor]))
+
+  def _check_batch_major(self, name, tensors):
+    if tensors[0].shape.rank == 0:
+      raise _CannotCombineError(
+          "{} is computed from each tower's rows but is a scalar ({!r}), so "
+          "the towers' values cannot be put back together into the value "
+          "of the whole batch. Return a value with one row per input row "
+          "(shape [batch, ...]), e.g. the per-row values it reduces, and "
+          "reduce them after prediction.".format(name, tensors[0]))
+    for index, tensor in enumerate(tensors):
+      rows = None if self._tower_rows is None else self._tower_rows[index]
+      if rows is not None and tensor.shape[0] not in (None, rows):
+        raise _CannotCombineError(
+            "{} is computed from each tower's rows but tower {}'s value has "
+            "{} rows where its shard has {} ({!r}), so it is not one row "
+            "per input row and cannot be put back together along the batch. "
+            "Return a value of shape [batch, ...].".format(
+                name, index, tensor.shape[0], rows, tensor))
+
+
+def _failing_when_run(tensor, reason):
+  """`tensor`'s shape and dtype, but running it raises with `reason`."""
+  message = ("replicate_model_fn: {} This export output exists only in a "
+             "SavedModel, which builds the model_fn as one tower; the "
+             "multi-tower graph has no value for it.".format(reason))
+  with tf.name_scope("uncombinable_export_output"):
+    check = tf.debugging.Assert(False, [message])
+    with tf.control_dependencies([check]):
+      return tf.identity(tensor)
+
+
+def _combined_export_output(name, outputs, combiner):
+  first = outputs[0]
+  if isinstance(first, _export_outputs.ClassificationOutput):
+    return _export_outputs.ClassificationOutput(
+        scores=combiner.structure(name + ".scores",
+                                  [o.scores for o in outputs]),
+        classes=combiner.structure(name + ".classes",
+                                   [o.classes for o in outputs]))
+  if isinstance(first, _export_outputs.RegressionOutput):
+    return _export_outputs.RegressionOutput(
+        combiner.tensors(name + ".value", [o.value for o in outputs]))
+  if isinstance(first, _export_outputs.PredictOutput):
+    return _export_outputs.PredictOutput(
+        combiner.structure(name, [o.outputs for o in outputs]))
+  raise ValueError(
+      "{} is a {}; replicate_model_fn can put back together PredictOutput, "
+      "RegressionOutput and ClassificationOutput.".format(
+          name, type(first).__name__))
+
+
+def _static_rows(tower_inputs) -> Optional[int]:
+  """The rows of a tower's shard, when its dense tensors say statically."""
+  for value in tf.nest.flatten(tower_inputs):
+    if (isinstance(value, tf.Tensor) and value.shape.rank and
+        value.shape[0] is not None):
+      return value.shape[0]
+  return None

@@ -1,0 +1,126 @@
+"""Predictions and export outputs that are not batch-major.
+
+A value that does not depend on the rows comes back whole, as unwrapped; a
+value computed from the rows without a batch dimension is refused in
+`predictions` and never breaks `predict()` from `export_outputs`.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from conftest import PREDICT, cpus, session_config
+
+ROWS = 7  # uneven over 2 (4, 3) and 3 (3, 2, 2) towers
+X = np.arange(ROWS, dtype=np.float32).reshape(ROWS, 1)
+
+
+def _model_fn(features, labels, mode):
+  """Batch-major scores, plus class names and a temperature for every row."""
+  del labels
+  temperature = tf.compat.v1.get_variable(
+      "temperature", [2], initializer=tf.compat.v1.constant_initializer(
+          [2.0, 4.0]))
+  scores = features["x"] / temperature  # [batch, 2]
+  return tf.estimator.EstimatorSpec(
+      mode,
+      predictions={"scores": scores,
+                   "class_names": tf.constant(["cat", "dog", "bird"]),
+                   "temperature": temperature * 1.0},
+      export_outputs={
+          "serving_default": tf.estimator.export.PredictOutput(
+              {"scores": scores}),
+          # What one device computes over the whole batch: no batch dimension.
+          "stats": tf.estimator.export.PredictOutput(
+              {"mean_score": tf.reduce_mean(scores),
+               "class_names": tf.constant(["cat", "dog", "bird"])}),
+      })
+
+
+def _run(model_fn, towers, fetch):
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    spec = model_fn({"x": tf.constant(X)}, None, PREDICT)
+    with tf.compat.v1.Session(config=session_config(towers)) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      return session.run(fetch(spec))
+
+
+def _wrapped(towers, model_fn=_model_fn):
+  return replicate.replicate_model_fn(model_fn, devices=cpus(towers))
+
+
+@pytest.mark.parametrize("towers", [2, 3])
+def test_values_that_do_not_depend_on_the_rows_come_back_whole(towers):
+  expected = _run(_model_fn, 1, lambda spec: spec.predictions)
+  assert list(expected["class_names"]) == [b"cat", b"dog", b"bird"]
+  np.testing.assert_array_equal(expected["temperature"], [2.0, 4.0])
+  # Row r: [r / 2, r / 4].
+  np.testing.assert_array_equal(expected["scores"][:, 1], np.arange(ROWS) / 4)
+  got = _run(_wrapped(towers), towers, lambda spec: spec.predictions)
+  assert sorted(got) == sorted(expected)
+  for key, value in expected.items():
+    np.testing.assert_array_equal(got[key], value, err_msg=key)
+
+
+@pytest.mark.parametrize("towers", [2, 3])
+def test_an_export_output_without_rows_does_not_break_predictions(towers):
+  fetch = lambda spec: (spec.predictions["scores"], spec.export_outputs[
+      "stats"].outputs["class_names"], spec.export_outputs[
+          "serving_default"].outputs["scores"])
+  scores, class_names, exported_scores = _run(_model_fn, 1, fetch)
+  got_scores, got_names, got_exported = _run(_wrapped(towers), towers, fetch)
+  np.testing.assert_array_equal(got_scores, scores)
+  np.testing.assert_array_equal(got_exported, exported_scores)
+  assert list(got_names) == list(class_names) == [b"cat", b"dog", b"bird"]
+  # The multi-tower graph has no value for the mean over the whole batch:
+  # asking for it fails, naming it, rather than giving tower 0's mean.
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match=r"export_outputs\[.*stats.*\]\[.*mean_score.*\] "
+                     r"is computed from each tower.*s rows but is a scalar"):
+    _run(_wrapped(towers), towers,
+         lambda spec: spec.export_outputs["stats"].outputs["mean_score"])
+
+
+@pytest.mark.parametrize("towers", [2, 3])
+def test_estimator_predict_ignores_an_export_output_without_rows(
+    towers, tmp_path):
+  results = []
+  for model_fn, count in ((_model_fn, 1), (_wrapped(towers), towers)):
+    estimator = tf.estimator.Estimator(
+        model_fn, model_dir=str(tmp_path / str(count)),
+        config=tf.estimator.RunConfig(session_config=session_config(count)))
+    results.append(list(estimator.predict(
+        lambda: tf.data.Dataset.from_tensors({"x": X}),
+        predict_keys=["scores"])))
+  unwrapped, wrapped = results
+  assert len(wrapped) == len(unwrapped) == ROWS
+  for got, expected in zip(wrapped, unwrapped):
+    np.testing.assert_array_equal(got["scores"], expected["scores"])
+
+
+def test_a_prediction_reduced_over_the_rows_is_refused(graph):
+  def model_fn(features, labels, mode):
+    del labels
+    return tf.estimator.EstimatorSpec(
+        mode, predictions={"mean_logit": tf.reduce_mean(features["x"] * 2.0)})
+
+  with pytest.raises(ValueError, match=r"predictions\['mean_logit'\] is "
+                     r"computed from each tower's rows but is a scalar.*"
+                     r"Return a value with one row per input row"):
+    _wrapped(2, model_fn)({"x": tf.constant(X)}, None, PREDICT)
+
+
+def test_a_prediction_reduced_over_the_batch_axis_is_refused(graph):
+  def model_fn(features, labels, mode):
+    del labels
+    logits = tf.concat([features["x"], -features["x"]], axis=1)
+    # Shape [2], not [batch, ...]: one value per class.
+    return tf.estimator.EstimatorSpec(
+        mode, predictions=tf.reduce_mean(logits, axis=0))
+
+  with pytest.raises(ValueError, match=r"predictions is computed from each "
+                     r"tower's rows but tower 0's value has 2 rows where its "
+                     r"shard has 3"):
+    _wrapped(3, model_fn)({"x": tf.constant(X)}, None, PREDICT)
