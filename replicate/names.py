@@ -1,8 +1,8 @@
 """The graph's name counters, which make tower i pick tower 0's names.
 
 TensorFlow keeps these counters in private places (the variable scope
-store's counts, Keras's layer-name uids); this module is the only code that
-touches them.
+store's counts, Keras's layer-name uids, the graph's names in use); this
+module is the only code that touches them.
 """
 
 from keras.src import backend as keras_backend
@@ -52,3 +52,18 @@ class NameCounters:
     self._scope_store.variable_scopes_count = dict(scopes)
     self._layer_uids.clear()
     self._layer_uids.update(layers)
+
+
+def release(graph, op_name: str) -> None:
+  """Lets `graph.unique_name` hand out `op_name` again, though it is used.
+
+  For a variable made ahead of the tower that will own it: the tower's own
+  request for that name must get it, as it would have made it there.
+  """
+  graph._names_in_use.pop(op_name.lower(), None)  # pylint: disable=protected-access
+
+
+def take(graph, op_name: str) -> None:
+  """Marks `op_name` as used again (see `release`)."""
+  graph._names_in_use[op_name.lower()] = max(  # pylint: disable=protected-access
+      1, graph._names_in_use.get(op_name.lower(), 0))  # pylint: disable=protected-access

@@ -31,6 +31,7 @@ import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
 from replicate import context as context_lib
+from replicate import names
 from replicate import sharding
 
 SUM = "sum"
@@ -94,6 +95,7 @@ class TowerVariables:
     self._tower0_of = {}  # copy ref -> tower 0's variable
     self._slots = {}  # op name -> slot variable made for tower 0's variables
     self._making_copy = False  # creating one of the copies below
+    self._made_early = set()  # copies whose names no tower has taken yet
     # Per "sum" variable: its value at the last fold, where copies started.
     self._bases = {}
 
@@ -127,6 +129,31 @@ class TowerVariables:
 
   def for_tower(self, index: int, variable):
     """What tower `index` uses in place of tower 0's `variable`."""
+    copy = self._copy_for(index, variable)
+    if copy.ref() in self._made_early:
+      # The tower now takes the copy: its name is the tower's, as if the
+      # copy were made here (see `copy_early`).
+      self._made_early.discard(copy.ref())
+      names.take(self.graph, copy.op.name)
+    return copy
+
+  def copy_early(self, index: int, variable):
+    """Tower `index`'s copy of `variable`, made before the tower is built.
+
+    Tower 0's update is built before towers 1..N-1 and updates their copies
+    too. A copy made then would hold the name tower i's own variable
+    creation asks for (`tower_1/dense/kernel`), so that a Keras layer's
+    variable there would be named, and matched, as `kernel_1`: the name is
+    given back until the tower takes the copy through `for_tower`.
+    """
+    known = variable.ref() in self._copies[index] if index else True
+    copy = self._copy_for(index, variable)
+    if not known and copy is not variable:
+      self._made_early.add(copy.ref())
+      names.release(self.graph, copy.op.name)
+    return copy
+
+  def _copy_for(self, index, variable):
     if index == 0 or not isinstance(variable, tf.Variable):
       return variable
     reduce = self._reduce_of.get(variable.ref())

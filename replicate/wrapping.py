@@ -117,7 +117,7 @@ class Wrapping:
         for grad, variable in grads_and_vars:
           if grad is None:
             continue
-          copy = context.variables.for_tower(index, variable)
+          copy = context.variables.copy_early(index, variable)
           if copy is not variable:
             copies.append((pending.stand_in(grad, "pending_gradient"), copy))
         per_tower.append(copies)
