@@ -174,7 +174,9 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
   copies of the variables, and is None when they share tower 0's.
   """
   num_towers = len(tower_devices)
-  shards = sharding.split_batch(features, labels, num_towers)
+  shards = sharding.split_batch(
+      features, labels, num_towers,
+      is_prediction=mode == tf.estimator.ModeKeys.PREDICT)
   device_functions = [
       devices_lib.tower_device_function(device, choose_variable_device)
       for device in tower_devices

@@ -4,7 +4,9 @@ On batch-major values: a value computed from the tower's rows (it depends on
 the tower's shard of `features` or `labels`) has one row per input row; the
 towers' values are concatenated along dimension 0 in tower order, so they
 line up with the input rows. What a tower computed on a stand-in row (see
-`sharding`) is left out.
+`sharding`) is left out. In PREDICT, features whose dimension 0 disagree
+are split each by its own rows, and a value is put back with the rows of
+the feature it is computed from, as unwrapped.
 
 On values that do not depend on the rows: a value computed from constants
 and variables only (class names as a `[3]` constant, a temperature) is the
@@ -94,9 +96,25 @@ class _Combiner:
       return _failing_when_run(tensors[0], str(error))
     if self._context.may_stand_in:
       # Keep each tower's real rows: none from a tower on a stand-in row.
-      sizes = self._context.sizes
+      sizes = self._sizes_for(tensors[0])
       tensors = [t[:sizes[i]] for i, t in enumerate(tensors)]
     return tf.concat(tensors, axis=0)
+
+  def _sizes_for(self, tensor):
+    """The rows per tower of the input `tensor` (tower 0's) is made from.
+
+    Every input has the batch's rows, except in PREDICT with features whose
+    dimension 0 may disagree, each split by its own (see `sharding`).
+    """
+    leaf_sizes = self._context.shards.leaf_sizes
+    if not leaf_sizes:
+      return self._context.sizes
+    behind = set(graphs.ops_behind([tensor]))
+    for part, sizes in leaf_sizes:
+      if any(t.op in behind for t in tf.nest.flatten(part,
+                                                     expand_composites=True)):
+        return sizes
+    return self._context.sizes
 
   def _depends_on_rows(self, tensor):
     if self._tower0_input_ops is None:

@@ -21,7 +21,7 @@ found empty at run time gives every tower weight 0, never NaN; one known to
 be empty gives tower 0 weight 1.
 """
 
-from typing import Any, List, NamedTuple, Union
+from typing import Any, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
@@ -36,10 +36,21 @@ class Shards(NamedTuple):
   sizes: Union[tf.Tensor, List[int]]  # real rows per tower, int32 [N]
   batch_size: Union[tf.Tensor, int]
   may_stand_in: bool  # whether a tower may be built on a stand-in row
+  # In PREDICT with batch sizes known only at run time, each leaf is split
+  # by its own rows: per leaf, (tower 0's part of it, the leaf's sizes).
+  # None when every leaf is split by `sizes`.
+  leaf_sizes: Optional[List[Tuple[Any, Any]]] = None
 
 
-def split_batch(features, labels, num_shards: int) -> Shards:
-  """Splits `features` and `labels` (tensors, numpy values, nested dicts)."""
+def split_batch(features, labels, num_shards: int,
+                is_prediction: bool = False) -> Shards:
+  """Splits `features` and `labels` (tensors, numpy values, nested dicts).
+
+  With `is_prediction`, features whose dimension 0 turns out to disagree at
+  run time are each split by their own rows, where training and evaluation
+  refuse them: each prediction is put back with the rows of the feature it
+  is computed from (see `replicate.outputs`), as unwrapped.
+  """
   features = _to_tensors("features", features)
   labels = _to_tensors("labels", labels)
   named_leaves = (_named_leaves("features", features) +
@@ -50,15 +61,35 @@ def split_batch(features, labels, num_shards: int) -> Shards:
         "replicate_model_fn needs batch-major tensors in features. "
         "Received features={!r}, labels={!r}.".format(
             num_shards, features, labels))
-  batch_size = _batch_size(named_leaves)
+  batch_size = _batch_size(named_leaves, is_checked=not is_prediction)
   sizes = shard_sizes(batch_size, num_shards)
   may_stand_in = not (isinstance(sizes, list) and all(sizes))
+  if is_prediction and not isinstance(batch_size, int):
+    return _split_by_own_rows(features, labels, num_shards, sizes, batch_size)
   ranges = _row_ranges(sizes, num_shards)
-  split = lambda structure: _split_structure(structure, sizes, ranges,
-                                             may_stand_in)
+  split = lambda structure: _split_structure(
+      structure, lambda value: _split_one(value, sizes, ranges, may_stand_in),
+      num_shards)
   return Shards(split(features),
                 [None] * num_shards if labels is None else split(labels),
                 sizes, batch_size, may_stand_in)
+
+
+def _split_by_own_rows(features, labels, num_shards, sizes, batch_size):
+  """Each leaf split by its own dimension 0 (PREDICT, sizes known late)."""
+  leaf_sizes = []
+
+  def split_one(value):
+    own_sizes = shard_sizes(_dynamic_dim0(value), num_shards)
+    parts = _split_one(value, own_sizes, _row_ranges(own_sizes, num_shards),
+                       may_stand_in=True)
+    leaf_sizes.append((parts[0], own_sizes))
+    return parts
+
+  split = lambda structure: _split_structure(structure, split_one, num_shards)
+  return Shards(split(features),
+                [None] * num_shards if labels is None else split(labels),
+                sizes, batch_size, True, leaf_sizes)
 
 
 def shard_sizes(batch_size, num_shards: int):
@@ -180,8 +211,12 @@ def _as_tensor(name, value):
   return value
 
 
-def _batch_size(named_leaves):
-  """The common dimension 0: a Python int when known, else a checked tensor."""
+def _batch_size(named_leaves, is_checked=True):
+  """The common dimension 0: a Python int when known, else a tensor.
+
+  A tensor is checked at run time to be every leaf's dimension 0, unless
+  not `is_checked` (then it is the first leaf's).
+  """
   static = {}
   for name, value in named_leaves:
     dim = _static_dim0(value)
@@ -199,6 +234,8 @@ def _batch_size(named_leaves):
     return next(iter(static))
   first_name, first = named_leaves[0]
   batch_size = _dynamic_dim0(first)
+  if not is_checked:
+    return batch_size
   checks = [
       tf.debugging.assert_equal(
           _dynamic_dim0(value), batch_size,
@@ -242,11 +279,10 @@ def _row_ranges(sizes, num_shards):
                   tf.unstack(counts, num=num_shards)))
 
 
-def _split_structure(structure, sizes, ranges, may_stand_in):
-  split = [_split_one(value, sizes, ranges, may_stand_in)
-           for value in tf.nest.flatten(structure)]
+def _split_structure(structure, split_one, num_shards):
+  split = [split_one(value) for value in tf.nest.flatten(structure)]
   return [tf.nest.pack_sequence_as(structure, [parts[i] for parts in split])
-          for i in range(len(ranges))]
+          for i in range(num_shards)]
 
 
 def _split_one(value, sizes, ranges, may_stand_in):

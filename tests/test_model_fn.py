@@ -312,12 +312,13 @@ def _two_features_model_fn(features, mode):
 
 def test_prediction_with_features_of_different_lengths():
   # What PREDICT does when features' dimension 0 disagree (README, errors).
-  def predict(make_features, feed):
+  def predict(make_features, feed, towers=2):
     with tf.Graph().as_default():
       features = make_features()
       spec = replicate.replicate_model_fn(
-          _two_features_model_fn, devices=cpus(2))(features, None, PREDICT)
-      with tf.compat.v1.Session(config=session_config(2)) as session:
+          _two_features_model_fn, devices=cpus(towers))(
+              features, None, PREDICT)
+      with tf.compat.v1.Session(config=session_config(towers)) as session:
         session.run(tf.compat.v1.global_variables_initializer())
         return session.run(spec.predictions, feed(features))
 
@@ -331,16 +332,15 @@ def test_prediction_with_features_of_different_lengths():
   np.testing.assert_array_equal(served["x"], x)
   np.testing.assert_array_equal(served["other"], other * 2.0)
 
-  # From an input pipeline the features are split across towers, which
-  # needs one batch size: the run-time check refuses, as in TRAIN and EVAL.
-  # (API.md promises each feature's outputs back on their own here too;
-  # that is not built yet: it needs each output's rows traced to a feature.)
+  # From an input pipeline each feature is split by its own rows, and each
+  # output put back with the rows of the feature it comes from: 4 rows on 3
+  # towers (2 + 1 + 1) and 3 rows (1 + 1 + 1).
   def pipeline():
     dataset = tf.data.Dataset.from_generator(
         lambda: iter([{"x": x, "other": other}]), output_signature={
             name: tf.TensorSpec([None], tf.float32) for name in ("x", "other")})
     return tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
 
-  with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=r"must share dimension 0 \(the batch\)"):
-    predict(pipeline, lambda features: None)
+  split = predict(pipeline, lambda features: None, towers=3)
+  np.testing.assert_array_equal(split["x"], x)
+  np.testing.assert_array_equal(split["other"], other * 2.0)
