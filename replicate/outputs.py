@@ -132,13 +132,14 @@ class _Combiner:
           "reduce them after prediction.".format(name, tensors[0]))
     for index, tensor in enumerate(tensors):
       rows = None if self._tower_rows is None else self._tower_rows[index]
-      if rows is not None and tensor.shape[0] not in (None, rows):
+      value_rows = tf.compat.dimension_value(tensor.shape[0])
+      if rows is not None and value_rows not in (None, rows):
         raise _CannotCombineError(
             "{} is computed from each tower's rows but tower {}'s value has "
             "{} rows where its shard has {} ({!r}), so it is not one row "
             "per input row and cannot be put back together along the batch. "
             "Return a value of shape [batch, ...].".format(
-                name, index, tensor.shape[0], rows, tensor))
+                name, index, value_rows, rows, tensor))
 
 
 def _failing_when_run(tensor, reason):
@@ -175,7 +176,8 @@ def _combined_export_output(name, outputs, combiner):
 def _static_rows(tower_inputs) -> Optional[int]:
   """The rows of a tower's shard, when its dense tensors say statically."""
   for value in tf.nest.flatten(tower_inputs):
-    if (isinstance(value, tf.Tensor) and value.shape.rank and
-        value.shape[0] is not None):
-      return value.shape[0]
+    if isinstance(value, tf.Tensor) and value.shape.rank:
+      rows = tf.compat.dimension_value(value.shape[0])
+      if rows is not None:
+        return rows
   return None

@@ -130,7 +130,7 @@ class TowerVariables:
   def for_tower(self, index: int, variable):
     """What tower `index` uses in place of tower 0's `variable`."""
     copy = self._copy_for(index, variable)
-    if copy.ref() in self._made_early:
+    if copy is not variable and copy.ref() in self._made_early:
       # The tower now takes the copy: its name is the tower's, as if the
       # copy were made here (see `copy_early`).
       self._made_early.discard(copy.ref())
