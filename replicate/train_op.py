@@ -34,6 +34,7 @@ from typing import List
 
 import tensorflow as tf
 
+from replicate import graphs
 from replicate import sharding
 
 # Variable writes: op type -> "add", "sub" or "set" (value input 1).
@@ -125,8 +126,8 @@ def _update_writes(index, context) -> List[tf.Operation]:
   found = set()
   for update in context.collections.update_ops(index):
     op = getattr(update, "op", update)
-    for behind in _ops_behind([op], order, follow_control=True,
-                              stop_at_writes=True):
+    for behind in graphs.ops_behind([op], stop_at_types=_WRITE_KINDS,
+                                    within=order, follow_control=True):
       if behind.type in _WRITE_KINDS:
         found.add(behind)
   return sorted(found, key=order.get)
@@ -140,32 +141,13 @@ def _own_row_effects(index, train_op, context) -> List[tf.Operation]:
   own_copies = context.variables.copy_ops(index)
   shard = _shard_tensors(context.shards, index)
   effects = []
-  for op in _ops_behind([getattr(train_op, "op", train_op)], order,
-                        follow_control=True):
+  for op in graphs.ops_behind([train_op], within=order, follow_control=True):
     if not _is_effect(op) or op in update_writes:
       continue
     writes_own_copy = bool(op.inputs) and op.inputs[0].op in own_copies
     if writes_own_copy or _reads_rows(op, order, shard):
       effects.append(op)
   return sorted(effects, key=order.get)
-
-
-def _ops_behind(ops, within, follow_control, stop_at_writes=False):
-  """The ops `ops` are built from (theirs too), among the ops in `within`."""
-  pending = [op for op in ops if op in within]
-  seen = set()
-  while pending:
-    op = pending.pop()
-    if op in seen:
-      continue
-    seen.add(op)
-    yield op
-    if stop_at_writes and op.type in _WRITE_KINDS:
-      continue
-    behind = [t.op for t in op.inputs]
-    if follow_control:
-      behind += op.control_inputs
-    pending.extend(o for o in behind if o in within and o not in seen)
 
 
 def _reads_rows(op, within, shard) -> bool:

@@ -9,6 +9,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+import replicate  # noqa: E402
+
 tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
 
 # `make test` runs part of the suite a second time with REPLICATE_TF1_BEHAVIOR=1:
@@ -71,6 +73,17 @@ def run_initialized(fetches, feed_dict=None, steps=1):
                  tf.compat.v1.local_variables_initializer()])
     results = [session.run(fetches, feed_dict) for _ in range(steps)]
   return results if steps > 1 else results[0]
+
+
+def regression_spec(mode, labels, predictions, optimizer):
+  """A regression's EstimatorSpec: squared error, one TowerOptimizer, MAE."""
+  loss = tf.compat.v1.losses.mean_squared_error(labels, predictions)
+  train_op = replicate.TowerOptimizer(optimizer).minimize(
+      loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=train_op,
+      eval_metric_ops={"mae": tf.compat.v1.metrics.mean_absolute_error(
+          labels, predictions)})
 
 
 def assert_all_finite(values):

@@ -7,7 +7,8 @@ import pytest
 import tensorflow as tf
 
 import replicate
-from conftest import EVAL, PREDICT, TRAIN, cpus, session_config
+from conftest import EVAL, PREDICT, TRAIN, cpus, regression_spec
+from conftest import session_config
 
 Reduction = tf.compat.v1.losses.Reduction
 
@@ -19,14 +20,8 @@ def _model_fn(features, labels, mode, params, config):
   predictions = w * features * scale
   if mode == PREDICT:
     return tf.estimator.EstimatorSpec(mode, predictions=predictions)
-  loss = tf.compat.v1.losses.mean_squared_error(labels, predictions)
-  train_op = replicate.TowerOptimizer(
-      tf.compat.v1.train.GradientDescentOptimizer(0.1)).minimize(
-          loss, global_step=tf.compat.v1.train.get_global_step())
-  return tf.estimator.EstimatorSpec(
-      mode, loss=loss, train_op=train_op,
-      eval_metric_ops={"mae": tf.compat.v1.metrics.mean_absolute_error(
-          labels, predictions)})
+  return regression_spec(mode, labels, predictions,
+                         tf.compat.v1.train.GradientDescentOptimizer(0.1))
 
 
 def test_none_reduction_is_refused_when_wrapping():
@@ -183,14 +178,8 @@ def _linear_spec(features, labels, mode, scale=1.0):
   predictions = tf.matmul(features, w) * scale
   if mode == PREDICT:
     return tf.estimator.EstimatorSpec(mode, predictions=predictions)
-  loss = tf.compat.v1.losses.mean_squared_error(labels, predictions)
-  train_op = replicate.TowerOptimizer(
-      tf.compat.v1.train.GradientDescentOptimizer(0.1)).minimize(
-          loss, global_step=tf.compat.v1.train.get_global_step())
-  return tf.estimator.EstimatorSpec(
-      mode, loss=loss, train_op=train_op,
-      eval_metric_ops={"mae": tf.compat.v1.metrics.mean_absolute_error(
-          labels, predictions)})
+  return regression_spec(mode, labels, predictions,
+                         tf.compat.v1.train.GradientDescentOptimizer(0.1))
 
 
 def _mode_first(mode, features, labels):

@@ -5,7 +5,8 @@ import pytest
 import tensorflow as tf
 
 import replicate
-from conftest import cpus, run_initialized, session_config
+from conftest import cpus, regression_spec, run_initialized
+from conftest import session_config
 from replicate import sharding
 
 Reduction = tf.compat.v1.losses.Reduction
@@ -164,14 +165,8 @@ def _empty_batch_model_fn(features, labels, mode):
   predictions = tf.matmul(features, w)
   if mode == tf.estimator.ModeKeys.PREDICT:
     return tf.estimator.EstimatorSpec(mode, predictions=predictions)
-  loss = tf.compat.v1.losses.mean_squared_error(labels, predictions)
-  train_op = replicate.TowerOptimizer(
-      tf.compat.v1.train.AdamOptimizer(0.1)).minimize(
-          loss, global_step=tf.compat.v1.train.get_global_step())
-  return tf.estimator.EstimatorSpec(
-      mode, loss=loss, train_op=train_op,
-      eval_metric_ops={"mae": tf.compat.v1.metrics.mean_absolute_error(
-          labels, predictions)})
+  return regression_spec(mode, labels, predictions,
+                         tf.compat.v1.train.AdamOptimizer(0.1))
 
 
 def _on_an_empty_batch(model_fn, mode):

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import replicate
 from conftest import EVAL, IS_TF1_BEHAVIOR, PREDICT, TRAIN, cpus
-from conftest import session_config
+from conftest import regression_spec, session_config
 
 _ROWS = 7
 _X = np.linspace(-1.0, 1.0, _ROWS * 2, dtype=np.float32).reshape(_ROWS, 2)
@@ -51,14 +51,8 @@ def _model_fn(features, labels, mode):
           0.4)) + embedded
   if mode == PREDICT:
     return tf.estimator.EstimatorSpec(mode, predictions={"y": predictions})
-  loss = tf.compat.v1.losses.mean_squared_error(labels, predictions)
-  train_op = replicate.TowerOptimizer(
-      tf.compat.v1.train.AdamOptimizer(0.1)).minimize(
-          loss, global_step=tf.compat.v1.train.get_global_step())
-  return tf.estimator.EstimatorSpec(
-      mode, loss=loss, train_op=train_op,
-      eval_metric_ops={"mae": tf.compat.v1.metrics.mean_absolute_error(
-          labels, predictions)})
+  return regression_spec(mode, labels, predictions,
+                         tf.compat.v1.train.AdamOptimizer(0.1))
 
 
 def _outcome(model_fn, is_static_shape):
