@@ -20,10 +20,10 @@ import tensorflow as tf
 
 from replicate import matching
 from replicate import names
+from replicate import scaffolds
 from replicate import sharding
 from replicate import tower_collections
 from replicate import weighting
-from replicate import scaffolds
 
 # The graph collection that holds the active context while towers are built;
 # emptied again before the wrapped model_fn returns.
