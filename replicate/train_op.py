@@ -16,10 +16,13 @@ size TensorFlow folds `tf.size(x)` and `tf.shape(x)` to constants, which
 this module recognises by the names TensorFlow gives them (`Size`, `Shape`);
 a count taken from the static `x.shape` is a plain constant, and counts once.
 
-On `UPDATE_OPS`: the variables the towers' `UPDATE_OPS` write (batch-norm
-moving mean and variance) are written once per step, by tower 0's op, with
-the towers' values combined by their share of the batch `n_i / n`; the
-other towers' writes are made to change nothing. An `assign` of
+On statistics: the variables the towers' `UPDATE_OPS` write (batch-norm
+moving mean and variance), and the moving averages of their rows that the
+train_op makes itself (a Keras `BatchNormalization`'s `updates` grouped with
+it, as the TF 2 canned DNN does; TensorFlow names these `AssignMovingAvg`),
+are written once per step, by tower 0's op, with the towers' values
+combined by their share of the batch `n_i / n`; the other towers' writes
+are made to change nothing. An `assign` of
 `(1 - f) m + f x_i`, or an `assign_sub` of `f (m - x_i)`, becomes the same
 with `x` the share-weighted mean of the `x_i`: the moving mean moves as it
 would with the whole batch's mean.
@@ -52,37 +55,44 @@ _EFFECT_PREFIXES = ("Assign", "Scatter", "ResourceScatter")
 # What TensorFlow names a shape it folded to a constant (`tf.size`,
 # `tf.shape` of a tensor whose shape is known when the graph is built).
 _FOLDED_SHAPE = re.compile(r"(Size|Shape)(_[0-9]+)?")
+# The name scope TensorFlow builds moving averages in (batch norm in Keras
+# and tf.compat.v1.layers, moving_averages.assign_moving_average).
+_MOVING_AVERAGE = re.compile(r"AssignMovingAvg(_[0-9]+)?")
 
 
 def combine_train_op(tower_specs, context) -> tf.Operation:
   """Tower 0's train_op, the towers' own-row changes, then the fold."""
   _check_optimizer_calls(context)
-  combine_update_ops(context)
+  towers = [_Tower(index, spec.train_op, context)
+            for index, spec in enumerate(tower_specs)]
+  statistics = [tower.statistic_writes() for tower in towers]
+  _combine_statistics(statistics, context)
   kept = []
-  for index, spec in enumerate(tower_specs[1:], start=1):
-    if spec.train_op is None or context.has_rows[index] is False:
+  for tower, writes in zip(towers[1:], statistics[1:]):
+    if tower.train_op is None or context.has_rows[tower.index] is False:
       continue
-    for op in _own_row_effects(index, spec.train_op, context):
-      _change_nothing_unless_rows(op, context.has_rows[index])
+    for op in tower.own_row_effects(exclude=set(writes)):
+      _change_nothing_unless_rows(op, context.has_rows[tower.index])
       kept.append(op)
   train_op = tf.group(tower_specs[0].train_op, *kept,
                       name="train_op_over_towers")
   return context.variables.then_fold(train_op, context.has_rows)
 
 
-def combine_update_ops(context) -> None:
-  """Makes tower 0's `UPDATE_OPS` writes write the towers' weighted values."""
-  writes = [_update_writes(index, context)
-            for index in range(context.num_towers)]
+def _combine_statistics(writes, context) -> None:
+  """Makes tower 0's statistic writes write the towers' weighted values.
+
+  `writes[i]` are tower i's writes of statistics, in build order.
+  """
   for op in writes[0]:
     _check_rewritable(op)
   for index, tower_writes in enumerate(writes[1:], start=1):
     if [_written(op) for op in tower_writes] != [
         _written(op) for op in writes[0]]:
       raise ValueError(
-          "Tower {}'s UPDATE_OPS write {} and tower 0's write {}: each "
-          "tower's model_fn must make the same updates (batch norm, moving "
-          "averages), whatever its data.".format(
+          "Tower {}'s UPDATE_OPS and moving averages write {} and tower 0's "
+          "write {}: each tower's model_fn must make the same updates (batch "
+          "norm, moving averages), whatever its data.".format(
               index, [_written(op).name for op in tower_writes],
               [_written(op).name for op in writes[0]]))
   with tf.name_scope("update_ops_over_towers"):
@@ -119,53 +129,68 @@ def _check_optimizer_calls(context):
             "tower {}: {}".format(i, n) for i, n in enumerate(counts))))
 
 
-def _update_writes(index, context) -> List[tf.Operation]:
-  """The variable writes behind tower `index`'s `UPDATE_OPS`, in build order."""
-  tower_ops = context.tower_ops[index]
-  order = {op: position for position, op in enumerate(tower_ops)}
-  found = set()
-  for update in context.collections.update_ops(index):
-    op = getattr(update, "op", update)
-    for behind in graphs.ops_behind([op], stop_at_types=_WRITE_KINDS,
-                                    within=order, follow_control=True):
-      if behind.type in _WRITE_KINDS:
-        found.add(behind)
-  return sorted(found, key=order.get)
+class _Tower:
+  """What one tower built: its ops, in build order, and its rows."""
 
+  def __init__(self, index, train_op, context):
+    self.index = index
+    self.train_op = train_op
+    self._context = context
+    self._order = {op: position for position, op in enumerate(
+        context.tower_ops[index])}
+    self._shard = _shard_tensors(context.shards, index)
 
-def _own_row_effects(index, train_op, context) -> List[tf.Operation]:
-  """Tower `index`'s state changes that depend on its own rows."""
-  order = {op: position for position, op in enumerate(
-      context.tower_ops[index])}
-  update_writes = set(_update_writes(index, context))
-  own_copies = context.variables.copy_ops(index)
-  shard = _shard_tensors(context.shards, index)
-  effects = []
-  for op in graphs.ops_behind([train_op], within=order, follow_control=True):
-    if not _is_effect(op) or op in update_writes:
-      continue
-    writes_own_copy = bool(op.inputs) and op.inputs[0].op in own_copies
-    if writes_own_copy or _reads_rows(op, order, shard):
-      effects.append(op)
-  return sorted(effects, key=order.get)
+  def statistic_writes(self) -> List[tf.Operation]:
+    """Writes of statistics of the rows, combined over towers, in order.
 
+    Those behind the tower's `UPDATE_OPS`, and the moving averages of its
+    rows its train_op makes (a Keras `BatchNormalization`'s updates grouped
+    with the train_op, as the TF 2 canned DNN does).
+    """
+    found = set()
+    for update in self._context.collections.update_ops(self.index):
+      found.update(op for op in graphs.ops_behind(
+          [update], stop_at_types=_WRITE_KINDS, within=self._order,
+          follow_control=True) if op.type in _WRITE_KINDS)
+    found.update(op for op in self._train_op_closure()
+                 if op.type in _WRITE_KINDS and _is_moving_average(op) and
+                 self._reads_rows(op))
+    return sorted(found, key=self._order.get)
 
-def _reads_rows(op, within, shard) -> bool:
-  """Whether `op`'s inputs are computed from the tower's rows."""
-  pending = list(op.inputs)
-  seen = set()
-  while pending:
-    tensor = pending.pop()
-    if tensor.ref() in shard:
-      return True
-    if tensor.ref() in seen or tensor.op not in within:
-      continue
-    seen.add(tensor.ref())
-    if tensor.op.type == "Const" and _FOLDED_SHAPE.fullmatch(
-        tensor.op.name.split("/")[-1]):
-      return True
-    pending.extend(tensor.op.inputs)
-  return False
+  def own_row_effects(self, exclude) -> List[tf.Operation]:
+    """The tower's state changes that depend on its own rows."""
+    own_copies = self._context.variables.copy_ops(self.index)
+    effects = []
+    for op in self._train_op_closure():
+      if not _is_effect(op) or op in exclude:
+        continue
+      writes_own_copy = bool(op.inputs) and op.inputs[0].op in own_copies
+      if writes_own_copy or self._reads_rows(op):
+        effects.append(op)
+    return sorted(effects, key=self._order.get)
+
+  def _train_op_closure(self):
+    if self.train_op is None:
+      return []
+    return graphs.ops_behind([self.train_op], within=self._order,
+                             follow_control=True)
+
+  def _reads_rows(self, op) -> bool:
+    """Whether `op`'s inputs are computed from the tower's rows."""
+    pending = list(op.inputs)
+    seen = set()
+    while pending:
+      tensor = pending.pop()
+      if tensor.ref() in self._shard:
+        return True
+      if tensor.ref() in seen or tensor.op not in self._order:
+        continue
+      seen.add(tensor.ref())
+      if tensor.op.type == "Const" and _FOLDED_SHAPE.fullmatch(
+          tensor.op.name.split("/")[-1]):
+        return True
+      pending.extend(tensor.op.inputs)
+    return False
 
 
 def _shard_tensors(shards, index):
@@ -176,6 +201,10 @@ def _shard_tensors(shards, index):
 
 def _is_effect(op) -> bool:
   return op.type in _EFFECT_TYPES or op.type.startswith(_EFFECT_PREFIXES)
+
+
+def _is_moving_average(op) -> bool:
+  return any(_MOVING_AVERAGE.fullmatch(part) for part in op.name.split("/"))
 
 
 def _written(write_op):

@@ -288,3 +288,49 @@ def test_the_canned_checks_see_through_wrappers(wrap_model_fn, tmp_path):
     replicate.replicate_model_fn(wrap_model_fn(classifier))
   replicate.replicate_model_fn(wrap_model_fn(classifier),
                                loss_reduction=Reduction.SUM)
+
+
+@pytest.mark.parametrize("family", ["v2", "v1"])
+def test_dnn_batch_norm_statistics_move_once_with_the_batchs_mean(family,
+                                                                  tmp_path):
+  # The TF 2 canned DNN groups its Keras batch norm's updates with the
+  # train_op, not through UPDATE_OPS (v1's layers use UPDATE_OPS). One step
+  # from a shared checkpoint on 7 rows: the moving means are the unwrapped
+  # ones, moved once with the whole batch's mean (4 + 3 or 3 + 2 + 2 rows).
+  numeric, _, _ = _columns()
+  module = tf.estimator if family == "v2" else tf.compat.v1.estimator
+  optimizer = replicate.TowerOptimizer(
+      (lambda: tf.keras.optimizers.legacy.SGD(0.1)) if family == "v2" else
+      (lambda: tf.compat.v1.train.GradientDescentOptimizer(0.1)))
+  make = lambda model_dir: module.DNNClassifier(
+      [4], numeric, n_classes=3, batch_norm=True, optimizer=optimizer,
+      model_dir=model_dir)
+  rows = lambda: tf.data.Dataset.from_tensor_slices(
+      ({"x": X[:7]}, CLASS[:7])).batch(7)
+  start = str(tmp_path / "start")
+  make(start).train(rows, steps=1)
+  results = {}
+  for towers in (None, 2, 3):
+    model_dir = str(tmp_path / str(towers))
+    shutil.copytree(start, model_dir)
+    canned = make(model_dir)
+    if towers is None:
+      canned.train(rows, steps=1)
+    else:
+      reduction = Reduction.SUM if family == "v1" else (
+          Reduction.SUM_BY_NONZERO_WEIGHTS)
+      tf.estimator.Estimator(
+          replicate.replicate_model_fn(canned.model_fn,
+                                       loss_reduction=reduction),
+          model_dir=model_dir, config=tf.estimator.RunConfig(
+              session_config=session_config(towers))).train(rows, steps=1)
+    results[towers] = {
+        name: tf.train.load_variable(model_dir, name)
+        for name, _ in tf.train.list_variables(model_dir)
+        if name.endswith("moving_mean")}
+  assert results[None]  # the DNN has batch norm statistics
+  for towers in (2, 3):
+    assert sorted(results[towers]) == sorted(results[None])
+    for name, value in results[None].items():
+      np.testing.assert_allclose(results[towers][name], value, rtol=1e-5,
+                                 atol=1e-7, err_msg=name)

@@ -236,6 +236,32 @@ def test_batch_norm_with_identical_shards_matches_one_device_exactly(towers):
   _assert_same_training(actual, _train(model_fn, batches, towers=towers))
 
 
+def _keras_batch_norm_model_fn(features, labels, mode):
+  # Keras layers' updates are not in UPDATE_OPS: the model_fn groups them.
+  batch_norm = tf.keras.layers.BatchNormalization(momentum=0.9, name="kbn")
+  logits = _logits({"x": batch_norm(features["x"], training=True)})
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf.group(
+      _optimizer().minimize(loss, tf.compat.v1.train.get_global_step()),
+      *batch_norm.updates)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize("strategy", [PS, REPLICATED])
+@pytest.mark.parametrize("towers", [2, 3])
+def test_keras_batch_norm_updates_grouped_with_the_train_op_move_once(
+    towers, strategy):
+  batches = _batches(steps=1)
+  _, expected = _train(_keras_batch_norm_model_fn, batches)
+  _, actual = _train(_keras_batch_norm_model_fn, batches, towers=towers,
+                     variable_strategy=strategy)
+  # 0 - (0 - mean(x)) * 0.1, with the whole batch's mean, once.
+  np.testing.assert_allclose(actual["kbn/moving_mean"],
+                             0.1 * batches[0][0].mean(axis=0), rtol=1e-5)
+  np.testing.assert_allclose(actual["kbn/moving_mean"],
+                             expected["kbn/moving_mean"], rtol=1e-5)
+
+
 def test_batch_norm_ignores_a_tower_on_a_stand_in_row():
   batches = _batches(rows=2, steps=1)  # 1 + 1 + a stand-in row
   _, actual = _train(_batch_norm_model_fn(), batches, towers=3)
