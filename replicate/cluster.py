@@ -16,7 +16,7 @@ gradients are summed on the worker's CPU before the one update is sent to
 the ps tasks. Without ps tasks nothing changes.
 """
 
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -70,29 +70,6 @@ def tower_devices(devices: Optional[Sequence[str]], config) -> List[str]:
 def gradient_sum_device(config) -> str:
   """Where a worker sums its towers' gradients: its own first CPU."""
   return worker_device(config) + "/device:CPU:0"
-
-
-def variable_device_chooser(num_ps: int) -> Callable[[tf.Operation], str]:
-  """Places variables on the ps tasks in turn, in creation order."""
-  order = {}  # variable op name -> its place in creation order
-
-  def choose(op):
-    position = order.setdefault(op.name, len(order))
-    return "/job:ps/task:{}/device:CPU:0".format(position % num_ps)
-
-  return choose
-
-
-def check_strategy(variable_strategy: str, num_ps: int,
-                   replicated: Optional[str]):
-  """'replicated' keeps variables on the towers, which a ps cluster cannot."""
-  if num_ps and variable_strategy == replicated:
-    raise ValueError(
-        "variable_strategy='replicated' keeps a copy of every variable on "
-        "each tower, but this RunConfig's cluster has {} ps task(s), where "
-        "the variables live in multi-worker training. Use "
-        "variable_strategy='parameter_server' (the default) with ps tasks."
-        .format(num_ps))
 
 
 def for_cluster(spec: tf.estimator.EstimatorSpec, config, num_ps: int

@@ -41,19 +41,11 @@ class OptimizerCall(NamedTuple):
   pending: Optional[List[Any]] = None
 
 
-class Aggregation(NamedTuple):
-  """How the towers' gradients become one update."""
-  all_reduce: Optional[str] = None  # the algorithm, for replicated variables
-  compact_gradients: bool = False  # float16 during the all-reduce
-  sum_device: Optional[str] = None  # where shared variables' sums run
-  # (None: with each variable)
-
-
 class ReplicationContext:
   """Which tower is being built, how many there are, and what they did."""
 
   def __init__(self, graph, devices, device_functions, shards,
-               loss_reduction, tower_variables, aggregation=None):
+               loss_reduction, strategy, tower_variables):
     self.graph = graph
     self.devices = devices
     self.num_towers = len(devices)
@@ -85,7 +77,8 @@ class ReplicationContext:
     # What each tower's variables are: tower 0's, or its own copies
     # (a `replicate.variables.TowerVariables`).
     self.variables = tower_variables
-    self.aggregation = aggregation or Aggregation()
+    # Where variables live and how gradients combine (`replicate.strategies`).
+    self.strategy = strategy
 
   @property
   def tower_inputs(self):
@@ -94,7 +87,8 @@ class ReplicationContext:
 
   @property
   def is_replicated(self) -> bool:
-    return self.variables.is_replicated
+    """Whether towers 1..N-1 train their own copies of the variables."""
+    return self.strategy.copies_variables
 
   @property
   def is_last_tower(self) -> bool:
@@ -259,7 +253,7 @@ class ReplicationContext:
 
 @contextlib.contextmanager
 def replication_context(devices, device_functions, shards, loss_reduction,
-                        tower_variables, aggregation=None):
+                        strategy, tower_variables):
   """Makes a `ReplicationContext` current for the default graph, then clears it."""
   graph = tf.compat.v1.get_default_graph()
   if graph.get_collection(_CONTEXT_COLLECTION):
@@ -268,7 +262,7 @@ def replication_context(devices, device_functions, shards, loss_reduction,
         "being built in the same graph; wrap the model_fn once (nested "
         "replicate_model_fn calls are not supported).")
   context = ReplicationContext(graph, devices, device_functions, shards,
-                               loss_reduction, tower_variables, aggregation)
+                               loss_reduction, strategy, tower_variables)
   graph.add_to_collection(_CONTEXT_COLLECTION, context)
   try:
     yield context

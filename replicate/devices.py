@@ -10,18 +10,13 @@ cluster's training; the local session's otherwise).
 
 On placement: a device function puts every op of a tower on the tower's
 device, except the ops that create variables, which go where the
-`variable_strategy` says.
+`variable_strategy` says (see `replicate.strategies`).
 """
 
 from typing import Callable, List, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.client import device_lib
-
-PARAMETER_SERVER = "parameter_server"
-ROUND_ROBIN = "round_robin"
-REPLICATED = "replicated"
-VARIABLE_STRATEGIES = (PARAMETER_SERVER, ROUND_ROBIN, REPLICATED)
 
 # Op types that create a variable's storage; these are the ops a variable
 # strategy places, everything else follows its tower.
@@ -104,27 +99,6 @@ def local_devices(session_config=None, every_kind=False) -> List[str]:
   if gpus:
     return gpus
   return [d.name for d in found if d.device_type == "CPU"]
-
-
-def variable_device_chooser(strategy: str, devices: Sequence[str]
-                           ) -> Callable[[tf.Operation], str]:
-  """Returns a function that picks the device of each variable op, in turn.
-
-  It returns None where the variable goes with its tower ("replicated": each
-  tower's variables, or copies, live on the tower's device).
-  """
-  if strategy == REPLICATED:
-    return lambda op: None
-  if strategy == PARAMETER_SERVER:
-    device = devices[0] if len(devices) == 1 else _cpu_of(devices[0])
-    return lambda op: device
-  order = {}  # variable op name -> its place in creation order
-
-  def round_robin(op):
-    position = order.setdefault(op.name, len(order))
-    return devices[position % len(devices)]
-
-  return round_robin
 
 
 def tower_device_function(tower_device: str,
@@ -248,7 +222,7 @@ def _without_task(device: str) -> str:
                        device_index=spec.device_index).to_string()
 
 
-def _cpu_of(device: str) -> str:
+def cpu_of(device: str) -> str:
   """The first CPU of the task that holds `device` (the parameter device)."""
   spec = tf.DeviceSpec.from_string(device)
   return spec.replace(device_type="CPU", device_index=0).to_string()

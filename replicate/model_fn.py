@@ -19,6 +19,7 @@ from replicate import devices as devices_lib
 from replicate import graphs
 from replicate import sharding
 from replicate import specs as specs_lib
+from replicate import strategies
 from replicate import variables as variables_lib
 
 Reduction = tf.compat.v1.losses.Reduction
@@ -37,7 +38,7 @@ def replicate_model_fn(
     model_fn: Callable,
     loss_reduction: str = Reduction.SUM_BY_NONZERO_WEIGHTS,
     devices: Optional[Sequence[str]] = None,
-    variable_strategy: str = devices_lib.PARAMETER_SERVER,
+    variable_strategy: str = strategies.PARAMETER_SERVER,
     all_reduce: str = allreduce.AUTO,
     compact_gradients: bool = False) -> Callable:
   """Replicates `model_fn` over devices: one tower per device, one update.
@@ -124,69 +125,47 @@ def replicate_model_fn(
                               config)
     if _is_export_graph(mode, features):
       return model_fn(features=features, **kwargs)
-    num_ps = cluster.num_ps_tasks(config, mode)
-    tower_devices, choose_variable_device, aggregation = _placement(
-        fixed_devices, config, mode, num_ps, variable_strategy, all_reduce,
+    tower_devices, strategy = strategies.for_call(
+        variable_strategy, fixed_devices, config, mode, all_reduce,
         compact_gradients)
     if len(tower_devices) == 1:
       # Placed as a tower, so that in a cluster the variables still go to
       # the ps tasks rather than following the one device.
       with tf.compat.v1.get_default_graph().device(
           devices_lib.tower_device_function(tower_devices[0],
-                                            choose_variable_device)):
+                                            strategy.variable_device)):
         spec = model_fn(features=features, **kwargs)
     else:
       spec = _build_towers(model_fn, features, labels, mode, kwargs,
-                           tower_devices, loss_reduction,
-                           choose_variable_device, aggregation)
-    return cluster.for_cluster(spec, config, num_ps)
+                           tower_devices, loss_reduction, strategy)
+    return cluster.for_cluster(spec, config,
+                               cluster.num_ps_tasks(config, mode))
 
   replicated_model_fn.__name__ = "replicated_" + getattr(
       model_fn, "__name__", "model_fn")
   return replicated_model_fn
 
 
-def _placement(fixed_devices, config, mode, num_ps, variable_strategy,
-               all_reduce, compact_gradients):
-  """The towers' devices, where variables go, and how gradients combine."""
-  cluster.check_strategy(variable_strategy, num_ps, devices_lib.REPLICATED)
-  if num_ps:
-    tower_devices = cluster.tower_devices(fixed_devices, config)
-    return (tower_devices, cluster.variable_device_chooser(num_ps),
-            context_lib.Aggregation(
-                sum_device=cluster.gradient_sum_device(config)))
-  tower_devices = devices_lib.tower_devices(fixed_devices, config)
-  aggregation = context_lib.Aggregation()
-  if (variable_strategy == devices_lib.REPLICATED and len(tower_devices) > 1
-      and mode == tf.estimator.ModeKeys.TRAIN):
-    aggregation = context_lib.Aggregation(
-        all_reduce=allreduce.resolve_algorithm(all_reduce, tower_devices),
-        compact_gradients=compact_gradients)
-  return (tower_devices, devices_lib.variable_device_chooser(
-      variable_strategy, tower_devices), aggregation)
-
-
 def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
-                  loss_reduction, choose_variable_device, aggregation):
+                  loss_reduction, strategy):
   """Builds one tower per device and combines their specs.
 
-  `aggregation.all_reduce` names the algorithm when towers train their own
-  copies of the variables, and is None when they share tower 0's.
+  `strategy` (see `replicate.strategies`) places the variables, says
+  whether towers train their own copies, and combines their gradients.
   """
   num_towers = len(tower_devices)
   shards = sharding.split_batch(
       features, labels, num_towers,
       is_prediction=mode == tf.estimator.ModeKeys.PREDICT)
   device_functions = [
-      devices_lib.tower_device_function(device, choose_variable_device)
+      devices_lib.tower_device_function(device, strategy.variable_device)
       for device in tower_devices
   ]
   with context_lib.replication_context(
-      tower_devices, device_functions, shards, loss_reduction,
+      tower_devices, device_functions, shards, loss_reduction, strategy,
       tower_variables=variables_lib.TowerVariables(
           tf.compat.v1.get_default_graph(), tower_devices,
-          is_replicated=aggregation.all_reduce is not None),
-      aggregation=aggregation) as context:
+          is_replicated=strategy.copies_variables)) as context:
     tower_specs = []
     for index in range(num_towers):
       tower_kwargs = dict(kwargs)
@@ -217,11 +196,10 @@ def _check_loss_reduction(loss_reduction):
 
 
 def _check_variable_strategy(variable_strategy):
-  if variable_strategy not in devices_lib.VARIABLE_STRATEGIES:
+  if variable_strategy not in strategies.NAMES:
     raise ValueError(
         "variable_strategy must be one of {}. Received: {!r}.".format(
-            ", ".join(repr(s) for s in devices_lib.VARIABLE_STRATEGIES),
-            variable_strategy))
+            ", ".join(repr(s) for s in strategies.NAMES), variable_strategy))
 
 
 def _check_all_reduce(all_reduce, compact_gradients, variable_strategy):
@@ -230,7 +208,7 @@ def _check_all_reduce(all_reduce, compact_gradients, variable_strategy):
     raise ValueError(
         "compact_gradients must be True or False. Received: {!r}.".format(
             compact_gradients))
-  if variable_strategy != devices_lib.REPLICATED and (
+  if variable_strategy != strategies.REPLICATED and (
       all_reduce != allreduce.AUTO or compact_gradients):
     raise ValueError(
         "all_reduce={!r} and compact_gradients={!r} choose how replicated "

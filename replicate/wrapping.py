@@ -263,14 +263,8 @@ def _connect_sums(context, position):
   per_tower = _same_call_in_every_tower(context, position)
   tower0_call = context.optimizer_calls[0][position]
   with context.scopes_of(tower0_call):
-    if context.is_replicated:
-      summed = aggregation.all_reduce_grads_and_vars(
-          per_tower, context.has_rows, context.devices,
-          context.aggregation.all_reduce,
-          context.aggregation.compact_gradients)
-    else:
-      summed = aggregation.sum_grads_and_vars(
-          per_tower, context.has_rows, context.aggregation.sum_device)
+    summed = context.strategy.combine(per_tower, context.has_rows,
+                                      context.devices)
     by_variable = {variable.ref(): grad for grad, variable in summed}
     for stand_in, variable in tower0_call.pending:
       total = by_variable.get(variable.ref())

@@ -6,6 +6,7 @@ import tensorflow as tf
 from conftest import cpus, run_initialized
 from replicate import context as context_lib
 from replicate import sharding
+from replicate import strategies
 from replicate import variables as variables_lib
 
 
@@ -15,6 +16,7 @@ def _context(graph, count=2):
       cpus(count), functions,
       sharding.split_batch(tf.ones([count, 1]), None, count),
       tf.compat.v1.losses.Reduction.MEAN,
+      strategies.ParameterServer(cpus(count)),
       tower_variables=variables_lib.TowerVariables(graph, cpus(count),
                                                    is_replicated=False))
 

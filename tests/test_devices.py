@@ -5,6 +5,7 @@ import tensorflow as tf
 
 from conftest import session_config
 from replicate import devices
+from replicate import strategies
 
 
 def test_any_spelling_is_normalised():
@@ -68,9 +69,13 @@ def test_local_devices_counts_what_the_session_config_gives():
   ]
 
 
+_STRATEGIES = {"parameter_server": strategies.ParameterServer,
+               "round_robin": strategies.RoundRobin}
+
+
 def _placed(strategy, tower_devices, variable_names):
   """Creates variables in tower 0's device scope; returns their devices."""
-  chooser = devices.variable_device_chooser(strategy, tower_devices)
+  chooser = _STRATEGIES[strategy](tower_devices).variable_device
   with tf.Graph().as_default() as graph:
     with graph.device(devices.tower_device_function(tower_devices[0],
                                                     chooser)):
@@ -99,8 +104,8 @@ def test_round_robin_places_variables_in_creation_order():
 
 
 def test_a_device_the_model_fn_sets_itself_is_kept():
-  chooser = devices.variable_device_chooser("parameter_server",
-                                            ["/device:GPU:0", "/device:GPU:1"])
+  chooser = strategies.ParameterServer(
+      ["/device:GPU:0", "/device:GPU:1"]).variable_device
   with tf.Graph().as_default() as graph:
     with graph.device(devices.tower_device_function("/device:GPU:1", chooser)):
       with tf.device("/cpu:0"):
