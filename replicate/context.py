@@ -14,7 +14,7 @@ names tower 0 gave them and resolve to tower 0's variables.
 
 import contextlib
 import re
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, Callable, List, NamedTuple, Optional
 
 import tensorflow as tf
 
@@ -41,24 +41,41 @@ class OptimizerCall(NamedTuple):
   pending: Optional[List[Any]] = None
 
 
-class ReplicationContext:
-  """Which tower is being built, how many there are, and what they did."""
+class TowerLayout(NamedTuple):
+  """What is fixed for one call: the towers' devices, the batch, the strategy."""
+  devices: List[str]
+  device_functions: List[Callable]  # per tower, placing its ops
+  shards: sharding.Shards  # the batch split into one shard per tower
+  shares: List[Any]  # per tower, its share of the batch n_i / n
+  has_rows: List[Any]  # per tower, bool or scalar bool tensor
+  strategy: Any  # where variables live, how gradients combine (`strategies`)
 
-  def __init__(self, graph, devices, device_functions, shards,
-               loss_reduction, strategy, tower_variables):
+  @classmethod
+  def of(cls, devices, device_functions, shards, strategy) -> "TowerLayout":
+    return cls(devices, device_functions, shards,
+               sharding.shard_shares(shards.sizes, shards.batch_size),
+               sharding.shard_has_rows(shards.sizes), strategy)
+
+  @property
+  def num_towers(self) -> int:
+    return len(self.devices)
+
+
+class ReplicationContext:
+  """Which tower is being built, and what the towers built so far.
+
+  `layout` is what is fixed for the call; the rest changes as towers are
+  built.
+  """
+
+  def __init__(self, graph, layout: TowerLayout, loss_reduction,
+               tower_variables):
     self.graph = graph
-    self.devices = devices
-    self.num_towers = len(devices)
-    self.shards = shards  # the `sharding.Shards` the towers are built on
-    # Each tower's share of the batch, n_i / n (float or scalar tensor).
-    self.shares = sharding.shard_shares(shards.sizes, shards.batch_size)
-    self.has_rows = sharding.shard_has_rows(shards.sizes)
-    self.sizes = shards.sizes  # real rows per tower (list of ints or int32 [N])
-    self.may_stand_in = shards.may_stand_in  # a tower may run on a stand-in row
+    self.layout = layout
+    self.num_towers = layout.num_towers
     self.tower_index = None  # the tower being built, or None
-    self.optimizer_calls = [[] for _ in devices]  # per tower, in order
-    self.tower_ops = [[] for _ in devices]  # per tower, the ops it built
-    self._device_functions = device_functions
+    self.optimizer_calls = [[] for _ in range(self.num_towers)]  # per tower
+    self.tower_ops = [[] for _ in range(self.num_towers)]  # ops each built
     self._outer_name_scope = graph.get_name_scope()
     self._outer_variable_scope = tf.compat.v1.get_variable_scope()
     self._counters = names.NameCounters(graph)
@@ -67,8 +84,8 @@ class ReplicationContext:
         graph, self.num_towers, sums_losses)
     # Loss weights per tower, and the denominators that may replace them.
     self.weights = weighting.TowerWeights(
-        sharding.shard_weights(shards.sizes, shards.batch_size,
-                               loss_reduction), self.has_rows, sums_losses)
+        sharding.shard_weights(layout.shards.sizes, layout.shards.batch_size,
+                               loss_reduction), layout.has_rows, sums_losses)
     self._tower0_variables = matching.Tower0Variables()
     self._is_applying = False  # building tower 0's update
     # The local variables and tables there were when tower 0 was built (a
@@ -77,18 +94,11 @@ class ReplicationContext:
     # What each tower's variables are: tower 0's, or its own copies
     # (a `replicate.variables.TowerVariables`).
     self.variables = tower_variables
-    # Where variables live and how gradients combine (`replicate.strategies`).
-    self.strategy = strategy
-
-  @property
-  def tower_inputs(self):
-    """Per tower: its shard of (features, labels)."""
-    return list(zip(self.shards.features, self.shards.labels))
 
   @property
   def is_replicated(self) -> bool:
     """Whether towers 1..N-1 train their own copies of the variables."""
-    return self.strategy.copies_variables
+    return self.layout.strategy.copies_variables
 
   @property
   def is_last_tower(self) -> bool:
@@ -124,7 +134,7 @@ class ReplicationContext:
     self.collections.enter(index)
     first_op = len(self.graph.get_operations())
     try:
-      with self.graph.device(self._device_functions[index]), \
+      with self.graph.device(self.layout.device_functions[index]), \
           tf.compat.v1.variable_creator_scope(self._variable_creator(index)):
         if index == 0:
           yield
@@ -196,7 +206,7 @@ class ReplicationContext:
     exist, but feed tower 0's update.
     """
     name_scope = call.name_scope + "/" if call.name_scope else ""
-    with self.graph.device(self._device_functions[0]), \
+    with self.graph.device(self.layout.device_functions[0]), \
         self.graph.name_scope(name_scope):
       yield
 
@@ -252,8 +262,8 @@ class ReplicationContext:
 
 
 @contextlib.contextmanager
-def replication_context(devices, device_functions, shards, loss_reduction,
-                        strategy, tower_variables):
+def replication_context(layout: TowerLayout, loss_reduction,
+                        tower_variables):
   """Makes a `ReplicationContext` current for the default graph, then clears it."""
   graph = tf.compat.v1.get_default_graph()
   if graph.get_collection(_CONTEXT_COLLECTION):
@@ -261,8 +271,8 @@ def replication_context(devices, device_functions, shards, loss_reduction,
         "replicate_model_fn was called while another replicated model_fn was "
         "being built in the same graph; wrap the model_fn once (nested "
         "replicate_model_fn calls are not supported).")
-  context = ReplicationContext(graph, devices, device_functions, shards,
-                               loss_reduction, strategy, tower_variables)
+  context = ReplicationContext(graph, layout, loss_reduction,
+                               tower_variables)
   graph.add_to_collection(_CONTEXT_COLLECTION, context)
   try:
     yield context

@@ -66,7 +66,7 @@ def combine_metrics(tower_specs, context) -> Dict[str, tuple]:
       moved = [_move_into(targets[name], list(sources[name].values()),
                           context) for name in sorted(sources)]
     update = tf.group(*moved, *updates)
-  update = context.variables.then_fold(update, context.has_rows)
+  update = context.variables.then_fold(update, context.layout.has_rows)
   return {key: (tower_specs[0].eval_metric_ops[key][0], update)
           for key in keys}
 
@@ -78,7 +78,7 @@ def _move_into(target, sources, context):
   """
   kept = []
   for index, source in sources:
-    rows = context.has_rows[index]
+    rows = context.layout.has_rows[index]
     if rows is False:
       continue
     kept.append(sharding.zero_unless_rows(tf.convert_to_tensor(source),

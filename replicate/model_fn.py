@@ -161,9 +161,10 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
       devices_lib.tower_device_function(device, strategy.variable_device)
       for device in tower_devices
   ]
+  layout = context_lib.TowerLayout.of(tower_devices, device_functions,
+                                      shards, strategy)
   with context_lib.replication_context(
-      tower_devices, device_functions, shards, loss_reduction, strategy,
-      tower_variables=variables_lib.TowerVariables(
+      layout, loss_reduction, tower_variables=variables_lib.TowerVariables(
           tf.compat.v1.get_default_graph(), tower_devices,
           is_replicated=strategy.copies_variables)) as context:
     tower_specs = []

@@ -37,14 +37,17 @@ class _CannotCombineError(ValueError):
   """A tower's value that cannot be put back together along the batch."""
 
 
-def combine_outputs(tower_specs, context):
-  """(predictions, export_outputs) over every tower, from one spec per tower."""
-  combiner = _Combiner(context)
+def combine_outputs(tower_specs, layout):
+  """(predictions, export_outputs) over every tower, from one spec per tower.
+
+  `layout` is the call's `replicate.context.TowerLayout`: the shards.
+  """
+  combiner = _Combiner(layout.shards)
   predictions = combiner.structure(
       "predictions", [spec.predictions for spec in tower_specs])
   outputs = tower_specs[0].export_outputs
   if outputs:
-    lenient = _Combiner(context, is_lenient=True)
+    lenient = _Combiner(layout.shards, is_lenient=True)
     outputs = {
         key: _combined_export_output(
             "export_outputs[{!r}]".format(key),
@@ -61,18 +64,16 @@ class _Combiner:
   together as a tensor that fails when run; a strict one raises.
   """
 
-  def __init__(self, context, is_lenient=False):
-    self._context = context
+  def __init__(self, shards, is_lenient=False):
+    self._shards = shards
     self._is_lenient = is_lenient
-    inputs = getattr(context, "tower_inputs", None)
+    inputs = list(zip(shards.features, shards.labels))
     # The ops that produce tower 0's shard: a value that reaches none of
-    # them does not depend on the tower's rows. None: unknown, so every
-    # value is taken to depend on them.
-    self._tower0_input_ops = None if inputs is None else frozenset(
+    # them does not depend on the tower's rows.
+    self._tower0_input_ops = frozenset(
         t.op for t in tf.nest.flatten(inputs[0], expand_composites=True)
         if isinstance(t, tf.Tensor))
-    self._tower_rows = None if inputs is None else [
-        _static_rows(tower_inputs) for tower_inputs in inputs]
+    self._tower_rows = [_static_rows(tower_inputs) for tower_inputs in inputs]
 
   def structure(self, name, values):
     """A tensor or a dict of them, per tower, put back together."""
@@ -94,7 +95,7 @@ class _Combiner:
       if not self._is_lenient:
         raise
       return _failing_when_run(tensors[0], str(error))
-    if self._context.may_stand_in:
+    if self._shards.may_stand_in:
       # Keep each tower's real rows: none from a tower on a stand-in row.
       sizes = self._sizes_for(tensors[0])
       tensors = [t[:sizes[i]] for i, t in enumerate(tensors)]
@@ -106,19 +107,17 @@ class _Combiner:
     Every input has the batch's rows, except in PREDICT with features whose
     dimension 0 may disagree, each split by its own (see `sharding`).
     """
-    leaf_sizes = self._context.shards.leaf_sizes
+    leaf_sizes = self._shards.leaf_sizes
     if not leaf_sizes:
-      return self._context.sizes
+      return self._shards.sizes
     behind = set(graphs.ops_behind([tensor]))
     for part, sizes in leaf_sizes:
       if any(t.op in behind for t in tf.nest.flatten(part,
                                                      expand_composites=True)):
         return sizes
-    return self._context.sizes
+    return self._shards.sizes
 
   def _depends_on_rows(self, tensor):
-    if self._tower0_input_ops is None:
-      return True
     return any(op in self._tower0_input_ops
                for op in graphs.ops_behind([tensor]))
 
@@ -131,7 +130,7 @@ class _Combiner:
           "(shape [batch, ...]), e.g. the per-row values it reduces, and "
           "reduce them after prediction.".format(name, tensors[0]))
     for index, tensor in enumerate(tensors):
-      rows = None if self._tower_rows is None else self._tower_rows[index]
+      rows = self._tower_rows[index]
       value_rows = tf.compat.dimension_value(tensor.shape[0])
       if rows is not None and value_rows not in (None, rows):
         raise _CannotCombineError(

@@ -37,7 +37,7 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
   fields = tower_specs[0]._asdict()
   fields["mode"] = mode
   fields["predictions"], fields["export_outputs"] = (
-      outputs_lib.combine_outputs(tower_specs, context))
+      outputs_lib.combine_outputs(tower_specs, context.layout))
   if tower_specs[0].loss is not None:
     fields["loss"] = _weighted_loss(tower_specs, context)
   fields.update(_COMBINERS[mode](tower_specs, context))
@@ -79,7 +79,7 @@ def _weighted_loss(tower_specs, context):
   with tf.name_scope("loss_over_towers"):
     terms = []
     for spec, weight, rows in zip(tower_specs, context.weights.all(),
-                                  context.has_rows):
+                                  context.layout.has_rows):
       if rows is False:
         continue
       loss = tf.convert_to_tensor(spec.loss)

@@ -69,14 +69,14 @@ def combine_train_op(tower_specs, context) -> tf.Operation:
   _combine_statistics(statistics, context)
   kept = []
   for tower, writes in zip(towers[1:], statistics[1:]):
-    if tower.train_op is None or context.has_rows[tower.index] is False:
+    if tower.train_op is None or context.layout.has_rows[tower.index] is False:
       continue
     for op in tower.own_row_effects(exclude=set(writes)):
-      _change_nothing_unless_rows(op, context.has_rows[tower.index])
+      _change_nothing_unless_rows(op, context.layout.has_rows[tower.index])
       kept.append(op)
   train_op = tf.group(tower_specs[0].train_op, *kept,
                       name="train_op_over_towers")
-  return context.variables.then_fold(train_op, context.has_rows)
+  return context.variables.then_fold(train_op, context.layout.has_rows)
 
 
 def _combine_statistics(writes, context) -> None:
@@ -99,11 +99,11 @@ def _combine_statistics(writes, context) -> None:
     for position, tower0_write in enumerate(writes[0]):
       terms = []
       for index, tower_writes in enumerate(writes):
-        rows = context.has_rows[index]
+        rows = context.layout.has_rows[index]
         if rows is False:
           continue
         value = tower_writes[position].inputs[1]
-        share = tf.cast(context.shares[index], value.dtype)
+        share = tf.cast(context.layout.shares[index], value.dtype)
         terms.append(sharding.zero_unless_rows(value * share, rows))
       combined = tf.math.add_n(terms)
       for tower_writes in writes[1:]:
@@ -138,7 +138,7 @@ class _Tower:
     self._context = context
     self._order = {op: position for position, op in enumerate(
         context.tower_ops[index])}
-    self._shard = _shard_tensors(context.shards, index)
+    self._shard = _shard_tensors(context.layout.shards, index)
 
   def statistic_writes(self) -> List[tf.Operation]:
     """Writes of statistics of the rows, combined over towers, in order.

@@ -263,8 +263,8 @@ def _connect_sums(context, position):
   per_tower = _same_call_in_every_tower(context, position)
   tower0_call = context.optimizer_calls[0][position]
   with context.scopes_of(tower0_call):
-    summed = context.strategy.combine(per_tower, context.has_rows,
-                                      context.devices)
+    summed = context.layout.strategy.combine(per_tower, context.layout.has_rows,
+                                      context.layout.devices)
     by_variable = {variable.ref(): grad for grad, variable in summed}
     for stand_in, variable in tower0_call.pending:
       total = by_variable.get(variable.ref())

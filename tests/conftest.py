@@ -75,6 +75,20 @@ def run_initialized(fetches, feed_dict=None, steps=1):
   return results if steps > 1 else results[0]
 
 
+def replication_context(graph, count=2,
+                        reduction=tf.compat.v1.losses.Reduction.MEAN):
+  """A replication context for `count` towers on a batch of `count` rows."""
+  from replicate import context as context_lib  # pylint: disable=import-outside-toplevel
+  from replicate import sharding, strategies, variables  # pylint: disable=import-outside-toplevel
+  layout = context_lib.TowerLayout.of(
+      cpus(count), [lambda op, d=d: d for d in cpus(count)],
+      sharding.split_batch(tf.ones([count, 1]), None, count),
+      strategies.ParameterServer(cpus(count)))
+  return context_lib.replication_context(
+      layout, reduction, variables.TowerVariables(graph, cpus(count),
+                                                  is_replicated=False))
+
+
 def regression_spec(mode, labels, predictions, optimizer):
   """A regression's EstimatorSpec: squared error, one TowerOptimizer, MAE."""
   loss = tf.compat.v1.losses.mean_squared_error(labels, predictions)

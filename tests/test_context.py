@@ -3,22 +3,12 @@
 import pytest
 import tensorflow as tf
 
-from conftest import cpus, run_initialized
+from conftest import cpus, replication_context, run_initialized
 from replicate import context as context_lib
-from replicate import sharding
-from replicate import strategies
-from replicate import variables as variables_lib
 
 
 def _context(graph, count=2):
-  functions = [lambda op, d=d: d for d in cpus(count)]
-  return context_lib.replication_context(
-      cpus(count), functions,
-      sharding.split_batch(tf.ones([count, 1]), None, count),
-      tf.compat.v1.losses.Reduction.MEAN,
-      strategies.ParameterServer(cpus(count)),
-      tower_variables=variables_lib.TowerVariables(graph, cpus(count),
-                                                   is_replicated=False))
+  return replication_context(graph, count)
 
 
 def test_context_exists_only_while_towers_are_built(graph):

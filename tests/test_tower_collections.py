@@ -3,23 +3,15 @@
 import pytest
 import tensorflow as tf
 
-from conftest import cpus, run_initialized
+from conftest import cpus, replication_context, run_initialized
 from replicate import context as context_lib
-from replicate import sharding
-from replicate import strategies
-from replicate import variables as variables_lib
 
 Reduction = tf.compat.v1.losses.Reduction
 GraphKeys = tf.compat.v1.GraphKeys
 
 
 def _context(graph, count, reduction=Reduction.MEAN):
-  return context_lib.replication_context(
-      cpus(count), [lambda op, d=d: d for d in cpus(count)],
-      sharding.split_batch(tf.ones([count, 1]), None, count), reduction,
-      strategies.ParameterServer(cpus(count)),
-      tower_variables=variables_lib.TowerVariables(graph, cpus(count),
-                                                   is_replicated=False))
+  return replication_context(graph, count, reduction)
 
 
 def _regularized_kernel():
