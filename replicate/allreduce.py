@@ -17,9 +17,11 @@ On algorithms (the `all_reduce` argument of `replicate_model_fn`):
 | `auto`   | `nccl` on GPUs when TensorFlow has it, else `gather`        |
 
 On sparse gradients (`IndexedSlices`, from embedding lookups): every tower
-gets every tower's slices, concatenated (an all-gather), not a dense sum;
-only a variable of at most `SPARSE_AS_DENSE_ELEMENTS` elements, for which a
-dense sum is cheaper, is densified and reduced like a dense gradient.
+gets every tower's slices, concatenated (an all-gather), never a dense sum,
+however small the variable: the update must touch only the rows the batch
+looked up, as on one device (a momentum or Adagrad update of a row the
+batch did not see would move it, and a global norm of a dense sum is not
+the norm of the slices).
 
 On packing: dense gradients of at most `PACK_MAX_ELEMENTS` elements each are
 flattened and concatenated per dtype into one buffer per tower before the
@@ -44,7 +46,6 @@ NCCL = "nccl"
 ALGORITHMS = (AUTO, GATHER, RING, NCCL)
 
 PACK_MAX_ELEMENTS = 32768
-SPARSE_AS_DENSE_ELEMENTS = 32768
 
 
 def check_algorithm(all_reduce: str):
@@ -91,11 +92,9 @@ def all_reduce_grads(per_tower: Sequence[Sequence[Any]], devices: Sequence[str],
     if all(g is None for g in grads):
       continue
     if any(isinstance(g, tf.IndexedSlices) for g in grads):
-      if not _densify_sparse(grads):
-        for index, summed in enumerate(_all_gather(grads, devices)):
-          results[index][position] = summed
-        continue
-      grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+      for index, summed in enumerate(_all_gather(grads, devices)):
+        results[index][position] = summed
+      continue
     grads = _zeros_for_missing(grads, devices)
     for index, grad in enumerate(grads):
       per_tower[index][position] = grad
@@ -121,12 +120,6 @@ def all_reduce_grads(per_tower: Sequence[Sequence[Any]], devices: Sequence[str],
     for index in range(num_towers):
       results[index][position] = summed[index]
   return results
-
-
-def _densify_sparse(grads) -> bool:
-  shape = next(g.dense_shape for g in grads if g is not None)
-  static = tf.get_static_value(shape)
-  return static is not None and int(static.prod()) <= SPARSE_AS_DENSE_ELEMENTS
 
 
 def _all_gather(grads, devices):

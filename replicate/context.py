@@ -211,10 +211,22 @@ class ReplicationContext:
       yield
 
   def _variable_getter(self, index):
-    """For `get_variable` in tower `index`: tower 0's variable or its copy."""
+    """For `get_variable` in tower `index`: tower 0's variable or its copy.
 
-    def custom_getter(getter, *args, **kwargs):
-      return self.variables.for_tower(index, getter(*args, **kwargs))
+    A variable named after one of the tower's tensors (an
+    `ExponentialMovingAverage` of the loss: `tower_1/loss/Exponential...`)
+    is tower 0's of the same name less the tower scope.
+    """
+
+    def custom_getter(getter, name, *args, **kwargs):
+      try:
+        variable = getter(name, *args, **kwargs)
+      except ValueError:
+        tower0_name = self.to_tower0_name(name, index)
+        if tower0_name == name:
+          raise
+        variable = getter(tower0_name, *args, **kwargs)
+      return self.variables.for_tower(index, variable)
 
     return custom_getter
 

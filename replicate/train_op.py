@@ -52,9 +52,13 @@ _EFFECT_TYPES = frozenset([
     "ResourceCountUpTo"
 ])
 _EFFECT_PREFIXES = ("Assign", "Scatter", "ResourceScatter")
-# What TensorFlow names a shape it folded to a constant (`tf.size`,
-# `tf.shape` of a tensor whose shape is known when the graph is built).
-_FOLDED_SHAPE = re.compile(r"(Size|Shape)(_[0-9]+)?")
+# Ops a variable's handle or ref passes through on its way to a write.
+_PASSING_TYPES = frozenset(["Enter", "RefEnter", "Identity", "RefIdentity",
+                            "Switch", "RefSwitch"])
+# What TensorFlow names a constant it folded from a tensor's shape known
+# when the graph is built (`tf.size`, `tf.shape`, `tf.ones_like`,
+# `tf.zeros_like`).
+_FOLDED_SHAPE = re.compile(r"(Size|Shape|ones_like|zeros_like)(_[0-9]+)?")
 # The name scope TensorFlow builds moving averages in (batch norm in Keras
 # and tf.compat.v1.layers, moving_averages.assign_moving_average).
 _MOVING_AVERAGE = re.compile(r"AssignMovingAvg(_[0-9]+)?")
@@ -103,12 +107,21 @@ def _combine_statistics(writes, context) -> None:
         if rows is False:
           continue
         value = tower_writes[position].inputs[1]
+        if not value.dtype.is_floating:  # a count: weighed in float
+          value = tf.cast(value, tf.float64)
         share = tf.cast(context.layout.shares[index], value.dtype)
         terms.append(sharding.zero_unless_rows(value * share, rows))
-      combined = tf.math.add_n(terms)
+      combined = _as_dtype_of(tf.math.add_n(terms), tower0_write.inputs[1])
       for tower_writes in writes[1:]:
         _change_nothing(tower_writes[position], after=tower0_write)
       tower0_write._update_input(1, combined)  # pylint: disable=protected-access
+
+
+def _as_dtype_of(value, like):
+  """`value` in `like`'s dtype, rounded to the nearest for an integer."""
+  if like.dtype.is_floating:
+    return value
+  return tf.cast(tf.math.round(value), like.dtype)
 
 
 def _check_optimizer_calls(context):
@@ -139,6 +152,7 @@ class _Tower:
     self._order = {op: position for position, op in enumerate(
         context.tower_ops[index])}
     self._shard = _shard_tensors(context.layout.shards, index)
+    self._statistics = context.variables.statistic_ops()
 
   def statistic_writes(self) -> List[tf.Operation]:
     """Writes of statistics of the rows, combined over towers, in order.
@@ -150,12 +164,17 @@ class _Tower:
     found = set()
     for update in self._context.collections.update_ops(self.index):
       found.update(op for op in graphs.ops_behind(
-          [update], stop_at_types=_WRITE_KINDS, within=self._order,
-          follow_control=True) if op.type in _WRITE_KINDS)
+          [update], within=self._order, follow_control=True)
+                   if self._is_statistic_write(op))
     found.update(op for op in self._train_op_closure()
-                 if op.type in _WRITE_KINDS and _is_moving_average(op) and
-                 self._reads_rows(op))
+                 if self._is_statistic_write(op) and _is_moving_average(op)
+                 and self._reads_rows(op))
     return sorted(found, key=self._order.get)
+
+  def _is_statistic_write(self, op) -> bool:
+    """A write of a global, non-trainable variable that is not tower-local."""
+    return (op.type in _WRITE_KINDS and
+            _written(op) in self._statistics)
 
   def own_row_effects(self, exclude) -> List[tf.Operation]:
     """The tower's state changes that depend on its own rows."""
@@ -214,10 +233,6 @@ def _written(write_op):
     op = op.inputs[0].op
   return op
 
-
-# Ops a variable's handle or ref passes through on its way to a write.
-_PASSING_TYPES = frozenset(["Enter", "RefEnter", "Identity", "RefIdentity",
-                            "Switch", "RefSwitch"])
 
 
 def _check_rewritable(op):

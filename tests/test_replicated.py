@@ -101,13 +101,13 @@ def test_copies_are_local_on_their_towers_and_small_gradients_are_packed(
   assert not any(v.op.name.startswith("tower_")
                  for v in tf.compat.v1.global_variables() +
                  tf.compat.v1.trainable_variables())
-  # The 7 variables (embedding 5x2, hidden 6x3 + 3, value 3x1 + 1, logits
-  # 3x3 + 3: 10 + 21 + 4 + 12 = 47 floats) travel as one buffer: a single
-  # sum for all of them.
+  # The 6 dense variables (hidden 6x3 + 3, value 3x1 + 1, logits 3x3 + 3:
+  # 21 + 4 + 12 = 37 floats) travel as one buffer: a single sum for all of
+  # them. The embedding's slices are all-gathered, never densified.
   sums = [op for op in graph.get_operations()
           if op.type == "AddN" and "all_reduce" in op.name]
   assert len(sums) == 1
-  assert sums[0].outputs[0].shape.as_list() == [47]
+  assert sums[0].outputs[0].shape.as_list() == [37]
   assert sums[0].device == "/device:CPU:0"
 
 
@@ -122,13 +122,13 @@ def test_compact_gradients_reduce_in_float16(graph):
 def test_ring_passes_chunks_between_neighbours(graph):
   _build_replicated_train(_make_model_fn(Reduction.MEAN, "sgd"), 3,
                           allreduce.RING)
-  # 47 floats in 3 chunks (16, 16, 15); each chunk is added on the 2
+  # 37 floats in 3 chunks (13, 12, 12); each chunk is added on the 2
   # devices after the one it starts on: 3 x 2 additions.
   adds = [op for op in graph.get_operations()
           if op.type in ("AddV2", "Add") and "packed_all_reduce" in op.name]
   assert len(adds) == 6
   assert sorted(op.outputs[0].shape.as_list()[0] for op in adds) == [
-      15, 15, 16, 16, 16, 16]
+      12, 12, 12, 12, 13, 13]
   assert {op.device for op in adds} == {
       "/device:CPU:0", "/device:CPU:1", "/device:CPU:2"}
   assert not [op for op in graph.get_operations() if op.type == "AddN" and
@@ -137,7 +137,7 @@ def test_ring_passes_chunks_between_neighbours(graph):
 
 # A large embedding: its IndexedSlices are all-gathered, not densified.
 
-VOCABULARY = 40000  # x 1 > allreduce.SPARSE_AS_DENSE_ELEMENTS
+VOCABULARY = 40000
 
 
 def _embedding_model_fn(features, labels, mode):

@@ -62,7 +62,7 @@ def test_update_ops_that_differ_between_towers_are_refused(graph):
     calls.append(None)
     return statistic.assign(mean) if len(calls) == 1 else tf.no_op()
 
-  with pytest.raises(ValueError, match="UPDATE_OPS write"):
+  with pytest.raises(ValueError, match="UPDATE_OPS and moving averages write"):
     replicate.replicate_model_fn(_statistic_model_fn(write), devices=cpus(2))(
         {"x": tf.ones([4, 1])}, None, TRAIN)
 

@@ -1,0 +1,210 @@
+"""Statistics and counters a train_op keeps, wrapped against unwrapped.
+
+Batch renorm's extra statistics, an ExponentialMovingAverage of the loss,
+an integer counter in UPDATE_OPS, rows counted from a folded `ones_like`,
+Keras batch norm updates grouped with the train_op, and a replicated
+sparse update that must leave the rows the batch did not look up alone.
+Expected numbers come from the unwrapped model_fn on the same batches; the
+"observed" values in the comments are what the wrapper did before.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from conftest import TRAIN, cpus, session_config
+
+UPDATE_OPS = tf.compat.v1.GraphKeys.UPDATE_OPS
+_INIT = tf.compat.v1.constant_initializer(0.3)
+
+
+def _train(model_fn, batches, towers=None, strategy="parameter_server",
+           static=False):
+  """Runs one train step per batch; returns {variable op name: value}."""
+  first = batches[0]
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    inputs = {key: tf.compat.v1.placeholder(
+        tf.as_dtype(value.dtype),
+        value.shape if static else (None,) + value.shape[1:])
+              for key, value in first.items()}
+    if towers is not None:
+      model_fn = replicate.replicate_model_fn(
+          model_fn, devices=cpus(towers), variable_strategy=strategy)
+    spec = model_fn(features={k: v for k, v in inputs.items() if k != "y"},
+                    labels=inputs["y"], mode=TRAIN)
+    variables = tf.compat.v1.global_variables()
+    with tf.compat.v1.Session(config=session_config(3)) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      session.run(tf.compat.v1.local_variables_initializer())
+      for batch in batches:
+        session.run(spec.train_op, {inputs[k]: batch[k] for k in inputs})
+      return session.run({v.op.name: v for v in variables})
+
+
+def _rows(n=7):
+  rng = np.random.RandomState(0)
+  return {"x": rng.rand(n, 3).astype(np.float32),
+          "y": rng.rand(n, 1).astype(np.float32)}
+
+
+def _images(n=7):
+  rng = np.random.RandomState(0)
+  return {"x": rng.rand(n, 4, 4, 2).astype(np.float32) * 3,
+          "y": rng.rand(n, 1).astype(np.float32)}
+
+
+def _regression(features, labels, optimizer, extra=lambda loss, labels: []):
+  predictions = tf.compat.v1.layers.dense(
+      tf.reshape(features, [-1, int(np.prod(features.shape[1:]))]), 1,
+      kernel_initializer=_INIT)
+  loss = tf.compat.v1.losses.mean_squared_error(labels, predictions)
+  with tf.control_dependencies(tf.compat.v1.get_collection(UPDATE_OPS)):
+    step = replicate.TowerOptimizer(optimizer).minimize(
+        loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(
+      TRAIN, loss=loss, train_op=tf.group(step, *extra(loss, labels)))
+
+
+CONFIGS = [(2, "parameter_server"), (3, "replicated")]
+
+
+@pytest.mark.parametrize("towers, strategy", CONFIGS)
+def test_batch_renorm_statistics_move_once(towers, strategy):
+  # renorm_momentum 0.5 from 0: renorm_mean = 0.5 * whole-batch mean
+  # = [0.7609, 0.7381], as moving_mean. Observed: N times that
+  # ([1.515, 1.484] with 2 towers, [2.2945, 2.2356] with 3): the renorm
+  # writes sit behind the UPDATE_OPS writes, which train_op._update_writes
+  # starts its walk at and never walks past, so each tower applies its own.
+  def model_fn(features, labels, mode):
+    del mode
+    normed = tf.compat.v1.layers.batch_normalization(
+        features["x"], training=True, renorm=True, momentum=0.5,
+        renorm_momentum=0.5)
+    return _regression(normed, labels,
+                       tf.compat.v1.train.GradientDescentOptimizer(0.01))
+
+  expected = _train(model_fn, [_images()])
+  got = _train(model_fn, [_images()], towers, strategy)
+  np.testing.assert_allclose(expected["batch_normalization/renorm_mean"],
+                             [0.7609, 0.7381], atol=1e-4)
+  np.testing.assert_allclose(got["batch_normalization/moving_mean"],
+                             expected["batch_normalization/moving_mean"],
+                             atol=1e-4)
+  np.testing.assert_allclose(got["batch_normalization/renorm_mean"],
+                             expected["batch_normalization/renorm_mean"],
+                             atol=1e-4)
+
+
+@pytest.mark.parametrize("zero_debias", [False, True])
+def test_moving_average_of_the_loss_builds(zero_debias):
+  # The cifar10-tutorial pattern: ema.apply([loss]) grouped with the step.
+  # Unwrapped it builds and trains; wrapped, tower 1 raises
+  # "Variable tower_1/mean_squared_error/value/ExponentialMovingAverage/
+  # does not exist" (the EMA's slot is a get_variable under reuse=True).
+  def model_fn(features, labels, mode):
+    del mode
+    ema = tf.train.ExponentialMovingAverage(0.5, zero_debias=zero_debias)
+    return _regression(features["x"], labels,
+                       tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                       extra=lambda loss, labels: [ema.apply([loss])])
+
+  expected = _train(model_fn, [_rows()])
+  got = _train(model_fn, [_rows()], 2)
+  np.testing.assert_allclose(got["dense/kernel"], expected["dense/kernel"],
+                             rtol=1e-5)
+
+
+@pytest.mark.parametrize("towers, strategy", CONFIGS)
+def test_integer_counter_in_update_ops_counts(towers, strategy):
+  # An int64 counter.assign_add(1) in UPDATE_OPS, 3 steps: unwrapped 3.
+  # Observed 0: combine_update_ops casts the share n_i / n (4/7, 3/7) to
+  # int64, which is 0, so every term of the combined value is 0.
+  def model_fn(features, labels, mode):
+    del mode
+    counter = tf.compat.v1.get_variable(
+        "updates_seen", [], tf.int64, trainable=False,
+        initializer=tf.compat.v1.zeros_initializer())
+    tf.compat.v1.add_to_collection(UPDATE_OPS, counter.assign_add(1))
+    return _regression(features["x"], labels,
+                       tf.compat.v1.train.GradientDescentOptimizer(0.1))
+
+  assert _train(model_fn, [_rows()] * 3)["updates_seen"] == 3
+  assert _train(model_fn, [_rows()] * 3, towers, strategy)["updates_seen"] == 3
+
+
+@pytest.mark.parametrize("towers, strategy", CONFIGS)
+def test_rows_counted_with_ones_like_on_a_static_batch(towers, strategy):
+  # seen.assign_add(reduce_sum(ones_like(labels))): 7 rows -> 7.
+  # With a static batch TF folds ones_like to a Const not named Size/Shape,
+  # so train_op._reads_rows thinks towers 1..N-1 do not read their rows and
+  # drops their count: observed 4.0 (2 towers) and 3.0 (3 towers).
+  def model_fn(features, labels, mode):
+    del mode
+    seen = tf.compat.v1.get_variable(
+        "seen", [], tf.float32, trainable=False,
+        initializer=tf.compat.v1.zeros_initializer())
+    return _regression(
+        features["x"], labels,
+        tf.compat.v1.train.GradientDescentOptimizer(0.1),
+        extra=lambda loss, labels: [
+            seen.assign_add(tf.reduce_sum(tf.ones_like(labels)))])
+
+  assert _train(model_fn, [_rows()], static=True)["seen"] == 7.0
+  assert _train(model_fn, [_rows()], towers, strategy,
+                static=True)["seen"] == 7.0
+
+
+def test_replicated_sparse_update_leaves_unseen_rows_alone():
+  # Momentum(0.1, 0.9) on a 5x2 embedding. Step 1 looks up row 4, step 2
+  # does not: unwrapped, the sparse update leaves row 4 at
+  # 0.7778 + 0.014 = [0.7918, 1.0140] after step 2. Replicated, the small
+  # table's gradient is all-reduced dense and connected to tower 0's
+  # IndexedSlices stand-in as slices of every row, so row 4's momentum
+  # moves it again: observed [0.8044, 1.0266] (0.014 + 0.9 * 0.014).
+  def model_fn(features, labels, mode):
+    del mode
+    table = tf.compat.v1.get_variable(
+        "emb", [5, 2], initializer=tf.compat.v1.constant_initializer(
+            np.linspace(-1, 1, 10).reshape(5, 2)))
+    embedded = tf.reduce_sum(
+        tf.nn.embedding_lookup(table, features["ids"]), 1)
+    return _regression(embedded, labels,
+                       tf.compat.v1.train.MomentumOptimizer(0.1, 0.9))
+
+  ones = np.ones((4, 1), np.float32)
+  batches = [{"ids": np.array([[4], [4], [0], [1]], np.int64), "y": ones},
+             {"ids": np.array([[0], [1], [2], [3]], np.int64), "y": ones}]
+  expected = _train(model_fn, batches)
+  np.testing.assert_allclose(expected["emb"][4], [0.7918, 1.0140], atol=1e-4)
+  assert np.allclose(_train(model_fn, batches, 2, "parameter_server")["emb"],
+                     expected["emb"], atol=1e-6)
+  np.testing.assert_allclose(_train(model_fn, batches, 2, "replicated")["emb"],
+                             expected["emb"], atol=1e-6)
+
+
+@pytest.mark.parametrize("towers, strategy", CONFIGS)
+def test_keras_batch_norm_updates_grouped_into_train_op(towers, strategy):
+  # tf.keras BatchNormalization in a v1 model_fn adds nothing to UPDATE_OPS;
+  # its updates are grouped into the train_op, as Keras' docs suggest
+  # (layer.updates). Unwrapped, momentum 0.5 moves moving_variance from 1 to
+  # [0.5194, 0.5467, 0.5422]. Wrapped, each tower's update runs in full
+  # (they read the tower's rows): observed [0.2734, 0.3081, 0.3034] with 2
+  # towers and a negative variance [-0.4347, -0.3889, -0.4582] with 3.
+  def model_fn(features, labels, mode):
+    del mode
+    layer = tf.keras.layers.BatchNormalization(momentum=0.5)
+    normed = layer(features["x"], training=True)
+    return _regression(normed, labels,
+                       tf.compat.v1.train.GradientDescentOptimizer(0.0),
+                       extra=lambda loss, labels: layer.updates)
+
+  expected = _train(model_fn, [_rows()])
+  got = _train(model_fn, [_rows()], towers, strategy)
+  np.testing.assert_allclose(expected["batch_normalization/moving_variance"],
+                             [0.5194, 0.5467, 0.5422], atol=1e-4)
+  assert np.all(got["batch_normalization/moving_variance"] > 0)
+  np.testing.assert_allclose(got["batch_normalization/moving_mean"],
+                             expected["batch_normalization/moving_mean"],
+                             atol=1e-4)
