@@ -42,7 +42,7 @@ def sum_grads_and_vars(per_tower: Sequence[GradsAndVars],
       continue
     with tf.device(device or variable.device), tf.name_scope(
         _op_name(variable) + "_sum_over_towers"):
-      summed.append((_sum([sharding.zero_unless_rows(g, rows) for g, rows in grads]),
+      summed.append((add_gradients([sharding.zero_unless_rows(g, rows) for g, rows in grads]),
                      variable))
   return summed
 
@@ -72,10 +72,6 @@ def all_reduce_grads_and_vars(per_tower: Sequence[GradsAndVars],
 
 def add_gradients(grads):
   """The sum of gradients of one variable: dense, `IndexedSlices` or mixed."""
-  return _sum(grads)
-
-
-def _sum(grads):
   if len(grads) == 1:
     return grads[0]
   if any(isinstance(g, tf.IndexedSlices) for g in grads):
@@ -84,8 +80,7 @@ def _sum(grads):
 
 
 def _concat_slices(grads):
-  slices = [g if isinstance(g, tf.IndexedSlices) else _as_slices(g)
-            for g in grads]
+  slices = [as_slices(g) for g in grads]
   dense_shape = next(
       (s.dense_shape for s in slices if s.dense_shape is not None), None)
   return tf.IndexedSlices(
@@ -94,8 +89,14 @@ def _concat_slices(grads):
       dense_shape)
 
 
-def _as_slices(dense):
-  """A dense gradient as slices of every row, so it can join sparse ones."""
+def as_slices(value):
+  """`value` as `IndexedSlices`: a dense gradient becomes slices of every row.
+
+  So it can join sparse ones, or take the place of a sparse one.
+  """
+  if isinstance(value, tf.IndexedSlices):
+    return value
+  dense = value
   rows = tf.shape(dense, out_type=tf.int64)[0]
   return tf.IndexedSlices(dense, tf.range(rows),
                           tf.shape(dense, out_type=tf.int64))

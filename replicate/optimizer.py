@@ -1,12 +1,13 @@
-"""`TowerOptimizer`: collects every tower's gradients and applies them once.
+"""`TowerOptimizer`: every tower's gradients, one update per step.
 
 On towers: outside `replicate_model_fn`, or with one tower, every call is
-forwarded unchanged. Inside, computing gradients weights the tower's loss by
-its share of the batch (see `replicate.sharding`), applying them records the
-tower's gradients, and the last tower's call sums every tower's gradients and
-applies them with tower 0's wrapped optimizer, in the scopes tower 0 made its
-call in. Towers must make the same calls in the same order; each call is
-matched by its position.
+forwarded unchanged (`gradient_transformers` apply). Inside, computing
+gradients weights the tower's loss by its weight (see `replicate.weighting`);
+tower 0's apply builds the one update with the wrapped optimizer, in its own
+scopes, on stand-ins for the sums, and returns it; the other towers' applies
+record their gradients and return tower 0's update, and the last one sums
+every tower's gradients into it (see `replicate.wrapping`). Towers must make
+the same calls in the same order; each call is matched by its position.
 
 On families: a `tf.compat.v1.train.Optimizer` is wrapped by `TowerOptimizer`
 itself; a Keras legacy optimizer (`tf.keras.optimizers.legacy.*`, which the
@@ -101,7 +102,7 @@ class TowerOptimizer(wrapping.Wrapping, _V1Optimizer):
         loss, variables)
 
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
-    """Records this tower's gradients; the last tower applies their sum once."""
+    """Tower 0 builds the one update; every tower's gradients are summed in."""
     return self._collect_or_apply(
         grads_and_vars, lambda optimizer, grads: optimizer.apply_gradients(
             grads, global_step, name))

@@ -19,6 +19,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from replicate import aggregation
+
 
 def stand_in(value: Any, name: str = "pending") -> Any:
   """A stand-in for a later value shaped like `value` (Tensor or slices).
@@ -39,7 +41,7 @@ def stand_in(value: Any, name: str = "pending") -> Any:
 def connect(pending: Any, value: Any) -> None:
   """Makes every reader of the stand-in `pending` read `value` instead."""
   if isinstance(pending, tf.IndexedSlices):
-    value = _as_slices(value)
+    value = aggregation.as_slices(value)
     _reroute(pending.values, value.values)
     _reroute(pending.indices, tf.cast(value.indices, pending.indices.dtype))
     return
@@ -60,12 +62,3 @@ def _reroute(old: tf.Tensor, new: tf.Tensor) -> None:
     for position, tensor in enumerate(consumer.inputs):
       if tensor is old:
         consumer._update_input(position, new)  # pylint: disable=protected-access
-
-
-def _as_slices(value):
-  """`value` as `IndexedSlices`: a dense tensor becomes slices of every row."""
-  if isinstance(value, tf.IndexedSlices):
-    return value
-  rows = tf.shape(value, out_type=tf.int64)[0]
-  return tf.IndexedSlices(value, tf.range(rows),
-                          tf.shape(value, out_type=tf.int64))

@@ -17,7 +17,7 @@ applied, in order, to the summed gradients before the update (with one
 tower, and outside `replicate_model_fn`, to the gradients given).
 """
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import tensorflow as tf
 
