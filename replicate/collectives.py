@@ -128,16 +128,21 @@ class Collectives:
 
   def _launch(self, tensors, make_op):
     """One collective op per tower with a new instance key; joined results."""
-    keys = dict(group_size=len(self._devices), group_key=self._group_key,
-                instance_key=self._next_instance_key,
-                communication_hint=self._hint, ordering_token=[])
+    instance_key = self._next_instance_key
     self._next_instance_key += 1
     outputs = []
     for tower, (tensor, device) in enumerate(zip(tensors, self._devices)):
       after = ([self._last_op[tower]]
                if self._hint == "nccl" and self._last_op[tower] else [])
-      with tf.device(device), tf.control_dependencies(after):
-        output = make_op(tensor, keys)
+      with tf.device(device):
+        # The keys are made before the control dependency, so that it
+        # lands on the collective op itself rather than on its key inputs.
+        keys = dict(group_size=tf.constant(len(self._devices)),
+                    group_key=tf.constant(self._group_key),
+                    instance_key=tf.constant(instance_key),
+                    communication_hint=self._hint, ordering_token=[])
+        with tf.control_dependencies(after):
+          output = make_op(tensor, keys)
       self._last_op[tower] = output.op
       outputs.append(output)
     joined = []
