@@ -87,7 +87,8 @@ class Collectives:
     for grad, device in zip(grads, self._devices):
       with tf.device(device):
         indices.append(tf.cast(grad.indices, tf.int64))
-    lengths = [v.shape[0] for v in values]
+    # dimension_value: under TF 1 behaviour a shape's entries are Dimensions.
+    lengths = [tf.compat.dimension_value(v.shape[0]) for v in values]
     if None not in lengths and len(set(lengths)) == 1:
       values, indices = self._gather(values), self._gather(indices)
     else:
