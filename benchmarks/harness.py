@@ -8,8 +8,8 @@ On configurations:
 | `replicate-N-ps`        | `replicate_model_fn`, N towers, `parameter_server`       |
 | `replicate-N-rr`        | `replicate_model_fn`, N towers, `round_robin`            |
 | `replicate-N-gather`    | N towers, `replicated`, `all_reduce="gather"`            |
-| `replicate-N-ring`      | N towers, `replicated`, `all_reduce="ring"` (TensorFlow's |
-|                         | collective ring, `CollectiveReduceV2`)                   |
+| `replicate-N-ring`      | N towers, `replicated`, `all_reduce="ring"` (collective, |
+|                         | TensorFlow's `CollectiveReduceV2`)                       |
 | `replicate-N-handring`  | N towers, `replicated`, the ring built from graph ops    |
 |                         | that `ring` was before (`allreduce.HAND_RING`, internal) |
 | `replicate-N-nccl`      | N towers, `replicated`, `all_reduce="nccl"` (GPUs only)  |
