@@ -109,7 +109,9 @@ def _default_configs(towers):
     if n > 1:
       configs += ["replicate-{}-rr".format(n),
                   "replicate-{}-gather".format(n),
-                  "replicate-{}-ring".format(n), "mirrored-{}-default".format(n),
+                  "replicate-{}-ring".format(n),
+                  "replicate-{}-handring".format(n),
+                  "mirrored-{}-default".format(n),
                   "mirrored-{}-r1d".format(n)]
   return configs
 

@@ -8,7 +8,10 @@ On configurations:
 | `replicate-N-ps`        | `replicate_model_fn`, N towers, `parameter_server`       |
 | `replicate-N-rr`        | `replicate_model_fn`, N towers, `round_robin`            |
 | `replicate-N-gather`    | N towers, `replicated`, `all_reduce="gather"`            |
-| `replicate-N-ring`      | N towers, `replicated`, `all_reduce="ring"`              |
+| `replicate-N-ring`      | N towers, `replicated`, `all_reduce="ring"` (collective, |
+|                         | TensorFlow's `CollectiveReduceV2`)                       |
+| `replicate-N-handring`  | N towers, `replicated`, the ring built from graph ops    |
+|                         | that `ring` was before (`allreduce.HAND_RING`, internal) |
 | `replicate-N-nccl`      | N towers, `replicated`, `all_reduce="nccl"` (GPUs only)  |
 | `mirrored-N-default`    | `MirroredStrategy` over N devices, default cross-device ops |
 | `mirrored-N-r1d`        | `MirroredStrategy` with `ReductionToOneDevice`           |
@@ -33,18 +36,24 @@ import tensorflow as tf
 
 import replicate
 from benchmarks.models import MODELS
+from replicate import allreduce
 
-_CONFIG = re.compile(r"^(?:single|replicate-(\d+)-(ps|rr|gather|ring|nccl)|"
+_CONFIG = re.compile(r"^(?:single|replicate-(\d+)-"
+                     r"(ps|rr|gather|ring|handring|nccl)|"
                      r"mirrored-(\d+)-(default|r1d))$")
 CONFIG_FORMS = ("single, replicate-N-ps, replicate-N-rr, replicate-N-gather, "
-                "replicate-N-ring, replicate-N-nccl, mirrored-N-default, "
-                "mirrored-N-r1d (N a number of towers)")
+                "replicate-N-ring, replicate-N-handring, replicate-N-nccl, "
+                "mirrored-N-default, mirrored-N-r1d (N a number of towers)")
 # A replicate configuration's variant: its replicate_model_fn arguments.
 _REPLICATE_ARGUMENTS = {
     "ps": {"variable_strategy": "parameter_server"},
     "rr": {"variable_strategy": "round_robin"},
     "gather": {"variable_strategy": "replicated", "all_reduce": "gather"},
     "ring": {"variable_strategy": "replicated", "all_reduce": "ring"},
+    # Not a public all_reduce value: the internal hook kept for this
+    # comparison (see replicate.allreduce).
+    "handring": {"variable_strategy": "replicated",
+                 "all_reduce": allreduce.HAND_RING},
     "nccl": {"variable_strategy": "replicated", "all_reduce": "nccl"},
 }
 
@@ -53,7 +62,7 @@ class Config(NamedTuple):
   name: str
   kind: str  # "single", "replicate" or "mirrored"
   towers: int
-  variant: str  # ps/rr/gather/ring/nccl for replicate, default/r1d mirrored
+  variant: str  # ps/rr/gather/ring/handring/nccl, or default/r1d mirrored
 
 
 class Cell(NamedTuple):

@@ -67,6 +67,7 @@ def write_json(path, cells, command, machine):
 
 _COLORS = {"replicate-ps": "tab:green", "replicate-rr": "tab:red",
            "replicate-gather": "tab:purple", "replicate-ring": "tab:brown",
+           "replicate-handring": "tab:olive",
            "replicate-nccl": "tab:pink", "mirrored-default": "tab:blue",
            "mirrored-r1d": "tab:orange"}
 _METRICS = {  # name: (label, value of a cell)

@@ -7,21 +7,35 @@ on that tower's device.
 
 On algorithms (the `all_reduce` argument of `replicate_model_fn`):
 
-| name     | how                                                         |
-| -------- | ----------------------------------------------------------- |
-| `gather` | sum on tower 0's device, then copy the sum to every tower   |
-| `ring`   | split into N chunks; chunk c is summed hop by hop round the |
-|          | ring of devices, ending on device c, then passed round so   |
-|          | every device has every summed chunk                         |
-| `nccl`   | NVIDIA NCCL's all-reduce (GPU towers, TensorFlow with CUDA) |
-| `auto`   | `nccl` on GPUs when TensorFlow has it, else `gather`        |
+| name     | how                                                          |
+| -------- | ------------------------------------------------------------ |
+| `gather` | sum on tower 0's device, then copy the sum to every tower    |
+| `ring`   | TensorFlow's collective all-reduce (`CollectiveReduceV2`,    |
+|          | `communication_hint="ring"`): one op per tower, on its       |
+|          | device; the ring runs inside TensorFlow's runtime            |
+| `nccl`   | the same op with `communication_hint="nccl"` (GPU towers,    |
+|          | TensorFlow with CUDA)                                        |
+| `auto`   | `nccl` on GPUs when TensorFlow has it, else `gather`         |
+
+`HAND_RING` (`"_hand_ring"`) is not part of the API: the ring this module
+built before `ring` used collective ops, one graph op per hop (split into
+N chunks, each summed round the ring of devices, then passed round so every
+device has every summed chunk). `replicate_model_fn` accepts it so that the
+benchmarks (`replicate-N-handring`) can compare it with `ring` and `gather`.
+See `replicate.collectives` for keys and sessions: a session needs no
+configuration for `ring`.
 
 On sparse gradients (`IndexedSlices`, from embedding lookups): every tower
 gets every tower's slices, concatenated (an all-gather), never a dense sum,
 however small the variable: the update must touch only the rows the batch
 looked up, as on one device (a momentum or Adagrad update of a row the
 batch did not see would move it, and a global norm of a dense sum is not
-the norm of the slices).
+the norm of the slices). With `ring` and `nccl` the all-gather is
+`CollectiveGatherV2` (slices of different lengths padded to the longest);
+with `gather`, or where collective ops cannot carry the slices (a tower
+without a gradient, a dtype such as bfloat16), each tower concatenates the
+others' slices itself. Dense gradients of such a dtype are summed as with
+`gather`.
 
 On packing: dense gradients of at most `PACK_MAX_ELEMENTS` elements each are
 flattened and concatenated per dtype into one buffer per tower before the
@@ -35,22 +49,27 @@ loss-scale optimizer turns into a skipped step). Gathered sparse slices
 travel as they are.
 """
 
-from typing import Any, List, Optional, Sequence
+import functools
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import tensorflow as tf
+
+from replicate import collectives
 
 AUTO = "auto"
 GATHER = "gather"
 RING = "ring"
 NCCL = "nccl"
 ALGORITHMS = (AUTO, GATHER, RING, NCCL)
+# Internal, for the benchmarks only: the ring built from graph ops.
+HAND_RING = "_hand_ring"
 
 PACK_MAX_ELEMENTS = 32768
 
 
 def check_algorithm(all_reduce: str):
   """Raises a ValueError for an unknown `all_reduce` name."""
-  if all_reduce not in ALGORITHMS:
+  if all_reduce not in ALGORITHMS + (HAND_RING,):
     raise ValueError(
         "all_reduce must be one of {}. Received: {!r}.".format(
             ", ".join(repr(a) for a in ALGORITHMS), all_reduce))
@@ -87,12 +106,13 @@ def all_reduce_grads(per_tower: Sequence[Sequence[Any]], devices: Sequence[str],
   results = [[None] * len(per_tower[0]) for _ in devices]
   packs = {}  # dtype -> positions whose gradients are packed together
   singles = []
+  reducer = _reducer(algorithm, devices)
   for position in range(len(per_tower[0])):
     grads = [tower[position] for tower in per_tower]
     if all(g is None for g in grads):
       continue
     if any(isinstance(g, tf.IndexedSlices) for g in grads):
-      for index, summed in enumerate(_all_gather(grads, devices)):
+      for index, summed in enumerate(reducer.gather_slices(grads)):
         results[index][position] = summed
       continue
     grads = _zeros_for_missing(grads, devices)
@@ -102,12 +122,11 @@ def all_reduce_grads(per_tower: Sequence[Sequence[Any]], devices: Sequence[str],
       packs.setdefault(grads[0].dtype, []).append(position)
     else:
       singles.append(position)
-  reduce = _REDUCERS[algorithm]
   for positions in packs.values():
     with tf.name_scope("packed_all_reduce"):
       buffers = [_pack([per_tower[i][p] for p in positions], devices[i])
                  for i in range(num_towers)]
-      summed = _compacted(reduce, buffers, devices, compact)
+      summed = _compacted(reducer.reduce, buffers, devices, compact)
       for index in range(num_towers):
         shapes = [per_tower[index][p].shape for p in positions]
         for position, grad in zip(positions, _unpack(summed[index], shapes,
@@ -115,14 +134,42 @@ def all_reduce_grads(per_tower: Sequence[Sequence[Any]], devices: Sequence[str],
           results[index][position] = grad
   for position in singles:
     with tf.name_scope("all_reduce"):
-      summed = _compacted(reduce, [t[position] for t in per_tower], devices,
-                          compact)
+      summed = _compacted(reducer.reduce, [t[position] for t in per_tower],
+                          devices, compact)
     for index in range(num_towers):
       results[index][position] = summed[index]
   return results
 
 
-def _all_gather(grads, devices):
+class _Reducer(NamedTuple):
+  """How one call's per-tower values become per-tower results."""
+  reduce: Callable  # per-tower dense tensors -> per-tower sums
+  gather_slices: Callable  # per-tower IndexedSlices -> per-tower all-gathers
+
+
+def _reducer(algorithm, devices) -> _Reducer:
+  if algorithm not in (RING, NCCL):
+    reduce = _hand_ring_reduce if algorithm == HAND_RING else _gather_reduce
+    return _Reducer(functools.partial(reduce, devices=devices),
+                    functools.partial(_concat_slices, devices=devices))
+  # One object per call: it reads the keys still free from the graph.
+  launcher = collectives.Collectives(devices, communication_hint=algorithm)
+
+  def reduce_collectively(tensors):
+    if collectives.supports(tensors[0].dtype):
+      return launcher.all_reduce(tensors)
+    return _gather_reduce(tensors, devices)
+
+  def gather_collectively(grads):
+    with tf.name_scope("all_gather"):
+      gathered = launcher.all_gather_slices(grads)
+    return gathered if gathered is not None else _concat_slices(grads,
+                                                                devices)
+
+  return _Reducer(reduce_collectively, gather_collectively)
+
+
+def _concat_slices(grads, devices):
   """Every tower's slices, concatenated on each tower's device."""
   present = [g for g in grads if g is not None]
   gathered = []
@@ -166,12 +213,12 @@ def _unpack(buffer, shapes, device):
 def _compacted(reduce, tensors, devices, compact):
   """`reduce`, in float16 for float32 tensors when `compact`."""
   if not compact or tensors[0].dtype != tf.float32:
-    return reduce(tensors, devices)
+    return reduce(tensors)
   halves = []
   for tensor, device in zip(tensors, devices):
     with tf.device(device):
       halves.append(tf.cast(tensor, tf.float16))
-  summed = reduce(halves, devices)
+  summed = reduce(halves)
   restored = []
   for tensor, device in zip(summed, devices):
     with tf.device(device):
@@ -189,7 +236,7 @@ def _gather_reduce(tensors, devices):
   return copies
 
 
-def _ring_reduce(tensors, devices):
+def _hand_ring_reduce(tensors, devices):
   """Reduce-scatter round the ring, then all-gather round it."""
   count = len(devices)
   shape = tensors[0].shape
@@ -223,15 +270,3 @@ def _ring_reduce(tensors, devices):
     with tf.device(devices[device]):
       reduced.append(tf.reshape(tf.concat(pieces, axis=0), shape))
   return reduced
-
-
-def _nccl_reduce(tensors, devices):
-  from tensorflow.python.ops import nccl_ops  # pylint: disable=g-import-not-at-top
-  placed = []
-  for tensor, device in zip(tensors, devices):
-    with tf.device(device):
-      placed.append(tf.identity(tensor))
-  return nccl_ops.all_sum(placed)
-
-
-_REDUCERS = {GATHER: _gather_reduce, RING: _ring_reduce, NCCL: _nccl_reduce}

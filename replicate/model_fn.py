@@ -61,9 +61,11 @@ def replicate_model_fn(
       trains its own copy of every variable on its own device; gradients
       are all-reduced and every copy gets the same update (see below).
     all_reduce: with `"replicated"`, how gradients are summed across
-      towers: `"gather"`, `"ring"`, `"nccl"` (GPUs), or `"auto"` (NCCL on
-      GPUs when TensorFlow has it, else `"gather"`). See
-      `replicate.allreduce`.
+      towers: `"gather"` (on tower 0's device, copied back), `"ring"`
+      (TensorFlow's collective all-reduce, `CollectiveReduceV2`), `"nccl"`
+      (the same over NCCL, GPUs), or `"auto"` (NCCL on GPUs when
+      TensorFlow has it, else `"gather"`). The session needs no setting
+      for them. See `replicate.allreduce` and `replicate.collectives`.
     compact_gradients: with `"replicated"`, cast float32 gradients to
       float16 for the all-reduce and back after (half the traffic, float16
       precision in the sum).

@@ -40,7 +40,8 @@ def _assert_copies_equal_tower0(training, towers):
                                rtol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("algorithm", [allreduce.GATHER, allreduce.RING])
+@pytest.mark.parametrize("algorithm", [allreduce.GATHER, allreduce.RING,
+                                       allreduce.HAND_RING])
 @pytest.mark.parametrize("rows", [7, 2], ids=["uneven", "small"])
 @pytest.mark.parametrize("optimizer_name", ["adam", "sgd"])
 def test_replicated_trains_like_one_device(algorithm, rows, optimizer_name):
@@ -119,9 +120,10 @@ def test_compact_gradients_reduce_in_float16(graph):
   assert [op.outputs[0].dtype for op in sums] == [tf.float16]
 
 
-def test_ring_passes_chunks_between_neighbours(graph):
+def test_hand_ring_passes_chunks_between_neighbours(graph):
+  # The benchmarks' internal comparison point, built from graph ops.
   _build_replicated_train(_make_model_fn(Reduction.MEAN, "sgd"), 3,
-                          allreduce.RING)
+                          allreduce.HAND_RING)
   # 37 floats in 3 chunks (13, 12, 12); each chunk is added on the 2
   # devices after the one it starts on: 3 x 2 additions.
   adds = [op for op in graph.get_operations()
@@ -175,7 +177,8 @@ def _train_embedding(model_fn, steps=3):
   return values, graph, ids
 
 
-@pytest.mark.parametrize("algorithm", [allreduce.GATHER, allreduce.RING])
+@pytest.mark.parametrize("algorithm", [allreduce.GATHER, allreduce.RING,
+                                       allreduce.HAND_RING])
 def test_large_embedding_gradients_are_gathered_and_train_alike(algorithm):
   expected, _, ids = _train_embedding(_embedding_model_fn)
   got, graph, _ = _train_embedding(_replicated(_embedding_model_fn, 3,
@@ -194,9 +197,22 @@ def test_large_embedding_gradients_are_gathered_and_train_alike(algorithm):
   gathered = [op for op in graph.get_operations()
               if "all_gather" in op.name and op.type == "ConcatV2" and
               op.outputs[0].dtype == tf.float32]
-  assert sorted(op.device for op in gathered) == [
-      "/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
-  assert {op.outputs[0].shape.as_list()[0] for op in gathered} == {14}
+  collective = [op for op in graph.get_operations()
+                if op.type == "CollectiveGatherV2"]
+  if algorithm == allreduce.RING:
+    # Rows 3, 2, 2 give 6, 4, 4 slices: per device one gather of the
+    # counts, then the values and the indices padded to 6 each.
+    assert not gathered
+    assert sorted(op.device for op in collective) == sorted(
+        ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"] * 3)
+    lengths = [op.inputs[0].shape.as_list()[0] for op in collective]
+    # the counts; values and indices padded to a length known at run time
+    assert (lengths.count(1), lengths.count(None)) == (3, 6)
+  else:
+    assert not collective
+    assert sorted(op.device for op in gathered) == [
+        "/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
+    assert {op.outputs[0].shape.as_list()[0] for op in gathered} == {14}
   assert not [op for op in graph.get_operations()
               if "all_reduce" in op.name and op.outputs and
               op.outputs[0].shape.num_elements() == VOCABULARY]
