@@ -9,7 +9,8 @@ slices are concatenated, duplicates allowed, `dense_shape` kept; the
 optimizer's sparse update sums duplicate indices itself. Nothing is densified.
 
 On empty towers: a tower with no rows contributes nothing. When that is only
-known at run time its dense gradient is selected away with `tf.where` (not
+known at run time its gradient is chosen away with `Switch` and `Merge`
+(`sharding.zero_unless_rows`: no copy on a step where it has rows; never
 multiplied by 0, which would keep a NaN).
 """
 

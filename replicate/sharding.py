@@ -148,16 +148,30 @@ def shard_has_rows(sizes) -> List[Any]:
 def zero_unless_rows(value, has_rows):
   """`value`, or zeros where its shard turned out to have no rows.
 
-  Selected with `tf.where`, not multiplied by 0, which would keep a NaN a
-  stand-in row produced. `value` may be `IndexedSlices`; `has_rows` is a
-  Python bool or a scalar bool tensor.
+  Chosen with `Switch` and `Merge`, the two ops a TF 1 `cond` is made of:
+  on a step where the shard has rows the tensor passes through as it is,
+  with no copy (a `tf.where` copies every element of every tower's gradient
+  on every step), and the zeros are made only on a step where it has none.
+  Never multiplied by 0, which would keep a NaN a stand-in row produced.
+  Placed with `value`, so the choice moves nothing between devices.
+  `value` may be `IndexedSlices`; `has_rows` is a Python bool or a scalar
+  bool tensor.
   """
   if isinstance(has_rows, bool):
     return value
   if isinstance(value, tf.IndexedSlices):
     return tf.IndexedSlices(zero_unless_rows(value.values, has_rows),
                             value.indices, value.dense_shape)
-  return tf.where(has_rows, value, tf.zeros_like(value))
+  with tf.device(value.device), tf.name_scope("zero_unless_rows"):
+    without_rows, with_rows = tf.raw_ops.Switch(data=value, pred=has_rows)
+    # A shape known when building makes zeros_like a constant, always live:
+    # behind the untaken side's identity (as `cond`'s pivot), it is made
+    # only when that side is taken.
+    with tf.control_dependencies([tf.identity(without_rows).op]):
+      zeros = tf.zeros_like(without_rows)
+    chosen, _ = tf.raw_ops.Merge(inputs=[with_rows, zeros])
+  chosen.set_shape(value.shape)
+  return chosen
 
 
 def _to_tensors(prefix, structure):

@@ -214,3 +214,74 @@ def test_a_batch_known_to_be_empty_trains_a_no_op_step_as_unwrapped(
       assert not got_variables["w/Adam"].any()
     if mode == tf.estimator.ModeKeys.PREDICT:
       assert got[0].shape == (0, 1)
+
+
+@pytest.mark.parametrize("shape", [[2, 3], [None, 3]], ids=["static", "dynamic"])
+def test_zero_unless_rows_passes_the_tensor_or_zeros_never_nan(graph, shape):
+  value = tf.compat.v1.placeholder(tf.float32, shape)
+  has_rows = tf.compat.v1.placeholder(tf.bool, [])
+  chosen = sharding.zero_unless_rows(value * 1.0, has_rows)
+  slices = sharding.zero_unless_rows(
+      tf.IndexedSlices(value * 1.0, tf.constant([4, 1])), has_rows)
+  assert chosen.shape.as_list() == shape
+  rows = np.array([[1.0, np.inf, 3.0], [np.nan, 5.0, -6.0]], np.float32)
+  with tf.compat.v1.Session() as session:  # grappler's folding on, as always
+    kept, kept_slices = session.run([chosen, slices.values],
+                                    {value: rows, has_rows: True})
+    np.testing.assert_array_equal(kept, rows)
+    np.testing.assert_array_equal(kept_slices, rows)
+    zeros, zero_slices = session.run([chosen, slices.values],
+                                     {value: rows, has_rows: False})
+  assert zeros.tolist() == [[0.0] * 3] * 2
+  assert zero_slices.tolist() == [[0.0] * 3] * 2
+
+
+def test_zero_unless_rows_forwards_the_tensor_without_an_elementwise_op(graph):
+  # A tf.where would copy every gradient of every tower on every step; the
+  # tensor goes through Switch and Merge, which pass it on as it is.
+  with tf.device("/cpu:1"):
+    gradient = tf.ones([1024, 1024]) * 2.0
+  chosen = sharding.zero_unless_rows(gradient, tf.compat.v1.placeholder(
+      tf.bool, []))
+  assert chosen.op.type == "Merge"
+  switch = chosen.op.inputs[0].op
+  assert switch.type == "Switch" and switch.inputs[0] is gradient
+  assert switch.device == chosen.op.device == "/device:CPU:1"
+
+
+def _mean_model_fn(features, labels, mode):
+  """A plain tf.reduce_mean loss: NaN on a batch of no rows."""
+  w = tf.compat.v1.get_variable(
+      "w", [2, 1], initializer=tf.compat.v1.constant_initializer([0.5, -1.0]))
+  loss = tf.reduce_mean(tf.square(tf.matmul(features, w) - labels))
+  train_op = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.1)).minimize(
+          loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize("towers", [2, 3])
+def test_a_batch_empty_at_run_time_trains_a_finite_no_op_step(towers):
+  # What zero weight alone would give, and why towers without rows are
+  # still chosen away: on a batch found empty at run time a tower's
+  # gradients are sums over no rows, exactly 0 even under weight 0, but its
+  # mean loss is 0 / 0, and 0 x NaN is NaN. The step still counts.
+  wrapped = replicate.replicate_model_fn(_mean_model_fn, devices=cpus(towers))
+  with tf.Graph().as_default() as graph:
+    features = tf.compat.v1.placeholder(tf.float32, [None, 2])
+    labels = tf.compat.v1.placeholder(tf.float32, [None, 1])
+    spec = wrapped(features, labels, tf.estimator.ModeKeys.TRAIN)
+    tower_loss = graph.get_tensor_by_name("tower_1/Mean:0")
+    weighted_alone = 0.0 * tower_loss
+    gradient_alone = tf.gradients(weighted_alone,
+                                  tf.compat.v1.trainable_variables())[0]
+    empty = {features: np.zeros([0, 2]), labels: np.zeros([0, 1])}
+    with tf.compat.v1.Session(config=session_config(towers)) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      alone, gradient = session.run([weighted_alone, gradient_alone], empty)
+      loss, _ = session.run([spec.loss, spec.train_op], empty)
+      w, step = session.run([tf.compat.v1.trainable_variables()[0],
+                             tf.compat.v1.train.get_global_step()])
+  assert np.isnan(alone) and gradient.ravel().tolist() == [0.0, 0.0]
+  assert loss == 0.0 and step == 1
+  assert w.ravel().tolist() == [0.5, -1.0]
