@@ -1,0 +1,116 @@
+"""python -m benchmarks.allreduce_cost: one all-reduce, timed alone.
+
+Where the end-to-end tables say that `replicated` with the collective
+`ring` is slower than with `gather` or the hand-written ring, this says
+why: it times `replicate.allreduce.all_reduce_grads` by itself, per
+algorithm, on dense float32 tensors of a given size (the MLP's gradients,
+or a single tensor of 1,000 to 4,000,000 elements) on N devices, with the
+configurations interleaved in one process and the ratios paired within a
+round. Writes a markdown table to stdout (and to --record).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+
+from replicate import allreduce  # noqa: E402
+
+ALGORITHMS = {"gather": allreduce.GATHER, "ring": allreduce.RING,
+              "handring": allreduce.HAND_RING}
+# name: the shapes of one tower's gradients
+TENSORS = {
+    "1k": [[1000]],
+    "100k": [[100_000]],
+    "1m": [[1_000_000]],
+    "4m": [[4_000_000]],
+    "mlp": [[784, 1024], [1024], [1024, 1024], [1024], [1024, 10], [10]],
+}
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.allreduce_cost",
+                                   description=__doc__.splitlines()[0])
+  parser.add_argument("--towers", default="2,4,8")
+  parser.add_argument("--tensors", default=",".join(TENSORS))
+  parser.add_argument("--rounds", type=int, default=15)
+  parser.add_argument("--record", default=None)
+  args = parser.parse_args(argv)
+  tf.compat.v1.disable_eager_execution()
+  lines = [
+      "| tensors | N | gather ms | ring ms | handring ms | ring x gather "
+      "| ring x handring |", "|---|---|---|---|---|---|---|"]
+  for name in args.tensors.split(","):
+    for towers in [int(n) for n in args.towers.split(",")]:
+      ms = _time_algorithms(TENSORS[name], towers, args.rounds)
+      lines.append("| {} | {} | {} | {:.2f} | {:.2f} |".format(
+          name, towers, " | ".join("{:.2f}".format(statistics.median(
+              ms[a])) for a in ALGORITHMS),
+          _paired(ms["gather"], ms["ring"]),
+          _paired(ms["handring"], ms["ring"])))
+      print(lines[-1], flush=True)
+  table = "\n".join([
+      "Command: `python -m benchmarks.allreduce_cost {}`".format(
+          " ".join(argv if argv is not None else sys.argv[1:])), "",
+      "Milliseconds per all-reduce (median over {} rounds of 5); x: "
+      "speed relative to (time of the other / time of ring), median of "
+      "ratios paired within a round.".format(args.rounds), ""] + lines)
+  print("\n" + table)
+  if args.record:
+    with open(args.record, "w") as output:
+      output.write(table + "\n")
+
+
+def _time_algorithms(shapes, towers, rounds):
+  """{algorithm: [ms per all-reduce, one per round]}, interleaved."""
+  sessions = {name: _session(shapes, towers, algorithm)
+              for name, algorithm in ALGORITHMS.items()}
+  times = {name: [] for name in sessions}
+  for _ in range(rounds):
+    for name, (session, fetch) in sessions.items():
+      started = time.perf_counter()
+      for _ in range(5):
+        session.run(fetch)
+      times[name].append(1000 * (time.perf_counter() - started) / 5)
+  for session, _ in sessions.values():
+    session.close()
+  return times
+
+
+def _session(shapes, towers, algorithm):
+  """A session running one all-reduce of `shapes` per tower; warmed up."""
+  graph = tf.Graph()
+  devices = ["/device:CPU:{}".format(i) for i in range(towers)]
+  with graph.as_default():
+    per_tower = []
+    for tower, device in enumerate(devices):
+      with tf.device(device):
+        per_tower.append([
+            tf.compat.v1.get_variable("t{}_{}".format(tower, index), shape)
+            .read_value() for index, shape in enumerate(shapes)])
+    summed = allreduce.all_reduce_grads(per_tower, devices, algorithm)
+    # One element of each sum, added: a data dependency on every sum (a
+    # `tf.group` of them would let grappler turn the unused sums into
+    # no-ops), and a fetch of negligible cost.
+    fetch = tf.math.add_n([tf.reshape(t, [-1])[0] for tower in summed
+                           for t in tower])
+    init = tf.compat.v1.global_variables_initializer()
+  session = tf.compat.v1.Session(graph=graph, config=tf.compat.v1.ConfigProto(
+      device_count={"CPU": towers}))
+  session.run(init)
+  for _ in range(5):
+    session.run(fetch)
+  return session, fetch
+
+
+def _paired(others, ring):
+  return statistics.median(o / r for o, r in zip(others, ring))
+
+
+if __name__ == "__main__":
+  main()
