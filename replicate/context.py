@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from replicate import matching
 from replicate import names
+from replicate import optimizer_calls
 from replicate import scaffolds
 from replicate import sharding
 from replicate import tower_collections
@@ -28,17 +29,6 @@ from replicate import weighting
 # The graph collection that holds the active context while towers are built;
 # emptied again before the wrapped model_fn returns.
 _CONTEXT_COLLECTION = "replicate.replication_context"
-
-
-class OptimizerCall(NamedTuple):
-  """One `TowerOptimizer.apply_gradients` call made by one tower."""
-  optimizer: Any
-  grads_and_vars: List[Any]
-  name_scope: str  # the name scope the call was made in
-  result: Any  # what the call returned: tower 0's update, in every tower
-  # Tower 0 only: the (stand-in gradient, variable) pairs its update was
-  # built on, connected to the sums by the last tower (see `pending`).
-  pending: Optional[List[Any]] = None
 
 
 class TowerLayout(NamedTuple):
@@ -185,7 +175,7 @@ class ReplicationContext:
                             pending=None) -> int:
     """Records the current tower's call; returns its position in the tower."""
     calls = self.optimizer_calls[self.tower_index]
-    calls.append(OptimizerCall(optimizer, list(grads_and_vars),
+    calls.append(optimizer_calls.OptimizerCall(optimizer, list(grads_and_vars),
                                self.graph.get_name_scope(), result, pending))
     return len(calls) - 1
 
@@ -199,7 +189,7 @@ class ReplicationContext:
       self._is_applying = False
 
   @contextlib.contextmanager
-  def scopes_of(self, call: OptimizerCall):
+  def scopes_of(self, call: optimizer_calls.OptimizerCall):
     """Tower 0's device and the name scope of its `call`, for the sums.
 
     The sums are built in the last tower, once every tower's gradients
