@@ -9,17 +9,18 @@ On towers: `tower_scope(i)` enters what tower i is built in: its device
 function, no name-scope prefix for tower 0 and `tower_i` for the others,
 variable reuse for towers 1..N-1, and the same fresh name counters tower 0
 had, so that default-named scopes and layers (`dense`, `accuracy`) get the
-names tower 0 gave them and resolve to tower 0's variables.
+names tower 0 gave them and resolve to tower 0's variables (through the
+variable creator and getter of `replicate.matching`).
 """
 
 import contextlib
-import re
 from typing import Any, Callable, List, NamedTuple, Optional
 
 import tensorflow as tf
 
 from replicate import matching
 from replicate import names
+from replicate import optimizer_calls
 from replicate import scaffolds
 from replicate import sharding
 from replicate import tower_collections
@@ -28,17 +29,6 @@ from replicate import weighting
 # The graph collection that holds the active context while towers are built;
 # emptied again before the wrapped model_fn returns.
 _CONTEXT_COLLECTION = "replicate.replication_context"
-
-
-class OptimizerCall(NamedTuple):
-  """One `TowerOptimizer.apply_gradients` call made by one tower."""
-  optimizer: Any
-  grads_and_vars: List[Any]
-  name_scope: str  # the name scope the call was made in
-  result: Any  # what the call returned: tower 0's update, in every tower
-  # Tower 0 only: the (stand-in gradient, variable) pairs its update was
-  # built on, connected to the sums by the last tower (see `pending`).
-  pending: Optional[List[Any]] = None
 
 
 class TowerLayout(NamedTuple):
@@ -86,8 +76,10 @@ class ReplicationContext:
     self.weights = weighting.TowerWeights(
         sharding.shard_weights(layout.shards.sizes, layout.shards.batch_size,
                                loss_reduction), layout.has_rows, sums_losses)
-    self._tower0_variables = matching.Tower0Variables()
-    self._is_applying = False  # building tower 0's update
+    # For the variable creator (`replicate.matching`): tower 0's variables,
+    # and whether tower 0's update (the optimizer's slots) is being built.
+    self.tower0_variables = matching.Tower0Variables()
+    self.is_applying = False
     # The local variables and tables there were when tower 0 was built (a
     # `replicate.scaffolds.LocalState`), for a model_fn's own local_init_op.
     self.local_state_after_tower0 = None
@@ -135,13 +127,14 @@ class ReplicationContext:
     first_op = len(self.graph.get_operations())
     try:
       with self.graph.device(self.layout.device_functions[index]), \
-          tf.compat.v1.variable_creator_scope(self._variable_creator(index)):
+          tf.compat.v1.variable_creator_scope(
+              matching.variable_creator(self, index)):
         if index == 0:
           yield
         else:
           with tf.compat.v1.variable_scope(
               self._outer_variable_scope, reuse=True,
-              custom_getter=self._variable_getter(index),
+              custom_getter=matching.variable_getter(self, index),
               auxiliary_name_scope=False), self.graph.name_scope(
                   self.tower_name_scope(index) + "/"):
             yield
@@ -185,21 +178,21 @@ class ReplicationContext:
                             pending=None) -> int:
     """Records the current tower's call; returns its position in the tower."""
     calls = self.optimizer_calls[self.tower_index]
-    calls.append(OptimizerCall(optimizer, list(grads_and_vars),
+    calls.append(optimizer_calls.OptimizerCall(optimizer, list(grads_and_vars),
                                self.graph.get_name_scope(), result, pending))
     return len(calls) - 1
 
   @contextlib.contextmanager
   def applying(self):
     """Tower 0 builds its update: the optimizer's own variables are made."""
-    self._is_applying = True
+    self.is_applying = True
     try:
       yield
     finally:
-      self._is_applying = False
+      self.is_applying = False
 
   @contextlib.contextmanager
-  def scopes_of(self, call: OptimizerCall):
+  def scopes_of(self, call: optimizer_calls.OptimizerCall):
     """Tower 0's device and the name scope of its `call`, for the sums.
 
     The sums are built in the last tower, once every tower's gradients
@@ -209,68 +202,6 @@ class ReplicationContext:
     with self.graph.device(self.layout.device_functions[0]), \
         self.graph.name_scope(name_scope):
       yield
-
-  def _variable_getter(self, index):
-    """For `get_variable` in tower `index`: tower 0's variable or its copy.
-
-    A variable named after one of the tower's tensors (an
-    `ExponentialMovingAverage` of the loss: `tower_1/loss/Exponential...`)
-    is tower 0's of the same name less the tower scope.
-    """
-
-    def custom_getter(getter, name, *args, **kwargs):
-      try:
-        variable = getter(name, *args, **kwargs)
-      except ValueError:
-        tower0_name = self.to_tower0_name(name, index)
-        if tower0_name == name:
-          raise
-        variable = getter(tower0_name, *args, **kwargs)
-      return self.variables.for_tower(index, variable)
-
-    return custom_getter
-
-  def _variable_creator(self, index):
-    """Tower 0 records its variables; towers 1..N-1 get tower 0's.
-
-    `reuse=True` shares what `tf.compat.v1.get_variable` makes; this shares
-    the rest (`tf.Variable`, Keras layers as in the TF 2 canned estimators)
-    by creation: each variable tower i creates is the one tower 0 created at
-    the same point (see `replicate.matching`). Tower-local variables (metrics:
-    created with collections that leave out GLOBAL_VARIABLES) are created
-    as usual, and so are the optimizer's own variables made by the
-    aggregated update, except that with replicated variables a copy's slots
-    copy tower 0's. Where a tower has its own copies (see
-    `replicate.variables`), it gets those in place of tower 0's variables.
-    """
-
-    def creator(next_creator, **kwargs):
-      if _is_tower_local(kwargs):
-        self.variables.check_not_local(kwargs)
-        return next_creator(**kwargs)
-      requested = kwargs.get("name") or "Variable"
-      own_name = self.graph.unique_name(requested, mark_as_used=False)
-      if self._is_applying:
-        if not self.is_replicated:
-          return next_creator(**kwargs)
-        return self.variables.slot_for(own_name, _without_towers(own_name),
-                                       next_creator, kwargs)
-      if index == 0:
-        variable = next_creator(**kwargs)
-        self._tower0_variables.record(variable)
-        self.variables.note_tower0_variable(variable, variable.trainable)
-        return variable
-      tower0_variable = self._tower0_variables.match(
-          index, own_name, self.to_tower0_name(own_name, index), kwargs)
-      variable = self.variables.for_tower(index, tower0_variable)
-      if self.graph.unique_name(requested, mark_as_used=False) == own_name:
-        # Creating the variable would have taken its name, as it did in
-        # tower 0: take it, so the tower's next one ('Variable_1', 'w_1')
-        # is named, and matched, as tower 0's next one was.
-        self.graph.unique_name(requested, mark_as_used=True)
-      return variable
-
-    return creator
 
 
 @contextlib.contextmanager
@@ -297,22 +228,6 @@ def current_context() -> Optional[ReplicationContext]:
   """The context of the towers being built in the default graph, if any."""
   found = tf.compat.v1.get_default_graph().get_collection(_CONTEXT_COLLECTION)
   return found[0] if found else None
-
-
-def _is_tower_local(variable_kwargs) -> bool:
-  """Metric variables: made for one tower's ops, never shared."""
-  collections = variable_kwargs.get("collections")
-  return (collections is not None and
-          tf.compat.v1.GraphKeys.GLOBAL_VARIABLES not in collections)
-
-
-def _without_towers(name: str) -> str:
-  """`name` less every `tower_i` component (i >= 1): tower 0's name for it."""
-  return "/".join(part for part in name.split("/")
-                  if not _TOWER_COMPONENT.fullmatch(part))
-
-
-_TOWER_COMPONENT = re.compile(r"tower_[1-9][0-9]*")
 
 
 def _join(scope: str, name: str) -> str:

@@ -29,7 +29,8 @@ SIGTERM to its process group (its children too), then SIGKILL a few seconds
 later. A worker that fails is reported and training goes on without it, as
 asynchronous training allows. Ctrl-C or SIGTERM to the launcher stops all.
 The launcher exits with the chief's exit code (128 + N if the chief died of
-signal N; 130 on Ctrl-C, 143 on SIGTERM).
+signal N; 130 on Ctrl-C, 143 on SIGTERM). Logging, stopping and signals at
+the level of processes are `replicate.processes`; this module is the cluster.
 """
 
 import argparse
@@ -43,6 +44,8 @@ import sys
 import threading
 import time
 from typing import Dict, Optional, Sequence, TextIO, Tuple
+
+from replicate import processes
 
 Task = Tuple[str, int]
 
@@ -73,7 +76,7 @@ class LocalCluster:
           num_ps))
     self._command = list(command)
     self._env = dict(env or {})
-    self._log = _Log(log if log is not None else sys.stdout)
+    self._log = processes.Log(log if log is not None else sys.stdout)
     self._cluster = _cluster_spec(num_ps, num_workers)
     self._tasks = [(job, index) for job, addresses in self._cluster.items()
                    for index in range(len(addresses))]
@@ -119,11 +122,11 @@ class LocalCluster:
   def kill(self, task_type: str, index: int,
            sig: int = signal.SIGKILL) -> None:
     """Sends `sig` to the task and its children; no-op if it has exited."""
-    _signal_group(self.process(task_type, index), sig)
+    processes.signal_group(self.process(task_type, index), sig)
 
   def restart(self, task_type: str, index: int) -> None:
     """Stops the task if it still runs, then starts it with the same ports."""
-    _stop_processes([self.process(task_type, index)], timeout=5.0)
+    processes.stop_processes([self.process(task_type, index)], timeout=5.0)
     self._readers[(task_type, index)].join(timeout=1.0)
     self._start_task((task_type, index))
 
@@ -152,7 +155,8 @@ class LocalCluster:
       except TimeoutError:
         self._report_failures(reported)
     self._log.line("launch", "chief:0 {}; waiting up to {} s for the workers "
-                   "and evaluator.".format(_describe(chief_code), grace))
+                   "and evaluator.".format(processes.describe(chief_code),
+                                           grace))
     deadline = time.monotonic() + grace
     for task in self._tasks:
       if task[0] in ("worker", "evaluator"):
@@ -164,7 +168,7 @@ class LocalCluster:
 
   def stop(self, timeout: float = 5.0) -> None:
     """Stops every task still running: SIGTERM, then SIGKILL after `timeout`."""
-    _stop_processes(list(self._processes.values()), timeout)
+    processes.stop_processes(list(self._processes.values()), timeout)
     for reader in self._readers.values():
       reader.join(timeout=1.0)
 
@@ -186,7 +190,7 @@ class LocalCluster:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True)
     self._processes[task] = process
-    reader = threading.Thread(target=_stream_lines, daemon=True,
+    reader = threading.Thread(target=processes.stream_lines, daemon=True,
                               args=(process.stdout, "{}:{}".format(*task),
                                     self._log))
     reader.start()
@@ -197,7 +201,7 @@ class LocalCluster:
       if task not in reported and process.poll() not in (None, 0):
         reported.add(task)
         self._log.line("launch", "{}:{} {}; the others go on without it."
-                       .format(*task, _describe(process.returncode)))
+                       .format(*task, processes.describe(process.returncode)))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -206,29 +210,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   cluster = LocalCluster(arguments.command, num_ps=arguments.ps,
                          num_workers=arguments.workers,
                          evaluator=arguments.evaluator)
-  with _signals_raise_interrupted():
+  with processes.signals_raise_interrupted():
     try:
       with cluster:
         chief_code = cluster.wait_for_chief(arguments.grace)
-    except _Interrupted as interrupted:
+    except processes.Interrupted as interrupted:
       # The signal may have cut a stop short; further ones are ignored now.
       cluster.stop()
       return 128 + interrupted.args[0]
   # A shell reports death by signal N as 128 + N; a negative code would wrap.
   return chief_code if chief_code >= 0 else 128 - chief_code
-
-
-class _Log:
-  """One stream shared by the reader threads; a lock keeps lines whole."""
-
-  def __init__(self, stream):
-    self._stream = stream
-    self._lock = threading.Lock()
-
-  def line(self, prefix, text):
-    with self._lock:
-      self._stream.write("[{}] {}\n".format(prefix, text))
-      self._stream.flush()
 
 
 def _cluster_spec(num_ps, num_workers):
@@ -244,37 +235,6 @@ def _cluster_spec(num_ps, num_workers):
   jobs = {"chief": addresses[:1], "worker": addresses[1:num_workers],
           "ps": addresses[num_workers:]}
   return {job: tasks for job, tasks in jobs.items() if tasks}
-
-
-def _signal_group(process, sig):
-  # Once reaped, the pid may belong to someone else: signal only before that.
-  if process.poll() is None:
-    with contextlib.suppress(ProcessLookupError):
-      os.killpg(process.pid, sig)
-
-
-def _stop_processes(processes, timeout):
-  for process in processes:
-    _signal_group(process, signal.SIGTERM)
-  deadline = time.monotonic() + timeout
-  for process in processes:
-    try:
-      process.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      _signal_group(process, signal.SIGKILL)
-      process.wait()
-
-
-def _stream_lines(pipe, name, log):
-  with pipe:
-    for raw in iter(pipe.readline, b""):
-      log.line(name, raw.decode("utf-8", "replace").rstrip("\r\n"))
-
-
-def _describe(returncode):
-  if returncode < 0:
-    return "was killed by {}".format(signal.Signals(-returncode).name)
-  return "exited with code {}".format(returncode)
 
 
 def _parse_arguments(argv):
@@ -300,32 +260,6 @@ def _parse_arguments(argv):
       parser.error("argument --{}: must be at least {}; received {}".format(
           name, minimum, getattr(arguments, name)))
   return arguments
-
-
-class _Interrupted(Exception):
-  """Raised in the main thread by SIGINT or SIGTERM; args[0] is the signal."""
-
-
-@contextlib.contextmanager
-def _signals_raise_interrupted():
-  # Python lets only the main thread set signal handlers.
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
-  stop_signals = (signal.SIGINT, signal.SIGTERM)
-
-  def handle(signal_number, frame):
-    # A second Ctrl-C must not cut short the stopping the first one began.
-    for each in stop_signals:
-      signal.signal(each, signal.SIG_IGN)
-    raise _Interrupted(signal_number)
-
-  previous = {each: signal.signal(each, handle) for each in stop_signals}
-  try:
-    yield
-  finally:
-    for each, handler in previous.items():
-      signal.signal(each, handler if handler is not None else signal.SIG_DFL)
 
 
 if __name__ == "__main__":

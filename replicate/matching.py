@@ -3,15 +3,84 @@
 On matching: tower 0 creates every shared variable; towers 1..N-1 build the
 same `model_fn` and so ask to create the same variables, in the same order.
 A `tf.compat.v1.get_variable` in tower i finds tower 0's variable by name
-through `reuse=True`; anything else (`tf.Variable`, Keras layers) reaches the
-replication context's variable creator, which gets tower 0's variable from
-here: the one tower 0 created at the same point, under the same name less
-the `tower_i` scope, with the same shape and dtype. Anything else is an
-error, never a silent mix-up of two variables.
+through `reuse=True` (and `variable_getter`); anything else (`tf.Variable`,
+Keras layers) reaches `variable_creator`, which gets tower 0's variable
+from `Tower0Variables`: the one tower 0 created at the same point, under the
+same name less the `tower_i` scope, with the same shape and dtype. Anything
+else is an error, never a silent mix-up of two variables. The replication
+context's `tower_scope` enters both for every tower; where a tower has its
+own copies, both hand it those (`replicate.variables`).
 """
+
+import re
+from typing import Callable
 
 import numpy as np
 import tensorflow as tf
+
+
+def variable_getter(context, index: int) -> Callable:
+  """For `get_variable` in tower `index`: tower 0's variable or its copy.
+
+  A variable named after one of the tower's tensors (an
+  `ExponentialMovingAverage` of the loss: `tower_1/loss/Exponential...`)
+  is tower 0's of the same name less the tower scope.
+  """
+
+  def custom_getter(getter, name, *args, **kwargs):
+    try:
+      variable = getter(name, *args, **kwargs)
+    except ValueError:
+      tower0_name = context.to_tower0_name(name, index)
+      if tower0_name == name:
+        raise
+      variable = getter(tower0_name, *args, **kwargs)
+    return context.variables.for_tower(index, variable)
+
+  return custom_getter
+
+
+def variable_creator(context, index: int) -> Callable:
+  """Tower 0 records its variables; towers 1..N-1 get tower 0's.
+
+  `reuse=True` shares what `tf.compat.v1.get_variable` makes; this shares
+  the rest (`tf.Variable`, Keras layers as in the TF 2 canned estimators)
+  by creation: each variable tower i creates is the one tower 0 created at
+  the same point (see `Tower0Variables`). Tower-local variables (metrics:
+  created with collections that leave out GLOBAL_VARIABLES) are created
+  as usual, and so are the optimizer's own variables made by the
+  aggregated update, except that with replicated variables a copy's slots
+  copy tower 0's. Where a tower has its own copies (see
+  `replicate.variables`), it gets those in place of tower 0's variables.
+  """
+
+  def creator(next_creator, **kwargs):
+    if _is_tower_local(kwargs):
+      context.variables.check_not_local(kwargs)
+      return next_creator(**kwargs)
+    requested = kwargs.get("name") or "Variable"
+    own_name = context.graph.unique_name(requested, mark_as_used=False)
+    if context.is_applying:
+      if not context.is_replicated:
+        return next_creator(**kwargs)
+      return context.variables.slot_for(own_name, _without_towers(own_name),
+                                        next_creator, kwargs)
+    if index == 0:
+      variable = next_creator(**kwargs)
+      context.tower0_variables.record(variable)
+      context.variables.note_tower0_variable(variable, variable.trainable)
+      return variable
+    tower0_variable = context.tower0_variables.match(
+        index, own_name, context.to_tower0_name(own_name, index), kwargs)
+    variable = context.variables.for_tower(index, tower0_variable)
+    if context.graph.unique_name(requested, mark_as_used=False) == own_name:
+      # Creating the variable would have taken its name, as it did in
+      # tower 0: take it, so the tower's next one ('Variable_1', 'w_1')
+      # is named, and matched, as tower 0's next one was.
+      context.graph.unique_name(requested, mark_as_used=True)
+    return variable
+
+  return creator
 
 
 class Tower0Variables:
@@ -81,3 +150,19 @@ def requested_shape_and_dtype(kwargs):
     dtype = value_dtype if dtype is None else dtype
   return (None if shape is None else tf.TensorShape(shape),
           None if dtype is None else tf.as_dtype(dtype))
+
+
+def _is_tower_local(variable_kwargs) -> bool:
+  """Metric variables: made for one tower's ops, never shared."""
+  collections = variable_kwargs.get("collections")
+  return (collections is not None and
+          tf.compat.v1.GraphKeys.GLOBAL_VARIABLES not in collections)
+
+
+def _without_towers(name: str) -> str:
+  """`name` less every `tower_i` component (i >= 1): tower 0's name for it."""
+  return "/".join(part for part in name.split("/")
+                  if not _TOWER_COMPONENT.fullmatch(part))
+
+
+_TOWER_COMPONENT = re.compile(r"tower_[1-9][0-9]*")

@@ -10,7 +10,8 @@ the summed gradients (see `replicate.pending`), so it returns the real update
 and the optimizer's slots exist once it returns. Towers 1..N-1 record their
 gradients and return tower 0's update; the last tower sums (or, with
 replicated variables, all-reduces) every tower's gradients and connects the
-sums to tower 0's update. Calls are matched across towers by position.
+sums to tower 0's update. Calls are matched across towers by position
+(see `replicate.optimizer_calls`).
 
 On `gradient_transformers`: functions `grads_and_vars -> grads_and_vars`
 applied, in order, to the summed gradients before the update (with one
@@ -23,6 +24,7 @@ import tensorflow as tf
 
 from replicate import aggregation
 from replicate import context as context_lib
+from replicate import optimizer_calls
 from replicate import pending
 
 V1Optimizer = tf.compat.v1.train.Optimizer
@@ -100,9 +102,9 @@ class Wrapping:
     if context.tower_index == 0:
       return self._build_update(context, grads_and_vars, apply)
     position = context.record_optimizer_call(self, grads_and_vars, None)
-    tower0_call = _tower0_call(context, position)
+    tower0_call = optimizer_calls.tower0_call(context, position)
     if context.is_last_tower:
-      _connect_sums(context, position)
+      optimizer_calls.connect_sums(context, position)
     return tower0_call.result
 
   def _build_update(self, context, grads_and_vars, apply):
@@ -243,68 +245,3 @@ def _check_own_copies(context, grads_and_vars):
           "copies, or with respect to the variables the tower's layers "
           "hold, then clip or change them and call apply_gradients.".format(
               index, variable.op.name, copy.op.name))
-
-
-def _tower0_call(context, position):
-  """Tower 0's call at `position`, which tower i's call must match."""
-  first = context.optimizer_calls[0]
-  if len(first) <= position:
-    raise ValueError(
-        "Tower {} made {} TowerOptimizer.apply_gradients calls, more than "
-        "tower 0's {}: each tower's model_fn was supposed to make the same "
-        "optimizer calls in the same order. Make the calls independent of "
-        "the tower's data.".format(context.tower_index, position + 1,
-                                   len(first)))
-  return first[position]
-
-
-def _connect_sums(context, position):
-  """Sums call `position`'s gradients over towers; feeds tower 0's update."""
-  per_tower = _same_call_in_every_tower(context, position)
-  tower0_call = context.optimizer_calls[0][position]
-  with context.scopes_of(tower0_call):
-    summed = context.layout.strategy.combine(per_tower, context.layout.has_rows,
-                                      context.layout.devices)
-    by_variable = {variable.ref(): grad for grad, variable in summed}
-    for stand_in, variable in tower0_call.pending:
-      total = by_variable.get(variable.ref())
-      if stand_in is None:
-        if total is not None:
-          raise ValueError(
-              "Tower 0 has no gradient for {!r}, but another tower has one: "
-              "each tower's loss must depend on the same variables. Make "
-              "the model_fn build the same model whatever its data.".format(
-                  variable.op.name))
-        continue
-      pending.connect(stand_in, total if total is not None else
-                      tf.zeros_like(stand_in if not isinstance(
-                          stand_in, tf.IndexedSlices) else stand_in.values))
-
-
-def _same_call_in_every_tower(context, position):
-  """Every tower's gradients for call `position`, checked to be alike."""
-  reference = context.optimizer_calls[0][position]
-  per_tower = []
-  for index, calls in enumerate(context.optimizer_calls):
-    call = calls[position] if position < len(calls) else None
-    # Each tower usually builds its own optimizer object; what must match is
-    # the kind of optimizer and the variables it updates.
-    if (call is None or type(call.optimizer.optimizer) is not type(
-        reference.optimizer.optimizer) or not _same_variables(
-            call.grads_and_vars, reference.grads_and_vars, context)):
-      raise ValueError(
-          "Tower {}'s optimizer call {} differs from tower 0's (another kind "
-          "of optimizer, or gradients for other variables): each tower's "
-          "model_fn was supposed to make the same optimizer calls in the same "
-          "order.".format(index, position + 1))
-    per_tower.append(call.grads_and_vars)
-  return per_tower
-
-
-def _same_variables(grads_and_vars, tower0_grads_and_vars, context):
-  # By identity: `==` on variables builds an elementwise comparison op. A
-  # replicated tower's copies stand for tower 0's variables.
-  tower0_variable = context.variables.tower0_variable
-  return len(grads_and_vars) == len(tower0_grads_and_vars) and all(
-      tower0_variable(a) is b
-      for (_, a), (_, b) in zip(grads_and_vars, tower0_grads_and_vars))
