@@ -43,7 +43,8 @@ def sum_grads_and_vars(per_tower: Sequence[GradsAndVars],
       continue
     with tf.device(device or variable.device), tf.name_scope(
         _op_name(variable) + "_sum_over_towers"):
-      summed.append((add_gradients([sharding.zero_unless_rows(g, rows) for g, rows in grads]),
+      summed.append((add_gradients(
+          [sharding.zero_unless_rows(g, rows) for g, rows in grads]),
                      variable))
   return summed
 
@@ -59,8 +60,9 @@ def all_reduce_grads_and_vars(per_tower: Sequence[GradsAndVars],
   the copy's device, so one `apply_gradients` updates every copy alike. A
   variable a tower shares with tower 0 (it made no copy) is updated once.
   """
-  grads = [[None if rows is False or g is None else sharding.zero_unless_rows(g, rows)
-            for g, _ in tower] for tower, rows in zip(per_tower, has_rows)]
+  grads = [[None if rows is False or g is None else
+             sharding.zero_unless_rows(g, rows) for g, _ in tower]
+            for tower, rows in zip(per_tower, has_rows)]
   summed = allreduce.all_reduce_grads(grads, devices, algorithm, compact)
   tower0_variables = [variable for _, variable in per_tower[0]]
   combined = []

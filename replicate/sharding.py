@@ -3,7 +3,8 @@
 On sharding: every dense tensor (or numpy value) and every `SparseTensor` in
 `features` and `labels` is split along dimension 0 into N contiguous shards, in
 order. When the batch size n does not divide evenly, the first `n % N` shards
-get one extra row; when n < N, the last towers get no rows at all.
+get one extra row; when n < N, the last towers get no rows at all. The
+leaves and their batch size are read by `replicate.batch_leaves`.
 
 On towers without rows: such a tower is built on a stand-in, a copy of the
 batch's first row, because much model code cannot run on an empty batch
@@ -23,8 +24,9 @@ be empty gives tower 0 weight 1.
 
 from typing import Any, List, NamedTuple, Optional, Tuple, Union
 
-import numpy as np
 import tensorflow as tf
+
+from replicate import batch_leaves
 
 Reduction = tf.compat.v1.losses.Reduction
 
@@ -51,17 +53,18 @@ def split_batch(features, labels, num_shards: int,
   refuse them: each prediction is put back with the rows of the feature it
   is computed from (see `replicate.outputs`), as unwrapped.
   """
-  features = _to_tensors("features", features)
-  labels = _to_tensors("labels", labels)
-  named_leaves = (_named_leaves("features", features) +
-                  _named_leaves("labels", labels))
+  features = batch_leaves.to_tensors("features", features)
+  labels = batch_leaves.to_tensors("labels", labels)
+  named_leaves = (batch_leaves.named_leaves("features", features) +
+                  batch_leaves.named_leaves("labels", labels))
   if not named_leaves:
     raise ValueError(
         "features and labels hold no tensor to split into {} shards; "
         "replicate_model_fn needs batch-major tensors in features. "
         "Received features={!r}, labels={!r}.".format(
             num_shards, features, labels))
-  batch_size = _batch_size(named_leaves, is_checked=not is_prediction)
+  batch_size = batch_leaves.batch_size_of(named_leaves,
+                                          is_checked=not is_prediction)
   sizes = shard_sizes(batch_size, num_shards)
   may_stand_in = not (isinstance(sizes, list) and all(sizes))
   if is_prediction and not isinstance(batch_size, int):
@@ -80,7 +83,7 @@ def _split_by_own_rows(features, labels, num_shards, sizes, batch_size):
   leaf_sizes = []
 
   def split_one(value):
-    own_sizes = shard_sizes(_dynamic_dim0(value), num_shards)
+    own_sizes = shard_sizes(batch_leaves.dynamic_dim0(value), num_shards)
     parts = _split_one(value, own_sizes, _row_ranges(own_sizes, num_shards),
                        may_stand_in=True)
     leaf_sizes.append((parts[0], own_sizes))
@@ -126,7 +129,9 @@ def shard_shares(sizes, batch_size) -> List[Any]:
 
 
 def _num_shards(sizes) -> int:
-  return len(sizes) if isinstance(sizes, list) else _static_dim0(sizes)
+  if isinstance(sizes, list):
+    return len(sizes)
+  return batch_leaves.static_dim0(sizes)
 
 
 def shard_has_rows(sizes) -> List[Any]:
@@ -172,113 +177,6 @@ def zero_unless_rows(value, has_rows):
     chosen, _ = tf.raw_ops.Merge(inputs=[with_rows, zeros])
   chosen.set_shape(value.shape)
   return chosen
-
-
-def _to_tensors(prefix, structure):
-  """The same structure with every leaf a Tensor or SparseTensor."""
-  if structure is None:
-    return None
-  leaves = [_as_tensor(name, value) for name, value in
-            zip(_leaf_names(prefix, structure), tf.nest.flatten(structure))]
-  return tf.nest.pack_sequence_as(structure, leaves)
-
-
-def _named_leaves(prefix, structure):
-  if structure is None:
-    return []
-  return list(zip(_leaf_names(prefix, structure), tf.nest.flatten(structure)))
-
-
-def _leaf_names(prefix, structure):
-  """A readable name per leaf, e.g. "features['age']", in tf.nest order."""
-  if isinstance(structure, dict):
-    return [name for key in sorted(structure)
-            for name in _leaf_names("{}[{!r}]".format(prefix, key),
-                                    structure[key])]
-  if isinstance(structure, (list, tuple)) and tf.nest.is_nested(structure):
-    return [name for index, value in enumerate(structure)
-            for name in _leaf_names("{}[{}]".format(prefix, index), value)]
-  return [prefix]
-
-
-def _as_tensor(name, value):
-  if isinstance(value, tf.RaggedTensor):
-    raise ValueError(
-        "{} is a RaggedTensor, which replicate_model_fn cannot split by row "
-        "yet; convert it in the input_fn with .to_sparse() or "
-        ".to_tensor().".format(name))
-  if isinstance(value, (tf.SparseTensor, tf.compat.v1.SparseTensorValue)):
-    return tf.compat.v1.convert_to_tensor_or_sparse_tensor(value)
-  if isinstance(value, (np.ndarray, np.generic, list, tuple, int, float)):
-    value = tf.convert_to_tensor(value)
-  if not isinstance(value, tf.Tensor):
-    raise ValueError(
-        "{} is a {}; replicate_model_fn splits Tensors, numpy arrays and "
-        "SparseTensors along dimension 0. Received: {!r}.".format(
-            name, type(value).__name__, value))
-  if value.shape.rank == 0:
-    raise ValueError(
-        "{} is a scalar ({!r}); replicate_model_fn splits every feature and "
-        "label along dimension 0 (the batch), so each needs shape [batch, "
-        "...]. Batch it in the input_fn or give it a leading dimension of "
-        "the batch size.".format(name, value))
-  return value
-
-
-def _batch_size(named_leaves, is_checked=True):
-  """The common dimension 0: a Python int when known, else a tensor.
-
-  A tensor is checked at run time to be every leaf's dimension 0, unless
-  not `is_checked` (then it is the first leaf's).
-  """
-  static = {}
-  for name, value in named_leaves:
-    dim = _static_dim0(value)
-    if dim is not None:
-      static.setdefault(dim, name)
-  if len(static) > 1:
-    (size_a, name_a), (size_b, name_b) = list(static.items())[:2]
-    raise ValueError(
-        "features and labels must share dimension 0 (the batch) to be split "
-        "across towers, but {} has {} rows and {} has {}. Give every feature "
-        "and label the same batch size.".format(name_a, size_a, name_b,
-                                                size_b))
-  if static and len(static) == 1 and all(
-      _static_dim0(value) is not None for _, value in named_leaves):
-    return next(iter(static))
-  first_name, first = named_leaves[0]
-  batch_size = _dynamic_dim0(first)
-  if not is_checked:
-    return batch_size
-  checks = [
-      tf.debugging.assert_equal(
-          _dynamic_dim0(value), batch_size,
-          message="replicate_model_fn: {} and {} must share dimension 0 (the "
-          "batch) to be split across towers; give every feature and label the "
-          "same batch size.".format(name, first_name))
-      for name, value in named_leaves[1:]
-  ]
-  with tf.control_dependencies(checks):
-    return tf.identity(batch_size, name="batch_size")
-
-
-def _static_dim0(value):
-  """Dimension 0 as an int, or None when unknown.
-
-  Read through `dimension_value`: under TF 1 behaviour
-  (`disable_v2_behavior`) `shape[0]` is a `Dimension`, unhashable, and
-  `Dimension(None)` when unknown.
-  """
-  if isinstance(value, tf.SparseTensor):
-    rows = tf.get_static_value(value.dense_shape[0])
-    return None if rows is None else int(rows)
-  return tf.compat.dimension_value(value.shape[0])
-
-
-def _dynamic_dim0(value):
-  if isinstance(value, tf.SparseTensor):
-    return tf.cast(value.dense_shape[0], tf.int32)
-  return tf.shape(value, out_type=tf.int32)[0]
 
 
 def _row_ranges(sizes, num_shards):
