@@ -12,7 +12,7 @@ scaling.png to --output.
 
 On the default grid: every configuration at N = 1, 2, 4, 8 on the dynamic
 pipeline, `single` and `replicate-N-ps` also on the static one (x static),
-and `single-again`; 5 repeats of cells measured for 1.2 s. `--quick`: N = 1,
+and `single-again`; 5 repeats of cells measured for 1 s. `--quick`: N = 1,
 2, 4, no `rr`, `gather`, `ring`, `handring`, 3 repeats of 0.5 s. A run
 prints its estimated length first, from `harness.estimate_seconds`.
 """
@@ -40,17 +40,19 @@ def main(argv=None):
       harness.check_model(model)
   except ValueError as error:
     sys.exit("python -m benchmarks: error: {}".format(error))
-  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
-  harness.prepare()
-  cells = {model: {c.name: [] for c in configs} for model in args.models}
   total = args.repeats * len(args.models) * len(configs)
   estimate = args.repeats * sum(
       harness.estimate_seconds(model, config, args.seconds)
       for model in args.models for config in configs)
   print("{} cells ({} repeats x {} models x {} configurations) of {} s "
-        "measured: about {:.0f} minutes on a quiet 2-core machine.".format(
+        "measured: about {:.0f} minutes on 2 cores.".format(
             total, args.repeats, len(args.models), len(configs),
             args.seconds, estimate / 60), flush=True)
+  if args.estimate:
+    return
+  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+  harness.prepare()
+  cells = {model: {c.name: [] for c in configs} for model in args.models}
   failures = {model: {} for model in args.models}
   for model in args.models:
     MODELS[model].make_input_fn("dynamic", 1)  # its data, made once, untimed
@@ -106,6 +108,8 @@ def _parse_args(argv):
   parser.add_argument("--quick", action="store_true",
                       help="N up to 4, fewer configurations, 3 repeats of "
                       "0.5 s: about 6 minutes on 2 cores")
+  parser.add_argument("--estimate", action="store_true",
+                      help="print how long the run would take, and stop")
   parser.add_argument("--models", default=",".join(MODELS),
                       help="comma-separated, from: " + ", ".join(MODELS))
   parser.add_argument("--towers", default=None,
@@ -117,7 +121,7 @@ def _parse_args(argv):
   parser.add_argument("--repeats", type=int, default=None,
                       help="repeats of the grid (default 5; quick: 3)")
   parser.add_argument("--seconds", type=float, default=None,
-                      help="measured seconds per cell (default 1.2; quick: "
+                      help="measured seconds per cell (default 1; quick: "
                       "0.5)")
   parser.add_argument("--warmup", type=int, default=5,
                       help="untimed steps per cell (default 5)")
@@ -134,7 +138,7 @@ def _parse_args(argv):
   args.configs = (args.configs.split(",") if args.configs else
                   _default_configs(towers, args.quick))
   args.repeats = args.repeats or (3 if args.quick else 5)
-  args.seconds = args.seconds or (0.5 if args.quick else 1.2)
+  args.seconds = args.seconds or (0.5 if args.quick else 1.0)
   if args.repeats < 1 or args.warmup < 1 or args.seconds <= 0:
     parser.error("--repeats and --warmup must be at least 1, --seconds "
                  "above 0")
