@@ -1,4 +1,4 @@
-"""The benchmark models' input pipelines: as users write them, and the fast path.
+"""The benchmark models' input pipelines: as users write them, and the fast one.
 
 On the two pipelines:
 
