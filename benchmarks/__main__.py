@@ -14,7 +14,16 @@ On the default grid: every configuration at N = 1, 2, 4, 8 on the dynamic
 pipeline, `single` and `replicate-N-ps` also on the static one (x static),
 and `single-again`; 5 repeats of cells measured for 1 s. `--quick`: N = 1,
 2, 4, no `rr`, `gather`, `ring`, `handring`, 3 repeats of 0.5 s. A run
-prints its estimated length first, from `harness.estimate_seconds`.
+prints its estimated length first, from `harness.estimate_seconds`
+(`--estimate` prints only that), and the time left after every cell.
+
+On failures: a configuration whose training raises a TensorFlow error is
+reported as failed, with the error's cause, and not run again. The one
+seen: MirroredStrategy's default (collective) all-reduce on the
+DNNClassifier's dynamic pipeline, "Shape mismatch in the collective
+instance": the hashed embedding column's gradient is IndexedSlices of a
+different length on each replica (with the same column as an indicator, or
+on the static pipeline where the replicas' rows are the same, it runs).
 """
 
 import argparse

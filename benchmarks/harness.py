@@ -118,12 +118,6 @@ class Config(NamedTuple):
     """The name of what is measured: the name without `-again`."""
     return self.name[:-len("-again")] if self.is_again else self.name
 
-  @property
-  def dynamic(self) -> str:
-    """The name of the same configuration on the dynamic pipeline."""
-    return self.measured[:-len("-static")] if (
-        self.pipeline == "static") else self.measured
-
 
 class Cell(NamedTuple):
   examples_per_second: float  # trimmed: without the slowest steps
