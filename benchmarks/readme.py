@@ -112,9 +112,10 @@ def render(results: str) -> str:
   ]
   for model, table in tables.items():
     for n in _TOWERS:
-      lines.append("| {} | {} | {} |".format(model, n, " | ".join(
-          table.get(name.format(n=n), {}).get(column, "-")
-          for name, column in _COLUMNS.values())))
+      figures = [table.get(name.format(n=n), {}).get(column, "-")
+                 for name, column in _COLUMNS.values()]
+      if set(figures) != {"-"}:  # an N the run left out (--quick: 8)
+        lines.append("| {} | {} | {} |".format(model, n, " | ".join(figures)))
   lines += [""] + _at_one_tower(tables) + [""] + _aa_lines(tables) + [
       ""] + _build_sentence(tables) + ["", END]
   return "\n".join(lines)
