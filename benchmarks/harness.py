@@ -178,12 +178,14 @@ def check_model(name: str) -> None:
 def failure(error: tf.errors.OpError) -> str:
   """What a failed cell's row says: the first line of TensorFlow's error.
 
-  Graph execution errors open with a heading ("Graph execution error:") and
-  the node ("Detected at node ..."); the cause is the first line after them.
+  Graph execution errors open with a heading ("Graph execution error:"),
+  may give where the node was defined (an indented stack) and name it
+  ("Node: ..."); the cause is the first line that is none of those.
   """
-  lines = [line.strip() for line in error.message.splitlines()]
-  causes = [line for line in lines if line and not line.endswith(":")
-            and not line.startswith("Detected at node")]
+  causes = [line.strip() for line in error.message.splitlines()
+            if line.strip() and not line[0].isspace()
+            and not line.rstrip().endswith(":")
+            and not line.startswith(("Detected at node", "Node:"))]
   return (causes or [type(error).__name__])[0][:160].replace("|", "/")
 
 

@@ -143,8 +143,10 @@ def test_trimmed_rate_drops_the_slowest_tenth():
 
 def test_failure_names_the_cause():
   error = tf.errors.InternalError(None, None, (
-      "Graph execution error:\n\nDetected at node 'x' defined at:\n"
-      "Collective ops is aborted by: Shape mismatch | here\nmore"))
+      "Graph execution error:\n\nDetected at node 'x' defined at (most "
+      "recent call last):\n  File \"<frozen runpy>\", line 198, in main\n"
+      "Node: 'x'\nCollective ops is aborted by: Shape mismatch | here\n"
+      "more"))
   assert harness.failure(error) == (
       "Collective ops is aborted by: Shape mismatch / here")
 
