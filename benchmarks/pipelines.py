@@ -36,7 +36,7 @@ replica's rows inside an Estimator's MirroredStrategy model_fn, the
 replicas' sums per step matched it.
 """
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -51,12 +51,13 @@ def dataset_rows(global_batch: int) -> int:
 
 
 def shuffle_buffer(global_batch: int) -> int:
+  """Rows, not batches: the same under MirroredStrategy's smaller batch."""
   return 10 * global_batch
 
 
 def arrays_input_fn(arrays: Dict[str, np.ndarray], label: str, pipeline: str,
                     batch: int, global_batch: int,
-                    parse: Callable = None) -> Callable:
+                    parse: Optional[Callable] = None) -> Callable:
   """An input_fn over in-memory `arrays` (a dict, rows first).
 
   `label` names the labels' array; the features are the one other array, or
