@@ -3,8 +3,27 @@
 Times Estimator training of each model under each configuration on the same
 global batch, repeats the whole grid, rotating the order of configurations
 between repeats, and reports examples/sec with ratios paired within a repeat
-(so the shared machine's noise cancels). Writes a markdown table to stdout,
-and results.json, examples_per_sec.png and scaling.png to --output.
+(so the shared machine's noise cancels), each with its spread. Every
+configuration reads the dynamic pipeline (`.batch(b)`, as users write it)
+unless named `-static`; `single-again` measures `single` a second time, and
+the ratio of the two (A/A) says how far the measurement alone moves a ratio.
+Writes a markdown table to stdout, and results.json, examples_per_sec.png and
+scaling.png to --output.
+
+On the default grid: every configuration at N = 1, 2, 4, 8 on the dynamic
+pipeline, `single` and `replicate-N-ps` also on the static one (x static),
+and `single-again`; 5 repeats of cells measured for 1 s. `--quick`: N = 1,
+2, 4, no `rr`, `gather`, `ring`, `handring`, 3 repeats of 0.5 s. A run
+prints its estimated length first, from `harness.estimate_seconds`
+(`--estimate` prints only that), and the time left after every cell.
+
+On failures: a configuration whose training raises a TensorFlow error is
+reported as failed, with the error's cause, and not run again. The one
+seen: MirroredStrategy's default (collective) all-reduce on the
+DNNClassifier's dynamic pipeline, "Shape mismatch in the collective
+instance": the hashed embedding column's gradient is IndexedSlices of a
+different length on each replica (with the same column as an indicator, or
+on the static pipeline where the replicas' rows are the same, it runs).
 """
 
 import argparse
@@ -30,32 +49,59 @@ def main(argv=None):
       harness.check_model(model)
   except ValueError as error:
     sys.exit("python -m benchmarks: error: {}".format(error))
+  total = args.repeats * len(args.models) * len(configs)
+  estimate = args.repeats * sum(
+      harness.estimate_seconds(model, config, args.seconds)
+      for model in args.models for config in configs)
+  print("{} cells ({} repeats x {} models x {} configurations) of {} s "
+        "measured: about {:.0f} minutes on 2 cores.".format(
+            total, args.repeats, len(args.models), len(configs),
+            args.seconds, estimate / 60), flush=True)
+  if args.estimate:
+    return
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
   harness.prepare()
   cells = {model: {c.name: [] for c in configs} for model in args.models}
-  total = args.repeats * len(args.models) * len(configs)
-  done, started = 0, time.perf_counter()
+  failures = {model: {} for model in args.models}
+  for model in args.models:
+    MODELS[model].make_input_fn("dynamic", 1)  # its data, made once, untimed
+  done, started, estimated_done = 0, time.perf_counter(), 0.0
   for repeat in range(args.repeats):
     for model in args.models:
-      steps = max(5, int(MODELS[model].measured_steps * args.step_scale))
       shift = repeat % len(configs)
       for config in configs[shift:] + configs[:shift]:
-        cell = harness.run_cell(model, config, args.warmup, steps)
-        cells[model][config.name].append(cell)
+        if config.name in failures[model]:
+          continue  # a failure repeats; its row says it failed
         done += 1
-        print("[{:>3}/{}] {:.0f}s  repeat {}  {:<15} {:<20} {:>10,.0f} "
-              "examples/sec  build {:.2f}s  cpu/wall {:.2f}".format(
-                  done, total, time.perf_counter() - started, repeat + 1,
-                  model, config.name, cell.examples_per_second,
-                  cell.build_seconds, cell.cpu_per_wall), flush=True)
+        try:
+          cell = harness.run_cell(model, config, args.warmup, args.seconds)
+        except tf.errors.OpError as error:
+          failures[model][config.name] = harness.failure(error)
+          del cells[model][config.name]
+          print("[{:>3}/{}] {:<15} {:<24} failed: {}".format(
+              done, total, model, config.name,
+              failures[model][config.name]), flush=True)
+          continue
+        cells[model][config.name].append(cell)
+        elapsed = time.perf_counter() - started
+        estimated_done += harness.estimate_seconds(model, config,
+                                                   args.seconds)
+        print("[{:>3}/{}] {:.0f}s, about {:.0f} min left  repeat {}  {:<15} "
+              "{:<24} {:>10,.0f} examples/sec (window {:,.0f})  {} steps  "
+              "build {:.2f}s  cell {:.1f}s".format(
+                  done, total, elapsed,
+                  (estimate - estimated_done) * elapsed / estimated_done / 60,
+                  repeat + 1, model, config.name, cell.examples_per_second,
+                  cell.window_examples_per_second, cell.steps,
+                  cell.build_seconds, cell.cell_seconds), flush=True)
   machine = _machine()
   command = "python -m benchmarks " + " ".join(
       argv if argv is not None else sys.argv[1:])
-  table = report.markdown(cells, configs, command, machine)
+  table = report.markdown(cells, failures, configs, command, machine)
   print("\n" + table)
   os.makedirs(args.output, exist_ok=True)
   report.write_json(os.path.join(args.output, "results.json"), cells,
-                    command, machine)
+                    failures, command, machine)
   report.plot(os.path.join(args.output, "examples_per_sec.png"),
               os.path.join(args.output, "scaling.png"), cells, configs)
   if args.record:
@@ -69,8 +115,10 @@ def _parse_args(argv):
   parser = argparse.ArgumentParser(prog="python -m benchmarks",
                                    description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
-                      help="N up to 4, 2 repeats, fewer steps: under 5 "
-                      "minutes on 2 cores")
+                      help="N up to 4, fewer configurations, 3 repeats of "
+                      "0.5 s: about 6 minutes on 2 cores")
+  parser.add_argument("--estimate", action="store_true",
+                      help="print how long the run would take, and stop")
   parser.add_argument("--models", default=",".join(MODELS),
                       help="comma-separated, from: " + ", ".join(MODELS))
   parser.add_argument("--towers", default=None,
@@ -80,7 +128,10 @@ def _parse_args(argv):
                       help="comma-separated configurations, overriding "
                       "--towers; forms: " + harness.CONFIG_FORMS)
   parser.add_argument("--repeats", type=int, default=None,
-                      help="repeats of the grid (default 3; quick: 2)")
+                      help="repeats of the grid (default 5; quick: 3)")
+  parser.add_argument("--seconds", type=float, default=None,
+                      help="measured seconds per cell (default 1; quick: "
+                      "0.5)")
   parser.add_argument("--warmup", type=int, default=5,
                       help="untimed steps per cell (default 5)")
   parser.add_argument("--output", default=os.path.join("benchmarks",
@@ -94,25 +145,31 @@ def _parse_args(argv):
   towers = [int(n) for n in (args.towers or (
       "1,2,4" if args.quick else "1,2,4,8")).split(",")]
   args.configs = (args.configs.split(",") if args.configs else
-                  _default_configs(towers))
-  args.repeats = args.repeats or (2 if args.quick else 3)
-  args.step_scale = 0.3 if args.quick else 1.0
-  if args.repeats < 1 or args.warmup < 1:
-    parser.error("--repeats and --warmup must be at least 1")
+                  _default_configs(towers, args.quick))
+  args.repeats = args.repeats or (3 if args.quick else 5)
+  args.seconds = args.seconds or (0.5 if args.quick else 1.0)
+  if args.repeats < 1 or args.warmup < 1 or args.seconds <= 0:
+    parser.error("--repeats and --warmup must be at least 1, --seconds "
+                 "above 0")
+  if len(set(args.configs)) != len(args.configs):
+    parser.error("--configs names a configuration twice; to measure one "
+                 "twice, add it again with -again (single-again)")
   return args
 
 
-def _default_configs(towers):
-  configs = ["single"]
+def _default_configs(towers, is_quick):
+  """The grid; `single-again` mid-way, so the A/A twins are apart in time."""
+  variants = (["ps", "ps-static"] if is_quick else
+              ["ps", "ps-static", "rr", "gather", "ring", "handring"])
+  configs = ["single", "single-static"]
   for n in towers:
-    configs += ["replicate-{}-ps".format(n)]
-    if n > 1:
-      configs += ["replicate-{}-rr".format(n),
-                  "replicate-{}-gather".format(n),
-                  "replicate-{}-ring".format(n),
-                  "replicate-{}-handring".format(n),
-                  "mirrored-{}-default".format(n),
-                  "mirrored-{}-r1d".format(n)]
+    if n == 1:
+      configs += [] if is_quick else ["replicate-1-ps",
+                                      "replicate-1-ps-static"]
+      continue
+    configs += ["replicate-{}-{}".format(n, v) for v in variants]
+    configs += ["mirrored-{}-default".format(n), "mirrored-{}-r1d".format(n)]
+  configs.insert(len(configs) // 2, "single-again")
   return configs
 
 

@@ -19,14 +19,47 @@ On configurations:
 Every configuration trains on the same global batch; under MirroredStrategy
 the `input_fn` batch is per replica, so it gets global / N rows.
 
-On timing: a hook notes when the graph is built (`begin`), then the wall and
-process CPU clocks after the warm-up steps and after the last step;
-examples/sec is measured between the two, so graph building, session
-creation and warm-up are left out. Devices are GPUs where present, else N
-virtual CPU devices made through the session config (the only way they
-reach an Estimator's session).
+On pipelines: a configuration reads the `dynamic` pipeline (the path users
+take, `.batch(b)`, a partial batch each epoch) unless its name ends in
+`-static` (one fixed batch of known shape); see `benchmarks.pipelines`. Under
+MirroredStrategy the dynamic pipeline is the same `.batch(b)` without
+`drop_remainder`: Estimator hands each replica the next batch in turn, and a
+partial one runs as a smaller batch on that replica.
+
+On A/A: a name ending in `-again` (`single-again`) is the same configuration
+measured a second time in each repeat under another name; the ratio of the
+twins is what the measurement alone moves a ratio by.
+
+On timing: a hook notes when the graph is built (`begin`), then times every
+step after the warm-up (from one `after_run` to the next) and asks the
+session to stop once `seconds` have been measured, so a cell's length does
+not depend on the machine's speed and a run's length can be estimated.
+Graph building, session creation and warm-up are left out. Each step's rows
+come from the pipeline's layout (`pipelines.rows_per_step`), so a partial
+batch counts its own rows.
+
+On the statistic: `examples_per_second` is the rows of the measured steps
+over their time after dropping the slowest tenth of the steps
+(`TRIMMED_FRACTION`); the plain window (all rows over all the time) is kept
+as `window_examples_per_second`, and every run prints the A/A ratio by both.
+Other processes on a shared machine only ever make a step slower, so a
+spike lands in the dropped tail instead of in the cell; a partial batch's
+step is fast, never dropped, so its rows and time both count (a median of
+step times would drop it and bias the dynamic path by its share of rows).
+Measured on this 2-core machine while other jobs kept its load at 3 to 4.5,
+with 5 repeats of 1.2 s cells and two A/A pairs per model (`single`,
+`single-static`), the sum over the 8 pairs of the A/A ranges (max - min)
+was 2.48 for this trimmed rate, 2.72 for the window, 2.97 for a lower
+quartile and 3.48 for a median of step times (each taken per kind of step,
+full or partial, so the partial batch kept its weight). None was near 3 %
+on a machine that busy, and none won everywhere; the trimmed rate had the
+smallest total and the reason above, so it is the one reported.
+
+Devices are GPUs where present, else N virtual CPU devices made through the
+session config (the only way they reach an Estimator's session).
 """
 
+import math
 import re
 import tempfile
 import time
@@ -35,15 +68,29 @@ from typing import NamedTuple
 import tensorflow as tf
 
 import replicate
+from benchmarks import pipelines
 from benchmarks.models import MODELS
 from replicate import allreduce
 
 _CONFIG = re.compile(r"^(?:single|replicate-(\d+)-"
                      r"(ps|rr|gather|ring|handring|nccl)|"
-                     r"mirrored-(\d+)-(default|r1d))$")
+                     r"mirrored-(\d+)-(default|r1d))"
+                     r"(-static)?(-again)?$")
 CONFIG_FORMS = ("single, replicate-N-ps, replicate-N-rr, replicate-N-gather, "
                 "replicate-N-ring, replicate-N-handring, replicate-N-nccl, "
-                "mirrored-N-default, mirrored-N-r1d (N a number of towers)")
+                "mirrored-N-default, mirrored-N-r1d (N a number of towers); "
+                "each may end in -static (the static pipeline) and then in "
+                "-again (measured twice, for A/A)")
+TRIMMED_FRACTION = 0.1  # of a cell's steps, the slowest, left out
+# Seconds a cell takes beyond its measured seconds (building, session,
+# warm-up, closing), for a model and N: a + b * N, fitted to --quick cells
+# on this 2-core machine while other jobs shared it (so a quiet machine
+# should be faster). Only for the estimate a run prints; the progress lines
+# scale it by how fast the run actually goes.
+_OVERHEAD_SECONDS = {"mlp": (1.0, 0.4), "wide": (0.5, 0.4),
+                     "convnet": (1.0, 0.3), "dnn_classifier": (1.0, 0.5)}
+
+
 # A replicate configuration's variant: its replicate_model_fn arguments.
 _REPLICATE_ARGUMENTS = {
     "ps": {"variable_strategy": "parameter_server"},
@@ -63,13 +110,23 @@ class Config(NamedTuple):
   kind: str  # "single", "replicate" or "mirrored"
   towers: int
   variant: str  # ps/rr/gather/ring/handring/nccl, or default/r1d mirrored
+  pipeline: str = "dynamic"  # or "static"
+  is_again: bool = False  # an A/A twin: the configuration measured again
+
+  @property
+  def measured(self) -> str:
+    """The name of what is measured: the name without `-again`."""
+    return self.name[:-len("-again")] if self.is_again else self.name
 
 
 class Cell(NamedTuple):
-  examples_per_second: float
+  examples_per_second: float  # trimmed: without the slowest steps
+  window_examples_per_second: float  # all measured rows / all their time
   build_seconds: float  # from train() to the built graph
-  step_seconds: float
+  step_seconds: float  # median
   cpu_per_wall: float  # process CPU seconds per wall second while measured
+  steps: int  # measured
+  cell_seconds: float  # the whole cell, building and warm-up included
 
 
 def parse_config(name: str) -> Config:
@@ -78,16 +135,25 @@ def parse_config(name: str) -> Config:
   if not match:
     raise ValueError("Unknown configuration {!r}; the forms are: {}.".format(
         name, CONFIG_FORMS))
-  if name == "single":
-    return Config(name, "single", 1, "")
-  replicate_towers, strategy, mirrored_towers, ops = match.groups()
+  (replicate_towers, strategy, mirrored_towers, ops, static,
+   again) = match.groups()
+  options = dict(pipeline="static" if static else "dynamic",
+                 is_again=bool(again))
+  if name.startswith("single"):
+    return Config(name, "single", 1, "", **options)
   towers = int(replicate_towers or mirrored_towers)
   if towers < 1:
     raise ValueError("Configuration {!r} asks for {} towers; use 1 or "
                      "more.".format(name, towers))
   if replicate_towers:
-    return Config(name, "replicate", towers, strategy)
-  return Config(name, "mirrored", towers, ops)
+    return Config(name, "replicate", towers, strategy, **options)
+  return Config(name, "mirrored", towers, ops, **options)
+
+
+def estimate_seconds(model: str, config: Config, seconds: float) -> float:
+  """About how long one cell takes here (see _OVERHEAD_SECONDS)."""
+  fixed, per_tower = _OVERHEAD_SECONDS[model]
+  return seconds + fixed + per_tower * config.towers
 
 
 def prepare() -> None:
@@ -109,9 +175,24 @@ def check_model(name: str) -> None:
         name, ", ".join(MODELS)))
 
 
+def failure(error: tf.errors.OpError) -> str:
+  """What a failed cell's row says: the first line of TensorFlow's error.
+
+  Graph execution errors open with a heading ("Graph execution error:"),
+  may give where the node was defined (an indented stack) and name it
+  ("Node: ..."); the cause is the first line that is none of those.
+  """
+  causes = [line.strip() for line in error.message.splitlines()
+            if line.strip() and not line[0].isspace()
+            and not line.rstrip().endswith(":")
+            and not line.startswith(("Detected at node", "Node:"))]
+  return (causes or [type(error).__name__])[0][:160].replace("|", "/")
+
+
 def run_cell(model_name: str, config: Config, warmup_steps: int,
-             measured_steps: int) -> Cell:
-  """Trains `warmup_steps + measured_steps` steps and times the last ones."""
+             seconds: float) -> Cell:
+  """Trains `warmup_steps` steps, then times steps for `seconds`."""
+  started = time.perf_counter()
   model = MODELS[model_name]
   devices = _devices(config.towers)
   run_config = tf.estimator.RunConfig(
@@ -120,46 +201,76 @@ def run_cell(model_name: str, config: Config, warmup_steps: int,
       save_checkpoints_secs=None, save_checkpoints_steps=None,
       save_summary_steps=0, log_step_count_steps=None,
       train_distribute=_mirrored(config, devices))
-  batch = model.global_batch
+  batch, batches_per_step = model.global_batch, 1
   if config.kind == "mirrored":
-    batch //= config.towers  # the input_fn batch is per replica
+    # The input_fn batch is per replica; each replica takes one a step.
+    batch, batches_per_step = batch // config.towers, config.towers
   model_fn = model.make_model_fn(config.kind == "replicate")
   if config.kind == "replicate":
     model_fn = replicate.replicate_model_fn(
         model_fn, devices=devices, **_REPLICATE_ARGUMENTS[config.variant])
-  timer = _Timer(warmup_steps)
+  input_fn = model.make_input_fn(config.pipeline, batch)
+  timer = _Timer(warmup_steps, seconds)
   estimator = tf.estimator.Estimator(model_fn, config=run_config)
   timer.started = time.perf_counter()
-  estimator.train(model.make_input_fn(batch),
-                  steps=warmup_steps + measured_steps, hooks=[timer])
-  wall = timer.stopped - timer.measuring
+  estimator.train(input_fn, steps=10**9, hooks=[timer])
+  durations = timer.durations
+  rows = pipelines.rows_per_step(
+      config.pipeline, pipelines.dataset_rows(model.global_batch), batch,
+      batches_per_step, warmup_steps, len(durations))
+  wall = sum(durations)
   return Cell(
-      examples_per_second=measured_steps * model.global_batch / wall,
+      examples_per_second=trimmed_rate(rows, durations),
+      window_examples_per_second=sum(rows) / wall,
       build_seconds=timer.built - timer.started,
-      step_seconds=wall / measured_steps,
-      cpu_per_wall=(timer.cpu_stopped - timer.cpu_measuring) / wall)
+      step_seconds=sorted(durations)[len(durations) // 2],
+      cpu_per_wall=(timer.cpu_stopped - timer.cpu_measuring) / wall,
+      steps=len(durations),
+      cell_seconds=time.perf_counter() - started)
+
+
+def trimmed_rate(rows, durations, fraction=TRIMMED_FRACTION):
+  """Rows per second over the steps left after dropping the slowest ones.
+
+  `rows[i]` and `durations[i]` are step i's; `ceil(fraction * steps)` of the
+  slowest steps are dropped (at least one once there are 10 steps).
+  """
+  if len(rows) != len(durations) or not rows:
+    raise ValueError("rows and durations must be as long as each other and "
+                     "not empty. Received {} and {}.".format(
+                         len(rows), len(durations)))
+  dropped = math.ceil(fraction * len(rows)) if len(rows) >= 10 else 0
+  kept = sorted(zip(durations, rows))[:len(rows) - dropped]
+  return sum(r for _, r in kept) / sum(d for d, _ in kept)
 
 
 class _Timer(tf.estimator.SessionRunHook):
-  """Notes the build time and the clocks around the measured steps."""
+  """Notes the build time, times each step after the warm-up, stops."""
 
-  def __init__(self, warmup_steps):
+  def __init__(self, warmup_steps, seconds):
     self._warmup_steps = warmup_steps
+    self._seconds = seconds
     self._steps = 0
+    self._last = None
+    self.durations = []
     self.started = self.built = None
-    self.measuring = self.cpu_measuring = None
-    self.stopped = self.cpu_stopped = None
+    self.measuring = self.cpu_measuring = self.cpu_stopped = None
 
   def begin(self):
     self.built = time.perf_counter()
 
   def after_run(self, run_context, run_values):
-    del run_context, run_values
+    del run_values
     self._steps += 1
-    now, cpu = time.perf_counter(), time.process_time()
-    if self._steps == self._warmup_steps:
-      self.measuring, self.cpu_measuring = now, cpu
-    self.stopped, self.cpu_stopped = now, cpu
+    now = time.perf_counter()
+    if self._steps > self._warmup_steps:
+      self.durations.append(now - self._last)
+    elif self._steps == self._warmup_steps:
+      self.measuring, self.cpu_measuring = now, time.process_time()
+    self._last = now
+    if self.measuring is not None and now - self.measuring >= self._seconds:
+      self.cpu_stopped = time.process_time()
+      run_context.request_stop()
 
 
 def _gpus():

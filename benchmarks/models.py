@@ -1,31 +1,56 @@
-"""The benchmark models and their synthetic in-memory input.
+"""The benchmark models and their synthetic in-memory data.
 
-Each model is a `model_fn` builder plus an input of one fixed batch repeated
-forever, so that every configuration trains on the same data: the
-`input_fn` makes a batch of `batch_size` rows (the global batch, or the
-per-replica batch under MirroredStrategy).
+Each model is a `model_fn` builder plus its data: random arrays of
+`pipelines.dataset_rows(global_batch)` rows, made with a fixed seed, so that
+every configuration trains on the same rows. `make_input_fn(pipeline,
+batch)` gives an `input_fn` of batches of `batch` rows (the global batch, or
+the per-replica batch under MirroredStrategy) on either pipeline of
+`benchmarks.pipelines`.
+
+On the DNNClassifier's features: a user of the canned estimator reads
+`tf.train.Example`s and declares feature columns, so its data is serialized
+Examples with a numeric image `x`, a numeric `age` that the model
+bucketizes, an `occupation` from a vocabulary list (an indicator column) and
+a `city` hashed into buckets (an embedding column): the four kinds of
+column whose transformations run inside each tower.
 """
 
-from typing import Callable, Dict, NamedTuple
+import functools
+from typing import Callable, Dict, NamedTuple, Optional
 
 import numpy as np
 import tensorflow as tf
 
 import replicate
+from benchmarks import pipelines
 
 WIDE_VOCABULARY = 100_000
 WIDE_IDS_PER_ROW = 8
 
 
 class Model(NamedTuple):
-  """A benchmark model: how to build the estimator's model_fn and its input."""
+  """A benchmark model: how to build the estimator's model_fn and its data."""
   description: str
   global_batch: int
-  measured_steps: int  # steps timed per cell in the full run (about 1 s)
   # make_model_fn(wrap_optimizer) -> model_fn; for the canned estimator the
   # model_fn of a fresh DNNClassifier.
   make_model_fn: Callable[[bool], Callable]
-  make_input_fn: Callable[[int], Callable]
+  # make_arrays(rows, rng) -> {name: array}, the labels under "y"
+  make_arrays: Callable[[int, np.random.RandomState], Dict[str, np.ndarray]]
+  # parse(serialized batch) -> features, when the arrays hold Examples
+  parse: Optional[Callable] = None
+
+  def make_input_fn(self, pipeline: str, batch: int) -> Callable:
+    """An input_fn of `batch`-row batches on `pipeline` (dynamic or static)."""
+    return pipelines.arrays_input_fn(_arrays(self), "y", pipeline, batch,
+                                     self.global_batch, self.parse)
+
+
+@functools.lru_cache(maxsize=None)
+def _arrays(model):
+  """The model's data, made once a process (Examples take seconds)."""
+  return model.make_arrays(pipelines.dataset_rows(model.global_batch),
+                           np.random.RandomState(0))
 
 
 def _optimizer(wrap, learning_rate=0.01):
@@ -85,46 +110,85 @@ def _wide(wrap):
   return model_fn
 
 
+_AGE_BOUNDARIES = [25.0, 35.0, 45.0, 55.0, 65.0]
+_OCCUPATIONS = ["clerk", "driver", "engineer", "farmer", "nurse", "teacher",
+                "writer", "other"]
+_CITY_BUCKETS = 1000
+
+
 def _dnn_classifier(wrap):
   optimizer = lambda: tf.keras.optimizers.legacy.Adagrad(0.05)  # noqa: E731
   canned = tf.estimator.DNNClassifier(
       hidden_units=[256, 128],
-      feature_columns=[tf.feature_column.numeric_column("x", shape=[784])],
+      feature_columns=_feature_columns(),
       n_classes=10,
       optimizer=replicate.TowerOptimizer(optimizer) if wrap else optimizer)
   return canned.model_fn
 
 
-def _dense_input(rows, width, classes, as_dict=False):
-  """One fixed batch of `rows` random rows, repeated forever."""
-  rng = np.random.RandomState(0)
-  x = rng.rand(rows, width).astype(np.float32)
-  y = rng.randint(0, classes, size=rows).astype(np.int64)
+def _feature_columns():
+  column = tf.feature_column
+  return [
+      column.numeric_column("x", shape=[784]),
+      column.bucketized_column(column.numeric_column("age"),
+                               _AGE_BOUNDARIES),
+      column.indicator_column(column.categorical_column_with_vocabulary_list(
+          "occupation", _OCCUPATIONS)),
+      column.embedding_column(column.categorical_column_with_hash_bucket(
+          "city", _CITY_BUCKETS), dimension=8),
+  ]
 
-  def input_fn():
-    features = {"x": x} if as_dict else x
-    return tf.data.Dataset.from_tensors((features, y)).repeat()
 
-  return input_fn
+def _dense_arrays(rows, rng):
+  return {"x": rng.rand(rows, 784).astype(np.float32),
+          "y": rng.randint(0, 10, size=rows).astype(np.int64)}
 
 
-def _ids_input(rows):
-  rng = np.random.RandomState(0)
-  ids = rng.randint(0, WIDE_VOCABULARY,
-                    size=(rows, WIDE_IDS_PER_ROW)).astype(np.int64)
-  y = rng.randint(0, 2, size=rows).astype(np.int64)
-  return lambda: tf.data.Dataset.from_tensors((ids, y)).repeat()
+def _ids_arrays(rows, rng):
+  return {"ids": rng.randint(0, WIDE_VOCABULARY,
+                             size=(rows, WIDE_IDS_PER_ROW)).astype(np.int64),
+          "y": rng.randint(0, 2, size=rows).astype(np.int64)}
+
+
+def _example_arrays(rows, rng):
+  """Serialized Examples of the DNNClassifier's four features, and labels."""
+  x = rng.rand(rows, 784).astype(np.float32)
+  age = rng.uniform(18, 80, size=rows).astype(np.float32)
+  occupation = rng.choice(_OCCUPATIONS + ["unknown"], size=rows)
+  city = ["city_{}".format(i) for i in rng.randint(0, 5000, size=rows)]
+
+  def example(row):
+    feature = tf.train.Feature
+    return tf.train.Example(features=tf.train.Features(feature={
+        "x": feature(float_list=tf.train.FloatList(value=x[row].tolist())),
+        "age": feature(float_list=tf.train.FloatList(value=[age[row]])),
+        "occupation": feature(bytes_list=tf.train.BytesList(
+            value=[occupation[row].encode()])),
+        "city": feature(bytes_list=tf.train.BytesList(
+            value=[city[row].encode()])),
+    })).SerializeToString()
+
+  return {"serialized": np.array([example(row) for row in range(rows)],
+                                 dtype=object),
+          "y": rng.randint(0, 10, size=rows).astype(np.int64)}
+
+
+def _parse_examples(serialized):
+  return tf.io.parse_example(serialized, {
+      "x": tf.io.FixedLenFeature([784], tf.float32),
+      "age": tf.io.FixedLenFeature([1], tf.float32),
+      "occupation": tf.io.FixedLenFeature([1], tf.string),
+      "city": tf.io.FixedLenFeature([1], tf.string),
+  })
 
 
 MODELS: Dict[str, Model] = {
-    "mlp": Model("MLP 784-1024-1024-10", 256, 60, _mlp,
-                 lambda rows: _dense_input(rows, 784, 10)),
-    "wide": Model("wide: 100,000 x 16 embedding, 8 ids a row", 256, 1500,
-                  _wide,
-                  _ids_input),
-    "convnet": Model("convnet: 2 conv + 1 dense on 28x28", 64, 100, _convnet,
-                     lambda rows: _dense_input(rows, 784, 10)),
-    "dnn_classifier": Model("canned tf.estimator.DNNClassifier [256, 128]",
-                            256, 300, _dnn_classifier,
-                            lambda rows: _dense_input(rows, 784, 10, True)),
+    "mlp": Model("MLP 784-1024-1024-10", 256, _mlp, _dense_arrays),
+    "wide": Model("wide: 100,000 x 16 embedding, 8 ids a row", 256, _wide,
+                  _ids_arrays),
+    "convnet": Model("convnet: 2 conv + 1 dense on 28x28", 64, _convnet,
+                     _dense_arrays),
+    "dnn_classifier": Model(
+        "canned tf.estimator.DNNClassifier [256, 128] on parsed Examples",
+        256, _dnn_classifier, _example_arrays, _parse_examples),
 }

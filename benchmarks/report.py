@@ -1,9 +1,13 @@
 """Turning benchmark cells into a markdown table, a JSON file and plots.
 
 Ratios are paired: for each repeat, a configuration's examples/sec is
-divided by `single`'s (or the faster `mirrored-N` variant's) from the same
-repeat, and the median over repeats is reported, so that a slow stretch of
-the shared machine slows both sides of a ratio.
+divided by its reference's from the same repeat, so that a slow stretch of
+the shared machine slows both sides of a ratio. A ratio is shown as the
+median of those per-repeat ratios and, in parentheses, their minimum and
+maximum (with 5 repeats the range is the honest spread; an interquartile
+range of 5 numbers would hide the two outer ones). The A/A line gives the
+same for `single-again` / `single`, with both statistics of a cell (see
+`benchmarks.harness`).
 """
 
 import datetime
@@ -12,38 +16,61 @@ import statistics
 
 from benchmarks.models import MODELS
 
+AA_TWIN, AA_REFERENCE = "single-again", "single"
+COLUMNS = ("config", "examples/sec", "x single", "x ps", "x mirrored",
+           "x static", "build s", "step ms", "cpu/wall")
 
-def markdown(cells, configs, command, machine):
+
+def markdown(cells, failures, configs, command, machine):
+  """The whole report: a header, the A/A lines, a table per model.
+
+  `failures[model][name]` is the error of a configuration that failed; its
+  row says so and it is no reference for the others.
+  """
   lines = [
       "# Benchmark results", "",
       "Command: `{}`  ".format(command),
       "Machine: {}  ".format(machine),
       "Date: {}".format(datetime.date.today().isoformat()), "",
-      "examples/sec after warm-up: median (min-max) over repeats. x single, "
-      "x ps and x mirrored: medians of ratios paired within a repeat (x ps: "
-      "against replicate-N-ps, same N; x mirrored: against the faster of "
-      "mirrored-N-default and mirrored-N-r1d, same N). "
-      "build: seconds from train() to the built graph. cpu/wall: process CPU "
-      "seconds per wall second while timed.", ""
+      "examples/sec: rows per second over each cell's measured steps "
+      "without their slowest tenth, median (min-max) over repeats. Ratios: "
+      "median (min-max) of ratios paired within a repeat. x single: against "
+      "`single` on the same pipeline. x ps: against replicate-N-ps, same N "
+      "and pipeline. x mirrored: against the faster of mirrored-N-default "
+      "and mirrored-N-r1d in that repeat, same N. x static: the dynamic "
+      "pipeline (`.batch(b)`, a partial batch each epoch) against the same "
+      "configuration on the static one (one fixed batch); on `single` it is "
+      "the pipeline's own cost, above it what the towers add. build: "
+      "seconds from train() to the built graph. step ms: median step. "
+      "cpu/wall: process CPU seconds per wall second while measured.", ""
   ]
+  for model, by_config in cells.items():
+    lines += ["A/A, {}: {}  ".format(model, aa_line(by_config))]
+  lines.append("")
   for model, by_config in cells.items():
     spec = MODELS[model]
     lines += [
         "## {}: {}, global batch {}".format(model, spec.description,
                                             spec.global_batch), "",
-        "| config | examples/sec | x single | x ps | x mirrored | build s "
-        "| step ms | cpu/wall |", "|---|---|---|---|---|---|---|---|"
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS)
     ]
     for config in configs:
+      if config.name in failures[model]:
+        lines.append("| {} | failed: {} |".format(
+            config.name, failures[model][config.name]) + " - |" * (
+                len(COLUMNS) - 2))
+        continue
       runs = by_config[config.name]
       rates = [c.examples_per_second for c in runs]
       lines.append(
-          "| {} | {:,.0f} ({:,.0f}-{:,.0f}) | {} | {} | {} | {:.2f} | {:.2f} "
-          "| {:.2f} |".format(
+          "| {} | {:,.0f} ({:,.0f}-{:,.0f}) | {} | {} | {} | {} | {:.2f} "
+          "| {:.2f} | {:.2f} |".format(
               config.name, statistics.median(rates), min(rates), max(rates),
-              _ratio(runs, by_config.get("single")),
-              _ratio(runs, _parameter_server(by_config, config)),
-              _ratio(runs, _best_mirrored(by_config, config)),
+              ratio_text(runs, _single(by_config, config)),
+              ratio_text(runs, _parameter_server(by_config, config)),
+              ratio_text(runs, _best_mirrored(by_config, config)),
+              ratio_text(runs, _static(by_config, config)),
               statistics.median(c.build_seconds for c in runs),
               1000 * statistics.median(c.step_seconds for c in runs),
               statistics.median(c.cpu_per_wall for c in runs)))
@@ -51,7 +78,43 @@ def markdown(cells, configs, command, machine):
   return "\n".join(lines)
 
 
-def write_json(path, cells, command, machine):
+def aa_line(by_config):
+  """`single-again` / `single` by both statistics, or why there is none."""
+  twin, reference = by_config.get(AA_TWIN), by_config.get(AA_REFERENCE)
+  if not twin or not reference:
+    return "not measured (no {} and {} in the grid)".format(AA_TWIN,
+                                                           AA_REFERENCE)
+  trimmed = paired_ratios(twin, reference)
+  window = paired_ratios(twin, reference, "window_examples_per_second")
+  return ("{} / {} {} over {} repeats, spread {:.1%}; by the whole window "
+          "{}, spread {:.1%}".format(AA_TWIN, AA_REFERENCE,
+                                     spread_text(trimmed), len(trimmed),
+                                     spread(trimmed), spread_text(window),
+                                     spread(window)))
+
+
+def paired_ratios(runs, reference, field="examples_per_second"):
+  """Per repeat, runs[i].field / reference[i].field."""
+  return [getattr(a, field) / getattr(b, field)
+          for a, b in zip(runs, reference)]
+
+
+def spread(ratios):
+  """max - min of the paired ratios: how far apart the repeats landed."""
+  return max(ratios) - min(ratios)
+
+
+def spread_text(ratios):
+  """`median (min-max)`, two decimals: `0.96 (0.93-0.99)`."""
+  return "{:.2f} ({:.2f}-{:.2f})".format(statistics.median(ratios),
+                                         min(ratios), max(ratios))
+
+
+def ratio_text(runs, reference):
+  return spread_text(paired_ratios(runs, reference)) if reference else "-"
+
+
+def write_json(path, cells, failures, command, machine):
   with open(path, "w") as output:
     json.dump({
         "command": command,
@@ -62,6 +125,7 @@ def write_json(path, cells, command, machine):
                     for name, runs in by_config.items()}
             for model, by_config in cells.items()
         },
+        "failures": failures,
     }, output, indent=1)
 
 
@@ -100,17 +164,23 @@ def plot(rates_path, scaling_path, cells, configs):
 
 
 def _panel(axis, by_config, configs, metric):
-  """One line per configuration family against N, `single` as a line."""
+  """A line per configuration family against N; dashed: static pipeline."""
   value = _METRICS[metric][1]
-  for family, color in _COLORS.items():
-    points = sorted((c.towers, statistics.median(
-        value(r) for r in by_config[c.name])) for c in configs
-                    if _family(c) == family)
-    if points:
-      axis.plot(*zip(*points), marker="o", color=color, label=family)
-  if "single" in by_config:
-    axis.axhline(statistics.median(value(r) for r in by_config["single"]),
-                 color="black", linestyle="--", label="single")
+  measured = [c for c in configs if not c.is_again]
+  for pipeline, style, suffix in (("dynamic", "-", ""),
+                                  ("static", "--", " (static)")):
+    for family, color in _COLORS.items():
+      points = sorted((c.towers, statistics.median(
+          value(r) for r in by_config[c.name])) for c in measured
+                      if _family(c) == family and c.pipeline == pipeline
+                      and c.name in by_config)
+      if points:
+        axis.plot(*zip(*points), marker="o", color=color, linestyle=style,
+                  label=family + suffix)
+  for name, style in (("single", "-."), ("single-static", ":")):
+    if name in by_config:
+      axis.axhline(statistics.median(value(r) for r in by_config[name]),
+                   color="black", linestyle=style, label=name)
   axis.set_xticks(sorted({c.towers for c in configs}))
   axis.set_xlabel("towers (N)")
   axis.set_ylim(bottom=0)
@@ -122,17 +192,25 @@ def _family(config):
       config.kind, config.variant)
 
 
+def _single(by_config, config):
+  """`single`'s runs on the config's pipeline (not for `single` itself)."""
+  reference = "single" if config.pipeline == "dynamic" else "single-static"
+  return None if config.name == reference else by_config.get(reference)
+
+
 def _parameter_server(by_config, config):
   """replicate-N-ps's runs, for another replicate configuration with N > 1."""
   if (config.kind != "replicate" or config.towers < 2 or
       config.variant == "ps"):
     return None
-  return by_config.get("replicate-{}-ps".format(config.towers))
+  suffix = "-static" if config.pipeline == "static" else ""
+  return by_config.get("replicate-{}-ps{}".format(config.towers, suffix))
 
 
 def _best_mirrored(by_config, config):
-  """Per repeat, the faster mirrored variant with the same N (or None)."""
-  if config.kind != "replicate" or config.towers < 2:
+  """Per repeat, the faster dynamic mirrored variant with the same N."""
+  if (config.kind != "replicate" or config.towers < 2 or
+      config.pipeline != "dynamic"):
     return None
   variants = [by_config.get("mirrored-{}-{}".format(config.towers, v))
               for v in ("default", "r1d")]
@@ -143,9 +221,8 @@ def _best_mirrored(by_config, config):
           for runs in zip(*variants)]
 
 
-def _ratio(runs, reference):
-  if not reference:
-    return "-"
-  return "{:.2f}".format(statistics.median(
-      a.examples_per_second / b.examples_per_second
-      for a, b in zip(runs, reference)))
+def _static(by_config, config):
+  """The same configuration's runs on the static pipeline, for a dynamic one."""
+  if config.pipeline != "dynamic":
+    return None
+  return by_config.get(config.measured + "-static")

@@ -1,0 +1,195 @@
+"""Tests of `benchmarks/`: configurations, arithmetic, pipelines, the README.
+
+Fast: nothing here trains or times a model. The README test is the check
+that the Performance section's figures are RESULTS.md's.
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from benchmarks import __main__ as main
+from benchmarks import harness, pipelines, readme, report
+from benchmarks.models import MODELS
+
+
+class _Run(NamedTuple):
+  examples_per_second: float
+  window_examples_per_second: float
+
+
+def test_readme_figures_are_results_md():
+  with open(readme.RESULTS) as results:
+    block = readme.render(results.read())
+  with open(readme.README) as text:
+    assert block in text.read(), (
+        "README.md's performance figures are not benchmarks/RESULTS.md's; "
+        "run python -m benchmarks.readme")
+
+
+def test_readme_parses_results_tables_and_aa_lines():
+  results = "\n".join([
+      "# Benchmark results", "Command: `python -m benchmarks --quick`  ",
+      "Date: 2026-01-02", "",
+      "A/A, mlp: single-again / single 1.01 (0.99-1.02) over 3 repeats  ",
+      "", "## mlp: MLP, global batch 256", "",
+      "| config | x single | x static | build s |", "|---|---|---|---|",
+      "| replicate-2-ps | 0.95 (0.93-0.97) | 0.98 (0.97-0.99) | 0.10 |",
+      "| mirrored-2-r1d | 0.80 (0.78-0.81) | - | 0.08 |", "",
+      "### wide: another run's section", "",
+      "| config | x single |", "|---|---|", "| replicate-2-ps | 0.50 |"])
+  tables = readme.parse(results)
+  assert set(tables) == {"mlp"}
+  assert tables["mlp"]["replicate-2-ps"]["x static"] == "0.98 (0.97-0.99)"
+  block = readme.render(results)
+  assert "| mlp | 2 | 0.95 (0.93-0.97) | 0.98 (0.97-0.99) |" in block
+  assert "A/A, mlp: single-again / single 1.01 (0.99-1.02)" in block
+  # 0.10 s >= 0.08 s: the one cell is not below MirroredStrategy's.
+  assert "in 0 of 1 cells; not in: mlp ps at N = 2" in block
+
+
+def test_readme_without_markers_is_refused():
+  with pytest.raises(ValueError, match="no generated block"):
+    readme.replace_block("# README\n", "block")
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("single", harness.Config("single", "single", 1, "")),
+    ("single-again", harness.Config("single-again", "single", 1, "",
+                                    "dynamic", True)),
+    ("replicate-4-ps-static", harness.Config(
+        "replicate-4-ps-static", "replicate", 4, "ps", "static")),
+    ("mirrored-2-r1d-static-again", harness.Config(
+        "mirrored-2-r1d-static-again", "mirrored", 2, "r1d", "static",
+        True)),
+])
+def test_parse_config(name, expected):
+  assert harness.parse_config(name) == expected
+
+
+def test_an_aa_twin_measures_its_namesake():
+  config = harness.parse_config("replicate-2-ps-static-again")
+  assert config.measured == "replicate-2-ps-static"
+
+
+@pytest.mark.parametrize("name, message", [
+    ("replicate-2", "Unknown configuration 'replicate-2'"),
+    ("single-again-static", "Unknown configuration"),  # -static comes first
+    ("mirrored-2-nccl", "Unknown configuration"),
+    ("replicate-0-ps", "asks for 0 towers; use 1 or more"),
+])
+def test_parse_config_errors(name, message):
+  with pytest.raises(ValueError, match=message):
+    harness.parse_config(name)
+
+
+def test_a_configuration_named_twice_is_refused(capsys):
+  with pytest.raises(SystemExit):
+    main._parse_args(["--configs", "single,single"])
+  assert "add it again with -again" in capsys.readouterr().err
+
+
+def test_default_grid_has_static_twins_and_aa():
+  configs = main._default_configs([1, 2, 4, 8], is_quick=False)
+  for name in ("single-static", "single-again", "replicate-1-ps-static",
+               "replicate-8-ps-static", "replicate-8-handring",
+               "mirrored-8-r1d"):
+    assert name in configs
+  assert len(configs) == len(set(configs)) == 29  # 5 at N = 1, 8 per N > 1
+  quick = main._default_configs([1, 2, 4], is_quick=True)
+  assert "replicate-2-gather" not in quick and "single-again" in quick
+
+
+def test_paired_ratios_and_spread():
+  runs = [_Run(90.0, 88.0), _Run(120.0, 110.0), _Run(50.0, 60.0)]
+  reference = [_Run(100.0, 100.0), _Run(100.0, 100.0), _Run(50.0, 50.0)]
+  # 90/100, 120/100, 50/50
+  ratios = report.paired_ratios(runs, reference)
+  assert ratios == pytest.approx([0.9, 1.2, 1.0])
+  assert report.spread_text(ratios) == "1.00 (0.90-1.20)"
+  assert report.spread(ratios) == pytest.approx(0.3)  # 1.2 - 0.9
+  window = report.paired_ratios(runs, reference, "window_examples_per_second")
+  assert window == pytest.approx([0.88, 1.1, 1.2])  # 88/100, 110/100, 60/50
+  assert report.ratio_text(runs, None) == "-"
+
+
+def test_aa_line():
+  by_config = {"single": [_Run(100.0, 100.0), _Run(200.0, 200.0)],
+               "single-again": [_Run(102.0, 95.0), _Run(198.0, 210.0)]}
+  # trimmed: 1.02, 0.99 -> median 1.005, spread 0.03; window: 0.95, 1.05
+  assert report.aa_line(by_config) == (
+      "single-again / single 1.00 (0.99-1.02) over 2 repeats, spread 3.0%; "
+      "by the whole window 1.00 (0.95-1.05), spread 10.0%")
+  assert report.aa_line({"single": by_config["single"]}).startswith(
+      "not measured")
+
+
+def test_trimmed_rate_drops_the_slowest_tenth():
+  # 9 steps of 10 ms and 256 rows, one of 5 ms and 65 rows (the partial
+  # batch, kept), one spike of 100 ms (dropped: ceil(0.1 * 11) = 2 steps
+  # dropped, the spike and one 10 ms step).
+  durations = [0.010] * 9 + [0.005, 0.100]
+  rows = [256] * 9 + [65, 256]
+  # kept: 8 x 256 + 65 = 2113 rows in 8 x 0.010 + 0.005 = 0.085 s
+  assert harness.trimmed_rate(rows, durations) == pytest.approx(2113 / 0.085)
+  # Under 10 steps nothing is dropped: 512 rows in 0.03 s.
+  assert harness.trimmed_rate([256, 256], [0.01, 0.02]) == pytest.approx(
+      512 / 0.03)
+  with pytest.raises(ValueError, match="as long as each other"):
+    harness.trimmed_rate([256], [])
+
+
+def test_failure_names_the_cause():
+  error = tf.errors.InternalError(None, None, (
+      "Graph execution error:\n\nDetected at node 'x' defined at (most "
+      "recent call last):\n  File \"<frozen runpy>\", line 198, in main\n"
+      "Node: 'x'\nCollective ops is aborted by: Shape mismatch | here\n"
+      "more"))
+  assert harness.failure(error) == (
+      "Collective ops is aborted by: Shape mismatch / here")
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_dynamic_pipeline_has_a_partial_batch_and_no_static_batch(model):
+  spec = MODELS[model]
+  batch, rows = spec.global_batch, pipelines.dataset_rows(spec.global_batch)
+  dataset = spec.make_input_fn("dynamic", batch)()
+  for tensor_spec in tf.nest.flatten(dataset.element_spec):
+    assert tensor_spec.shape[0] is None
+  epoch = rows // batch + 1
+  sizes = [int(labels.shape[0]) for _, labels in dataset.take(epoch + 1)]
+  # 20 full batches, the remainder (a quarter and one row), then a full one.
+  assert sizes == [batch] * 20 + [batch // 4 + 1, batch]
+  assert sizes == pipelines.rows_per_step("dynamic", rows, batch, 1, 0,
+                                          epoch + 1)
+
+
+def test_static_pipeline_has_the_batch_in_its_shape():
+  spec = MODELS["dnn_classifier"]
+  dataset = spec.make_input_fn("static", 32)()
+  features, labels = dataset.element_spec
+  assert labels.shape == [32] and features["x"].shape == [32, 784]
+  assert features["city"].shape == [32, 1]  # parsed once, ahead
+
+
+def test_rows_per_step_under_mirrored_strategy():
+  # 100 rows in batches of 16: 6 of 16 and one of 4 an epoch. Two replicas
+  # take batches 0-1, 2-3, 4-5, then 6 (4 rows) and 7 (16, the next epoch).
+  assert pipelines.rows_per_step("dynamic", 100, 16, 2, 0, 5) == [
+      32, 32, 32, 20, 32]
+  assert pipelines.rows_per_step("dynamic", 100, 16, 2, 3, 1) == [20]
+  assert pipelines.rows_per_step("static", 100, 16, 2, 3, 2) == [32, 32]
+
+
+def test_unknown_pipeline_is_refused():
+  with pytest.raises(ValueError, match="Unknown pipeline 'streaming'"):
+    pipelines.rows_per_step("streaming", 100, 16, 1, 0, 1)
+
+
+def test_examples_parse_into_the_feature_columns_inputs():
+  arrays = MODELS["dnn_classifier"].make_arrays(3, np.random.RandomState(0))
+  parsed = MODELS["dnn_classifier"].parse(arrays["serialized"])
+  assert parsed["x"].shape == [3, 784] and parsed["age"].shape == [3, 1]
+  assert parsed["city"].dtype == tf.string
