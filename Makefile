@@ -30,10 +30,13 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/python examples/digits_demo.py --towers 2
 
-# Both runs always run; either one failing fails `make test`.
+# Both runs always run; either one failing fails `make test`. The first also
+# runs benchmarks/test_benchmarks.py (fast: no timing), so that the README's
+# performance figures are checked against benchmarks/RESULTS.md; tests/ itself
+# never imports benchmarks/.
 test: $(STAMP)
 	@status=0; \
-	$(VENV)/bin/python -m pytest -q tests || status=1; \
+	$(VENV)/bin/python -m pytest -q tests benchmarks || status=1; \
 	echo "== again under TensorFlow 1 behaviour (REPLICATE_TF1_BEHAVIOR=1) =="; \
 	REPLICATE_TF1_BEHAVIOR=1 $(VENV)/bin/python -m pytest -q $(TF1_TESTS) \
 		-k "$(TF1_SELECTION)" || status=1; \

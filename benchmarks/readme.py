@@ -5,7 +5,7 @@ generated block (between `BEGIN` and `END` below), written from
 `benchmarks/RESULTS.md`, the table that is checked in: a table of the main
 ratios with their spreads, the A/A lines, and the sentences that compare
 numbers. `--check` exits 1 if the README's block is not what RESULTS.md
-gives; `tests/test_benchmarks.py` runs the same check, so the two cannot
+gives; `benchmarks/test_benchmarks.py` runs the same check, so the two cannot
 drift apart. Prose outside the block quotes no measured number.
 
 RESULTS.md is read back by its own layout (a `## model: ...` heading per
