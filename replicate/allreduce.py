@@ -33,9 +33,11 @@ batch did not see would move it, and a global norm of a dense sum is not
 the norm of the slices). With `ring` and `nccl` the all-gather is
 `CollectiveGatherV2` (slices of different lengths padded to the longest);
 with `gather`, or where collective ops cannot carry the slices (a tower
-without a gradient, a dtype such as bfloat16), each tower concatenates the
-others' slices itself. Dense gradients of such a dtype are summed as with
-`gather`.
+without a gradient, a dtype such as bfloat16, or a length known only at
+run time, as every `.batch()` pipeline gives: a collective instance keeps
+the shapes of its first step and aborts on the next step's other length),
+each tower concatenates the others' slices itself. Dense gradients of such
+a dtype or shape are summed as with `gather`.
 
 On packing: dense gradients of at most `PACK_MAX_ELEMENTS` elements each are
 flattened and concatenated per dtype into one buffer per tower before the
@@ -156,7 +158,10 @@ def _reducer(algorithm, devices) -> _Reducer:
   launcher = collectives.Collectives(devices, communication_hint=algorithm)
 
   def reduce_collectively(tensors):
-    if collectives.supports(tensors[0].dtype):
+    # A shape known only at run time may change between steps, which a
+    # collective instance refuses (see Collectives.all_gather_slices).
+    if collectives.supports(tensors[0].dtype) and all(
+        t.shape.is_fully_defined() for t in tensors):
       return launcher.all_reduce(tensors)
     return _gather_reduce(tensors, devices)
 

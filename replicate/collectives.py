@@ -74,13 +74,17 @@ class Collectives:
     """Every tower's `IndexedSlices`, concatenated on every device.
 
     None where collective ops cannot do it: a tower has no gradient, the
-    values' dtype is not in `SUPPORTED_DTYPES`, or their rank is unknown.
-    CollectiveGatherV2 needs the same shape on every device (checked when
-    it runs), so slices of different lengths are padded to the longest and
-    the padding is dropped after.
+    values' dtype is not in `SUPPORTED_DTYPES`, or a tower's values have a
+    shape not fully known when building (`.batch()` pipelines: one length
+    per step). A collective instance keeps the shapes of its first run, so
+    a later step with other lengths aborts with "Shape mismatch in the
+    collective instance" (MirroredStrategy's default all-reduce fails so on
+    such gradients). CollectiveGatherV2 needs the same shape on every
+    device, so known lengths that differ between towers are padded to the
+    longest and the padding is dropped after.
     """
     if any(g is None for g in grads) or not supports(grads[0].values.dtype) \
-        or grads[0].values.shape.rank is None:
+        or not all(g.values.shape.is_fully_defined() for g in grads):
       return None
     values = [g.values for g in grads]
     indices = []
@@ -89,7 +93,7 @@ class Collectives:
         indices.append(tf.cast(grad.indices, tf.int64))
     # dimension_value: under TF 1 behaviour a shape's entries are Dimensions.
     lengths = [tf.compat.dimension_value(v.shape[0]) for v in values]
-    if None not in lengths and len(set(lengths)) == 1:
+    if len(set(lengths)) == 1:
       values, indices = self._gather(values), self._gather(indices)
     else:
       values, indices = self._gather_padded(values, indices)

@@ -143,6 +143,47 @@ def test_equal_slices_are_gathered_without_counts(graph):
   assert {op.inputs[0].dtype for op in gathers} == {tf.int64, tf.float32}
 
 
+def _train_embedding_on_batches(model_fn, towers, batches):
+  """Trains on `batches` of ids fed one a step (dimension 0 unknown)."""
+  rng = np.random.RandomState(1)
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.get_or_create_global_step()
+    ids = tf.compat.v1.placeholder(tf.int64, [None, 2])
+    labels = tf.compat.v1.placeholder(tf.float32, [None, 1])
+    spec = model_fn({"ids": ids}, labels, TRAIN)
+    losses = []
+    with tf.compat.v1.Session(config=session_config(towers)) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      session.run(tf.compat.v1.local_variables_initializer())  # the copies
+      for rows in batches:
+        feed = {ids: rng.randint(0, 50, size=(rows, 2)),
+                labels: rng.rand(rows, 1)}
+        losses.append(session.run([spec.loss, spec.train_op], feed)[0])
+      table = session.run(next(v for v in tf.compat.v1.global_variables()
+                               if v.op.name == "table"))
+  return losses, table, graph
+
+
+@pytest.mark.parametrize("towers", [2, 3])
+def test_slices_whose_length_changes_every_step_train_on_the_ring(towers):
+  # A .batch() pipeline: the embedding gradient's length is known only at
+  # run time and differs from step to step (and tower to tower). A
+  # collective instance keeps its first step's shapes and would abort the
+  # next ("Shape mismatch in the collective instance"), so these slices
+  # are concatenated by every tower, as with gather.
+  batches = [7, 7, 5, 8, 2, 6]
+  expected_losses, expected_table, _ = _train_embedding_on_batches(
+      _embedding_model_fn, towers, batches)
+  losses, table, graph = _train_embedding_on_batches(
+      _replicated(towers, allreduce.RING, _embedding_model_fn), towers,
+      batches)
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  np.testing.assert_allclose(table, expected_table, rtol=1e-5)
+  assert not _collective_ops(graph, "CollectiveGatherV2")
+  # The dense `scale` gradient's shape is known: still reduced collectively.
+  assert len(_collective_ops(graph, "CollectiveReduceV2")) == towers
+
+
 def _all_reduce_run(per_tower, algorithm, towers):
   with tf.Graph().as_default():
     placed = []
