@@ -10,6 +10,7 @@ round. Writes a markdown table to stdout (and to --record).
 """
 
 import argparse
+import datetime
 import os
 import statistics
 import sys
@@ -55,11 +56,16 @@ def main(argv=None):
           _paired(ms["handring"], ms["ring"])))
       print(lines[-1], flush=True)
   table = "\n".join([
-      "Command: `python -m benchmarks.allreduce_cost {}`".format(
-          " ".join(argv if argv is not None else sys.argv[1:])), "",
-      "Milliseconds per all-reduce (median over {} rounds of 5); x: "
-      "speed relative to (time of the other / time of ring), median of "
-      "ratios paired within a round.".format(args.rounds), ""] + lines)
+      "# One all-reduce, timed alone", "",
+      "Command: `python -m benchmarks.allreduce_cost {}`  ".format(
+          " ".join(argv if argv is not None else sys.argv[1:])),
+      "Date: {}; {} virtual CPU devices over {} cores".format(
+          datetime.date.today().isoformat(), args.towers, os.cpu_count()),
+      "",
+      "Milliseconds per all-reduce (median over {} rounds of 5). ring x "
+      "gather: ring's speed against gather's (gather's time / ring's), "
+      "median of ratios paired within a round; likewise ring x "
+      "handring.".format(args.rounds), ""] + lines)
   print("\n" + table)
   if args.record:
     with open(args.record, "w") as output:
