@@ -55,15 +55,27 @@ full or partial, so the partial batch kept its weight). None was near 3 %
 on a machine that busy, and none won everywhere; the trimmed rate had the
 smallest total and the reason above, so it is the one reported.
 
+On noise, measured on a quiet machine (load under 0.5 before the run): the
+MLP's `single` trained in one session for 12 s gave eight 1.5 s stretches
+whose median steps were 8.76 to 8.91 ms, while eight cells of 1.5 s, each
+its own session, gave median steps of 9.81 to 10.55 ms, their fastest
+twentieth moving with them (9.18 to 9.78 ms): a cell's speed is set when its
+session starts, not by passing load. TensorFlow's BFC allocator on the CPU
+(`TF_CPU_ALLOCATOR_USE_BFC=true`) left the spread as it was, and the
+kernel's steal time did not move. Trimming cannot remove such a shift and
+pairing cannot cancel it; only more cells narrow a median, which is why
+every ratio comes with its range and the A/A line is printed.
+
 Devices are GPUs where present, else N virtual CPU devices made through the
 session config (the only way they reach an Estimator's session).
 """
 
+import functools
 import math
 import re
 import tempfile
 import time
-from typing import NamedTuple
+from typing import Callable, List, NamedTuple
 
 import tensorflow as tf
 
@@ -193,6 +205,33 @@ def run_cell(model_name: str, config: Config, warmup_steps: int,
              seconds: float) -> Cell:
   """Trains `warmup_steps` steps, then times steps for `seconds`."""
   started = time.perf_counter()
+  run = build(model_name, config)
+  timer = _Timer(warmup_steps, seconds)
+  timer.started = time.perf_counter()
+  run.estimator.train(run.input_fn, steps=10**9, hooks=[timer])
+  durations = timer.durations
+  rows = run.rows(warmup_steps, len(durations))
+  wall = sum(durations)
+  return Cell(
+      examples_per_second=trimmed_rate(rows, durations),
+      window_examples_per_second=sum(rows) / wall,
+      build_seconds=timer.built - timer.started,
+      step_seconds=sorted(durations)[len(durations) // 2],
+      cpu_per_wall=(timer.cpu_stopped - timer.cpu_measuring) / wall,
+      steps=len(durations),
+      cell_seconds=time.perf_counter() - started)
+
+
+class Run(NamedTuple):
+  """What a cell trains: its Estimator, input_fn and rows per step."""
+  estimator: tf.estimator.Estimator
+  input_fn: Callable
+  # rows(first_step, steps): the rows each of those steps takes
+  rows: Callable[[int, int], List[int]]
+
+
+def build(model_name: str, config: Config) -> Run:
+  """The Estimator of `config` on `model_name`, in a fresh model_dir."""
   model = MODELS[model_name]
   devices = _devices(config.towers)
   run_config = tf.estimator.RunConfig(
@@ -209,24 +248,11 @@ def run_cell(model_name: str, config: Config, warmup_steps: int,
   if config.kind == "replicate":
     model_fn = replicate.replicate_model_fn(
         model_fn, devices=devices, **_REPLICATE_ARGUMENTS[config.variant])
-  input_fn = model.make_input_fn(config.pipeline, batch)
-  timer = _Timer(warmup_steps, seconds)
-  estimator = tf.estimator.Estimator(model_fn, config=run_config)
-  timer.started = time.perf_counter()
-  estimator.train(input_fn, steps=10**9, hooks=[timer])
-  durations = timer.durations
-  rows = pipelines.rows_per_step(
-      config.pipeline, pipelines.dataset_rows(model.global_batch), batch,
-      batches_per_step, warmup_steps, len(durations))
-  wall = sum(durations)
-  return Cell(
-      examples_per_second=trimmed_rate(rows, durations),
-      window_examples_per_second=sum(rows) / wall,
-      build_seconds=timer.built - timer.started,
-      step_seconds=sorted(durations)[len(durations) // 2],
-      cpu_per_wall=(timer.cpu_stopped - timer.cpu_measuring) / wall,
-      steps=len(durations),
-      cell_seconds=time.perf_counter() - started)
+  rows = functools.partial(
+      pipelines.rows_per_step, config.pipeline,
+      pipelines.dataset_rows(model.global_batch), batch, batches_per_step)
+  return Run(tf.estimator.Estimator(model_fn, config=run_config),
+             model.make_input_fn(config.pipeline, batch), rows)
 
 
 def trimmed_rate(rows, durations, fraction=TRIMMED_FRACTION):

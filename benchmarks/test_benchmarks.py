@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from benchmarks import __main__ as main
-from benchmarks import harness, pipelines, readme, report
+from benchmarks import harness, pipelines, profile, readme, report
 from benchmarks.models import MODELS
 
 
@@ -193,3 +193,35 @@ def test_examples_parse_into_the_feature_columns_inputs():
   parsed = MODELS["dnn_classifier"].parse(arrays["serialized"])
   assert parsed["x"].shape == [3, 784] and parsed["age"].shape == [3, 1]
   assert parsed["city"].dtype == tf.string
+
+
+def test_profile_adds_op_time_by_kernel_type():
+  step_stats = tf.compat.v1.RunMetadata().step_stats
+  for device, nodes in (("CPU:0", [
+      ("[mklcpu 1.0MB 1.0MB] dense/Relu = _MklNativeFusedMatMul(x, w)", 300),
+      ("sum = AddN(a, b)", 40), ("_SOURCE", 7)]),
+                        ("CPU:1", [("sum_1 = AddN(c, d)", 60)])):
+    stats = step_stats.dev_stats.add(device=device)
+    for label, micros in nodes:
+      stats.node_stats.add(timeline_label=label, all_end_rel_micros=micros)
+  tracer = profile._Tracer(warmup=0, timed=0, traced=1)
+  tracer._add(step_stats)  # pylint: disable=protected-access
+  # both devices' AddNs: 40 + 60 us; _SOURCE ran no kernel
+  assert tracer.micros == {"_MklNativeFusedMatMul": 300, "AddN": 100}
+  assert tracer.counts == {"_MklNativeFusedMatMul": 1, "AddN": 2}
+
+
+def test_profile_table_says_what_a_configuration_adds():
+  single = profile.Profile(100, 9.5, {"MatMul": 8.0, "AddN": 0.5},
+                           {"MatMul": 5, "AddN": 1})
+  towers = profile.Profile(300, 10.0, {"MatMul": 8.2, "AddN": 1.1,
+                                       "Switch": 0.05},
+                           {"MatMul": 10, "AddN": 7, "Switch": 14})
+  text = profile.markdown("mlp", {"single": single, "replicate-2-ps": towers},
+                          top=2)
+  # op time 9.35 - 8.5 = +0.85 ms, step 10.0 - 9.5 = +0.5 ms; largest
+  # changes first: AddN +0.6 (6 more ops), MatMul +0.2 (5 more ops)
+  assert ("What replicate-2-ps adds to single: +0.85 ms of op time and "
+          "+0.50 ms of step time.") in text
+  assert "| AddN | +0.600 | +6 |\n| MatMul | +0.200 | +5 |" in text
+  assert "Switch | +" not in text  # third largest, past top=2
