@@ -10,8 +10,10 @@ for every configuration after the first, what each op type adds to the
 first's (the cost of the towers, op type by op type).
 
 On reading it: op times are summed over both cores and every device, so
-their total exceeds the step's wall time where ops ran side by side, and a
-traced step is slower than an untraced one. Op types are the kernels that
+their total exceeds the step's wall time where ops ran side by side, and an
+op that shared the cores with another took longer without doing more work
+(the towers' matrix products: `benchmarks.split_cost` times what splitting
+the batch costs them alone). A traced step is slower than an untraced one. Op types are the kernels that
 ran (after grappler's rewrites, e.g. `_FusedMatMul`), read from the trace's
 labels.
 """

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from benchmarks import __main__ as main
-from benchmarks import harness, pipelines, profile, readme, report
+from benchmarks import harness, pipelines, profile, readme, report, split_cost
 from benchmarks.models import MODELS
 
 
@@ -225,3 +225,20 @@ def test_profile_table_says_what_a_configuration_adds():
           "+0.50 ms of step time.") in text
   assert "| AddN | +0.600 | +6 |\n| MatMul | +0.200 | +5 |" in text
   assert "Switch | +" not in text  # third largest, past top=2
+
+
+def test_split_cost_times_the_same_products_on_slices():
+  session, fetches = split_cost._graph([1, 2], batch=4, inputs=3, units=2)  # pylint: disable=protected-access
+  with session:
+    with session.graph.as_default():
+      weights, rows, upstream = session.run(
+          tf.compat.v1.global_variables())
+    per_slice, summed = session.run([fetches[(2, False)],
+                                     fetches[(2, True)]])
+  # N = 2: slices of rows 0-1 and 2-3; each slice's first output, plus the
+  # weight gradients' first element, summed per slice or after the add_n:
+  # the same number, and dw_0 + dw_1 is the whole batch's x^T dy.
+  outputs = (rows[0] @ weights)[0] + (rows[2] @ weights)[0]
+  assert per_slice == pytest.approx(outputs + (rows.T @ upstream)[0, 0],
+                                    rel=1e-5)
+  assert summed == pytest.approx(per_slice, rel=1e-5)
