@@ -36,6 +36,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
+from benchmarks import configs as configurations  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks import report  # noqa: E402
 from benchmarks.models import MODELS  # noqa: E402
@@ -44,7 +45,7 @@ from benchmarks.models import MODELS  # noqa: E402
 def main(argv=None):
   args = _parse_args(argv)
   try:
-    configs = [harness.parse_config(name) for name in args.configs]
+    configs = [configurations.parse_config(name) for name in args.configs]
     for model in args.models:
       harness.check_model(model)
   except ValueError as error:
@@ -126,7 +127,7 @@ def _parse_args(argv):
                       "quick: 1,2,4)")
   parser.add_argument("--configs", default=None,
                       help="comma-separated configurations, overriding "
-                      "--towers; forms: " + harness.CONFIG_FORMS)
+                      "--towers; forms: " + configurations.CONFIG_FORMS)
   parser.add_argument("--repeats", type=int, default=None,
                       help="repeats of the grid (default 5; quick: 3)")
   parser.add_argument("--seconds", type=float, default=None,

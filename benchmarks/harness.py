@@ -1,34 +1,6 @@
 """Running one benchmark cell: one model, one configuration, one repeat.
 
-On configurations:
-
-| name                    | what trains                                              |
-| ----------------------- | -------------------------------------------------------- |
-| `single`                | the unwrapped model_fn on one device                     |
-| `replicate-N-ps`        | `replicate_model_fn`, N towers, `parameter_server`       |
-| `replicate-N-rr`        | `replicate_model_fn`, N towers, `round_robin`            |
-| `replicate-N-gather`    | N towers, `replicated`, `all_reduce="gather"`            |
-| `replicate-N-ring`      | N towers, `replicated`, `all_reduce="ring"` (collective, |
-|                         | TensorFlow's `CollectiveReduceV2`)                       |
-| `replicate-N-handring`  | N towers, `replicated`, the ring built from graph ops    |
-|                         | that `ring` was before (`allreduce.HAND_RING`, internal) |
-| `replicate-N-nccl`      | N towers, `replicated`, `all_reduce="nccl"` (GPUs only)  |
-| `mirrored-N-default`    | `MirroredStrategy` over N devices, default cross-device ops |
-| `mirrored-N-r1d`        | `MirroredStrategy` with `ReductionToOneDevice`           |
-
-Every configuration trains on the same global batch; under MirroredStrategy
-the `input_fn` batch is per replica, so it gets global / N rows.
-
-On pipelines: a configuration reads the `dynamic` pipeline (the path users
-take, `.batch(b)`, a partial batch each epoch) unless its name ends in
-`-static` (one fixed batch of known shape); see `benchmarks.pipelines`. Under
-MirroredStrategy the dynamic pipeline is the same `.batch(b)` without
-`drop_remainder`: Estimator hands each replica the next batch in turn, and a
-partial one runs as a smaller batch on that replica.
-
-On A/A: a name ending in `-again` (`single-again`) is the same configuration
-measured a second time in each repeat under another name; the ratio of the
-twins is what the measurement alone moves a ratio by.
+What each configuration trains and reads: `benchmarks.configs`.
 
 On timing: a hook notes when the graph is built (`begin`), then times every
 step after the warm-up (from one `after_run` to the next) and asks the
@@ -72,7 +44,6 @@ session config (the only way they reach an Estimator's session).
 
 import functools
 import math
-import re
 import tempfile
 import time
 from typing import Callable, List, NamedTuple
@@ -81,18 +52,9 @@ import tensorflow as tf
 
 import replicate
 from benchmarks import pipelines
+from benchmarks.configs import Config
 from benchmarks.models import MODELS
-from replicate import allreduce
 
-_CONFIG = re.compile(r"^(?:single|replicate-(\d+)-"
-                     r"(ps|rr|gather|ring|handring|nccl)|"
-                     r"mirrored-(\d+)-(default|r1d))"
-                     r"(-static)?(-again)?$")
-CONFIG_FORMS = ("single, replicate-N-ps, replicate-N-rr, replicate-N-gather, "
-                "replicate-N-ring, replicate-N-handring, replicate-N-nccl, "
-                "mirrored-N-default, mirrored-N-r1d (N a number of towers); "
-                "each may end in -static (the static pipeline) and then in "
-                "-again (measured twice, for A/A)")
 TRIMMED_FRACTION = 0.1  # of a cell's steps, the slowest, left out
 # Seconds a cell takes beyond its measured seconds (building, session,
 # warm-up, closing), for a model and N: a + b * N, fitted to --quick cells
@@ -103,34 +65,6 @@ _OVERHEAD_SECONDS = {"mlp": (1.0, 0.4), "wide": (0.5, 0.4),
                      "convnet": (1.0, 0.3), "dnn_classifier": (1.0, 0.5)}
 
 
-# A replicate configuration's variant: its replicate_model_fn arguments.
-_REPLICATE_ARGUMENTS = {
-    "ps": {"variable_strategy": "parameter_server"},
-    "rr": {"variable_strategy": "round_robin"},
-    "gather": {"variable_strategy": "replicated", "all_reduce": "gather"},
-    "ring": {"variable_strategy": "replicated", "all_reduce": "ring"},
-    # Not a public all_reduce value: the internal hook kept for this
-    # comparison (see replicate.allreduce).
-    "handring": {"variable_strategy": "replicated",
-                 "all_reduce": allreduce.HAND_RING},
-    "nccl": {"variable_strategy": "replicated", "all_reduce": "nccl"},
-}
-
-
-class Config(NamedTuple):
-  name: str
-  kind: str  # "single", "replicate" or "mirrored"
-  towers: int
-  variant: str  # ps/rr/gather/ring/handring/nccl, or default/r1d mirrored
-  pipeline: str = "dynamic"  # or "static"
-  is_again: bool = False  # an A/A twin: the configuration measured again
-
-  @property
-  def measured(self) -> str:
-    """The name of what is measured: the name without `-again`."""
-    return self.name[:-len("-again")] if self.is_again else self.name
-
-
 class Cell(NamedTuple):
   examples_per_second: float  # trimmed: without the slowest steps
   window_examples_per_second: float  # all measured rows / all their time
@@ -139,27 +73,6 @@ class Cell(NamedTuple):
   cpu_per_wall: float  # process CPU seconds per wall second while measured
   steps: int  # measured
   cell_seconds: float  # the whole cell, building and warm-up included
-
-
-def parse_config(name: str) -> Config:
-  """A configuration from its name; a clear error for anything else."""
-  match = _CONFIG.match(name)
-  if not match:
-    raise ValueError("Unknown configuration {!r}; the forms are: {}.".format(
-        name, CONFIG_FORMS))
-  (replicate_towers, strategy, mirrored_towers, ops, static,
-   again) = match.groups()
-  options = dict(pipeline="static" if static else "dynamic",
-                 is_again=bool(again))
-  if name.startswith("single"):
-    return Config(name, "single", 1, "", **options)
-  towers = int(replicate_towers or mirrored_towers)
-  if towers < 1:
-    raise ValueError("Configuration {!r} asks for {} towers; use 1 or "
-                     "more.".format(name, towers))
-  if replicate_towers:
-    return Config(name, "replicate", towers, strategy, **options)
-  return Config(name, "mirrored", towers, ops, **options)
 
 
 def estimate_seconds(model: str, config: Config, seconds: float) -> float:
@@ -247,7 +160,7 @@ def build(model_name: str, config: Config) -> Run:
   model_fn = model.make_model_fn(config.kind == "replicate")
   if config.kind == "replicate":
     model_fn = replicate.replicate_model_fn(
-        model_fn, devices=devices, **_REPLICATE_ARGUMENTS[config.variant])
+        model_fn, devices=devices, **config.replicate_arguments)
   rows = functools.partial(
       pipelines.rows_per_step, config.pipeline,
       pipelines.dataset_rows(model.global_batch), batch, batches_per_step)

@@ -13,9 +13,9 @@ On reading it: op times are summed over both cores and every device, so
 their total exceeds the step's wall time where ops ran side by side, and an
 op that shared the cores with another took longer without doing more work
 (the towers' matrix products: `benchmarks.split_cost` times what splitting
-the batch costs them alone). A traced step is slower than an untraced one. Op types are the kernels that
-ran (after grappler's rewrites, e.g. `_FusedMatMul`), read from the trace's
-labels.
+the batch costs them alone). A traced step is slower than an untraced one.
+Op types are the kernels that ran (after grappler's rewrites, e.g.
+`_MklNativeFusedMatMul`), read from the trace's labels.
 """
 
 import argparse
@@ -32,6 +32,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
+from benchmarks import configs as configurations  # noqa: E402
 from benchmarks import harness  # noqa: E402
 
 # "node = OpType(inputs)", after a "[mklcpu 1.0MB 1.0MB] " for oneDNN kernels
@@ -64,7 +65,8 @@ def main(argv=None):
   try:
     for model in models:
       harness.check_model(model)
-    configs = [harness.parse_config(c) for c in args.configs.split(",")]
+    configs = [configurations.parse_config(c)
+               for c in args.configs.split(",")]
   except ValueError as error:
     sys.exit("python -m benchmarks.profile: error: {}".format(error))
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
@@ -91,8 +93,8 @@ def main(argv=None):
       output.write(text + "\n")
 
 
-def profile(model: str, config: harness.Config, warmup: int, timed: int,
-            traced: int) -> Profile:
+def profile(model: str, config: configurations.Config, warmup: int,
+            timed: int, traced: int) -> Profile:
   run = harness.build(model, config)
   tracer = _Tracer(warmup, timed, traced)
   run.estimator.train(run.input_fn, steps=10**9, hooks=[tracer])

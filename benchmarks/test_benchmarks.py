@@ -11,7 +11,8 @@ import pytest
 import tensorflow as tf
 
 from benchmarks import __main__ as main
-from benchmarks import harness, pipelines, profile, readme, report, split_cost
+from benchmarks import (configs, harness, pipelines, profile, readme, report,
+                        split_cost)
 from benchmarks.models import MODELS
 
 
@@ -56,21 +57,21 @@ def test_readme_without_markers_is_refused():
 
 
 @pytest.mark.parametrize("name, expected", [
-    ("single", harness.Config("single", "single", 1, "")),
-    ("single-again", harness.Config("single-again", "single", 1, "",
+    ("single", configs.Config("single", "single", 1, "")),
+    ("single-again", configs.Config("single-again", "single", 1, "",
                                     "dynamic", True)),
-    ("replicate-4-ps-static", harness.Config(
+    ("replicate-4-ps-static", configs.Config(
         "replicate-4-ps-static", "replicate", 4, "ps", "static")),
-    ("mirrored-2-r1d-static-again", harness.Config(
+    ("mirrored-2-r1d-static-again", configs.Config(
         "mirrored-2-r1d-static-again", "mirrored", 2, "r1d", "static",
         True)),
 ])
 def test_parse_config(name, expected):
-  assert harness.parse_config(name) == expected
+  assert configs.parse_config(name) == expected
 
 
 def test_an_aa_twin_measures_its_namesake():
-  config = harness.parse_config("replicate-2-ps-static-again")
+  config = configs.parse_config("replicate-2-ps-static-again")
   assert config.measured == "replicate-2-ps-static"
 
 
@@ -82,7 +83,7 @@ def test_an_aa_twin_measures_its_namesake():
 ])
 def test_parse_config_errors(name, message):
   with pytest.raises(ValueError, match=message):
-    harness.parse_config(name)
+    configs.parse_config(name)
 
 
 def test_a_configuration_named_twice_is_refused(capsys):
@@ -228,7 +229,8 @@ def test_profile_table_says_what_a_configuration_adds():
 
 
 def test_split_cost_times_the_same_products_on_slices():
-  session, fetches = split_cost._graph([1, 2], batch=4, inputs=3, units=2)  # pylint: disable=protected-access
+  session, fetches = split_cost._graph(  # pylint: disable=protected-access
+      [1, 2], batch=4, inputs=3, units=2)
   with session:
     with session.graph.as_default():
       weights, rows, upstream = session.run(
