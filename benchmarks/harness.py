@@ -27,16 +27,16 @@ full or partial, so the partial batch kept its weight). None was near 3 %
 on a machine that busy, and none won everywhere; the trimmed rate had the
 smallest total and the reason above, so it is the one reported.
 
-On noise, measured on a quiet machine (load under 0.5 before the run): the
-MLP's `single` trained in one session for 12 s gave eight 1.5 s stretches
-whose median steps were 8.76 to 8.91 ms, while eight cells of 1.5 s, each
-its own session, gave median steps of 9.81 to 10.55 ms, their fastest
-twentieth moving with them (9.18 to 9.78 ms): a cell's speed is set when its
-session starts, not by passing load. TensorFlow's BFC allocator on the CPU
-(`TF_CPU_ALLOCATOR_USE_BFC=true`) left the spread as it was, and the
-kernel's steal time did not move. Trimming cannot remove such a shift and
-pairing cannot cancel it; only more cells narrow a median, which is why
-every ratio comes with its range and the A/A line is printed.
+On noise, measured with the MLP's `single` (the median step of 1.5 s cells,
+each its own session, and of the 1.5 s stretches of one 12 s session): one
+set of eight cells gave 9.81 to 10.55 ms; half an hour later six cells, one
+long session and six cells again, back to back, gave 8.65 to 8.88 ms for the
+cells and 8.67 to 8.78 ms for the stretches. The spread between cells comes
+and goes with the machine (other tenants of the host: the kernel's steal
+time stays near 0), not with sessions, and TensorFlow's BFC allocator on the
+CPU did not change it. Trimming drops short spikes and pairing within a
+repeat cancels slow drift; what is left shows in the A/A line, so a run made
+in a noisy spell says so.
 
 Devices are GPUs where present, else N virtual CPU devices made through the
 session config (the only way they reach an Estimator's session).
