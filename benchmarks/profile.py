@@ -61,6 +61,8 @@ def main(argv=None):
   parser.add_argument("--top", type=int, default=12)
   parser.add_argument("--record", default=None)
   args = parser.parse_args(argv)
+  if min(args.warmup, args.timed, args.traced, args.top) < 1:
+    parser.error("--warmup, --timed, --traced and --top must be at least 1")
   models = [m for m in args.models.split(",") if m]
   try:
     for model in models:

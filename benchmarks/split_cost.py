@@ -35,8 +35,13 @@ def main(argv=None):
   parser.add_argument("--rounds", type=int, default=15)
   parser.add_argument("--record", default=None)
   args = parser.parse_args(argv)
-  tf.compat.v1.disable_eager_execution()
   towers = [int(n) for n in args.towers.split(",")]
+  if 1 not in towers or min(towers) < 1 or any(args.batch % n for n in towers):
+    parser.error("--towers must include 1 (the reference) and divide --batch "
+                 "({}) evenly; got {}".format(args.batch, args.towers))
+  if args.rounds < 1:
+    parser.error("--rounds must be at least 1")
+  tf.compat.v1.disable_eager_execution()
   session, fetches = _graph(towers, args.batch, args.inputs, args.units)
   ms = _time(session, fetches, args.rounds)
   whole = ms[(1, False)]

@@ -244,3 +244,16 @@ def test_split_cost_times_the_same_products_on_slices():
   assert per_slice == pytest.approx(outputs + (rows.T @ upstream)[0, 0],
                                     rel=1e-5)
   assert summed == pytest.approx(per_slice, rel=1e-5)
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    (profile, ["--traced", "0"], "--traced and --top must be at least 1"),
+    (split_cost, ["--towers", "2,4"], "must include 1 (the reference)"),
+    (split_cost, ["--towers", "1,3"], "divide --batch (256) evenly; got 1,3"),
+    (split_cost, ["--rounds", "0"], "--rounds must be at least 1"),
+])
+def test_profile_and_split_cost_refuse_bad_arguments(module, argv, message,
+                                                      capsys):
+  with pytest.raises(SystemExit):
+    module.main(argv)
+  assert message in capsys.readouterr().err
