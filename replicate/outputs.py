@@ -11,8 +11,9 @@ the feature it is computed from, as unwrapped.
 On values that do not depend on the rows: a value computed from constants
 and variables only (class names as a `[3]` constant, a temperature) is the
 same in every tower; tower 0's is returned whole, as unwrapped. Whether a
-value depends on the rows is decided by walking the graph back from tower
-0's value to tower 0's shard.
+value depends on the rows is `replicate.rows`'s rule, the one `train_op`
+uses: a shape TensorFlow folded to a constant with a static batch (the
+canned heads' `all_class_ids`, `tf.zeros_like(x)`) counts as the rows.
 
 On values that cannot be put back together: a value computed from the rows
 with no batch dimension (a scalar mean of the logits) is what one device
@@ -29,6 +30,7 @@ from typing import Optional
 import tensorflow as tf
 
 from replicate import graphs
+from replicate import rows
 
 _export_outputs = tf.estimator.export
 
@@ -37,17 +39,21 @@ class _CannotCombineError(ValueError):
   """A tower's value that cannot be put back together along the batch."""
 
 
-def combine_outputs(tower_specs, layout):
+def combine_outputs(tower_specs, layout, tower0_ops):
   """(predictions, export_outputs) over every tower, from one spec per tower.
 
-  `layout` is the call's `replicate.context.TowerLayout`: the shards.
+  `layout` is the call's `replicate.context.TowerLayout`: the shards;
+  `tower0_ops` the ops tower 0 built, within which `replicate.rows` looks
+  for what its values are computed from.
   """
-  combiner = _Combiner(layout.shards)
+  rows_of_tower0 = rows.TowerRows(
+      (layout.shards.features[0], layout.shards.labels[0]), tower0_ops)
+  combiner = _Combiner(layout.shards, rows_of_tower0)
   predictions = combiner.structure(
       "predictions", [spec.predictions for spec in tower_specs])
   outputs = tower_specs[0].export_outputs
   if outputs:
-    lenient = _Combiner(layout.shards, is_lenient=True)
+    lenient = _Combiner(layout.shards, rows_of_tower0, is_lenient=True)
     outputs = {
         key: _combined_export_output(
             "export_outputs[{!r}]".format(key),
@@ -64,15 +70,11 @@ class _Combiner:
   together as a tensor that fails when run; a strict one raises.
   """
 
-  def __init__(self, shards, is_lenient=False):
+  def __init__(self, shards, rows_of_tower0, is_lenient=False):
     self._shards = shards
+    self._rows_of_tower0 = rows_of_tower0
     self._is_lenient = is_lenient
     inputs = list(zip(shards.features, shards.labels))
-    # The ops that produce tower 0's shard: a value that reaches none of
-    # them does not depend on the tower's rows.
-    self._tower0_input_ops = frozenset(
-        t.op for t in tf.nest.flatten(inputs[0], expand_composites=True)
-        if isinstance(t, tf.Tensor))
     self._tower_rows = [_static_rows(tower_inputs) for tower_inputs in inputs]
 
   def structure(self, name, values):
@@ -87,7 +89,7 @@ class _Combiner:
 
   def tensors(self, name, tensors):
     tensors = [tf.convert_to_tensor(t) for t in tensors]
-    if not self._depends_on_rows(tensors[0]):
+    if not self._rows_of_tower0.depend([tensors[0]]):
       return tensors[0]
     try:
       self._check_batch_major(name, tensors)
@@ -116,10 +118,6 @@ class _Combiner:
                                                      expand_composites=True)):
         return sizes
     return self._shards.sizes
-
-  def _depends_on_rows(self, tensor):
-    return any(op in self._tower0_input_ops
-               for op in graphs.ops_behind([tensor]))
 
   def _check_batch_major(self, name, tensors):
     if tensors[0].shape.rank == 0:

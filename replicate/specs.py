@@ -37,7 +37,8 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
   fields = tower_specs[0]._asdict()
   fields["mode"] = mode
   fields["predictions"], fields["export_outputs"] = (
-      outputs_lib.combine_outputs(tower_specs, context.layout))
+      outputs_lib.combine_outputs(tower_specs, context.layout,
+                                  frozenset(context.tower_ops[0])))
   if tower_specs[0].loss is not None:
     fields["loss"] = _weighted_loss(tower_specs, context)
   fields.update(_COMBINERS[mode](tower_specs, context))
