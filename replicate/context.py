@@ -21,6 +21,7 @@ import tensorflow as tf
 from replicate import matching
 from replicate import names
 from replicate import optimizer_calls
+from replicate import rows
 from replicate import scaffolds
 from replicate import sharding
 from replicate import tower_collections
@@ -66,6 +67,13 @@ class ReplicationContext:
     self.tower_index = None  # the tower being built, or None
     self.optimizer_calls = [[] for _ in range(self.num_towers)]  # per tower
     self.tower_ops = [[] for _ in range(self.num_towers)]  # ops each built
+    self._first_op = [None] * self.num_towers  # where each tower's ops start
+    # Ops replicate builds among a tower's (the gradient sums, the sum of
+    # the loss denominators): not the user's, so not classified as state.
+    self.own_ops = set()
+    # Per tower, the ops holding its loss weight (see `replicate.weighting`):
+    # a gradient computed through one of them is already weighted.
+    self.weight_ops = [set() for _ in range(self.num_towers)]
     self._outer_name_scope = graph.get_name_scope()
     self._outer_variable_scope = tf.compat.v1.get_variable_scope()
     self._counters = names.NameCounters(graph)
@@ -125,6 +133,7 @@ class ReplicationContext:
       self._counters.restore_start()
     self.collections.enter(index)
     first_op = len(self.graph.get_operations())
+    self._first_op[index] = first_op
     try:
       with self.graph.device(self.layout.device_functions[index]), \
           tf.compat.v1.variable_creator_scope(
@@ -172,7 +181,8 @@ class ReplicationContext:
     """
     self._counters.restore_end_of_tower0()
     self.collections.finish()
-    self.weights.finish()
+    with self.building_own_ops():
+      self.weights.finish()
 
   def record_optimizer_call(self, optimizer, grads_and_vars, result,
                             pending=None) -> int:
@@ -181,6 +191,27 @@ class ReplicationContext:
     calls.append(optimizer_calls.OptimizerCall(optimizer, list(grads_and_vars),
                                self.graph.get_name_scope(), result, pending))
     return len(calls) - 1
+
+  def ops_so_far(self, index: int) -> frozenset:
+    """The ops tower `index` has built so far (all of them once it is done)."""
+    if self.tower_index != index:
+      return frozenset(self.tower_ops[index])
+    return frozenset(self.graph.get_operations()[self._first_op[index]:])
+
+  def rows_of(self, index: int) -> rows.TowerRows:
+    """`replicate.rows`'s rule for what tower `index` built so far."""
+    shards = self.layout.shards
+    return rows.TowerRows((shards.features[index], shards.labels[index]),
+                          self.ops_so_far(index))
+
+  @contextlib.contextmanager
+  def building_own_ops(self):
+    """What is built inside is replicate's own, not the model_fn's."""
+    first_op = len(self.graph.get_operations())
+    try:
+      yield
+    finally:
+      self.own_ops.update(self.graph.get_operations()[first_op:])
 
   @contextlib.contextmanager
   def applying(self):
@@ -200,7 +231,7 @@ class ReplicationContext:
     """
     name_scope = call.name_scope + "/" if call.name_scope else ""
     with self.graph.device(self.layout.device_functions[0]), \
-        self.graph.name_scope(name_scope):
+        self.graph.name_scope(name_scope), self.building_own_ops():
       yield
 
 

@@ -6,7 +6,10 @@ the step, a `Saver` that must see the optimizer's slots) waits for the one
 update of the step; but the other towers' gradients, whose sum the update
 applies, are built after tower 0. Tower 0 therefore builds the update on a
 stand-in for each summed gradient, and once the last tower has built the
-sum, `connect` points everything that read the stand-in at the sum. The same
+sum, `connect` makes the stand-in itself compute the sum: whatever reads
+it, whenever it was built (an optimizer that keeps the gradients it was
+given and builds on them after the `model_fn` returned), reads the sum.
+The stand-in is this module's own op; no op the user built is edited. The same
 goes for the sum of the towers' loss denominators
 (`replicate.loss_denominator`).
 
@@ -39,15 +42,15 @@ def stand_in(value: Any, name: str = "pending") -> Any:
 
 
 def connect(pending: Any, value: Any) -> None:
-  """Makes every reader of the stand-in `pending` read `value` instead."""
+  """Makes the stand-in `pending` pass `value` on, to every reader."""
   if isinstance(pending, tf.IndexedSlices):
     value = aggregation.as_slices(value)
-    _reroute(pending.values, value.values)
-    _reroute(pending.indices, tf.cast(value.indices, pending.indices.dtype))
+    _pass_on(pending.values, value.values)
+    _pass_on(pending.indices, tf.cast(value.indices, pending.indices.dtype))
     return
   if isinstance(value, tf.IndexedSlices):
     value = tf.convert_to_tensor(value)
-  _reroute(pending, tf.cast(value, pending.dtype))
+  _pass_on(pending, tf.cast(value, pending.dtype))
 
 
 def _open_dim0(tensor, name):
@@ -57,8 +60,6 @@ def _open_dim0(tensor, name):
   return tf.compat.v1.placeholder_with_default(tensor, shape, name=name)
 
 
-def _reroute(old: tf.Tensor, new: tf.Tensor) -> None:
-  for consumer in old.consumers():
-    for position, tensor in enumerate(consumer.inputs):
-      if tensor is old:
-        consumer._update_input(position, new)  # pylint: disable=protected-access
+def _pass_on(stand_in: tf.Tensor, value: tf.Tensor) -> None:
+  """The stand-in (a `PlaceholderWithDefault`) now defaults to `value`."""
+  stand_in.op._update_input(0, value)  # pylint: disable=protected-access

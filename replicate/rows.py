@@ -56,6 +56,9 @@ class TowerRows:
     """Walks back from `start` once; remembers the answer for every op."""
     if start in self._answers:
       return self._answers[start]
+    if self._is_folded_shape(start):
+      self._answers[start] = True
+      return True
     # Iterative depth-first walk: graphs of real models are deep.
     stack = [(start, iter(start.inputs))]
     visiting = {start}

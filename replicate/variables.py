@@ -75,6 +75,10 @@ class TowerVariables:
           "dtype.".format(name, variable.dtype.base_dtype.name))
     self._reduce_of[variable.ref()] = self.local_reduce
 
+  def is_shared(self, variable) -> bool:
+    """Whether tower 0 made `variable` for every tower (not a metric's)."""
+    return variable.ref() in self._tower0
+
   def for_tower(self, index: int, variable):
     """What tower `index` uses in place of tower 0's `variable`."""
     copy = self._copy_for(index, variable)

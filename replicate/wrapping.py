@@ -69,16 +69,26 @@ class Wrapping:
     return checked(wrapped(), self._family)
 
   def _weighted_loss(self, loss):
-    """The loss weighted by the current tower's weight."""
+    """The loss weighted by the current tower's weight.
+
+    The weight is held by an op of its own, recorded in the context, so
+    that `_weighed_once` knows a gradient computed through it is weighted.
+    """
     context = _active_context()
     if context is None:
       return loss
     weight = context.weights.of(context.tower_index)
     if isinstance(weight, float) and weight == 1.0:
       return loss
+
+    def weighted(value):
+      marker = tf.identity(tf.cast(weight, value.dtype), name="tower_weight")
+      context.weight_ops[context.tower_index].add(marker.op)
+      return value * marker
+
     if callable(loss):
-      return lambda: loss() * tf.cast(weight, tf.float32)
-    return loss * tf.cast(weight, loss.dtype)
+      return lambda: weighted(loss())
+    return weighted(loss)
 
   def _transformed(self, grads_and_vars):
     for transform in self._gradient_transformers:
@@ -98,7 +108,9 @@ class Wrapping:
     if context is None:
       return apply(self.optimizer, self._transformed(grads_and_vars))
     grads_and_vars = list(grads_and_vars)
+    _check_not_in_control_flow(context)
     _check_own_copies(context, grads_and_vars)
+    grads_and_vars = _weighed_once(context, grads_and_vars)
     if context.tower_index == 0:
       return self._build_update(context, grads_and_vars, apply)
     position = context.record_optimizer_call(self, grads_and_vars, None)
@@ -222,6 +234,96 @@ def tower_variables(var_list):
     return var_list
   return [context.variables.in_tower(context.tower_index, v)
           for v in tf.nest.flatten(var_list)]
+
+
+def _weighed_once(context, grads_and_vars):
+  """The tower's gradients, each weighted by the tower's weight once.
+
+  However the gradients were made: through `compute_gradients` or
+  `minimize`, which weighted the loss, they are kept as they are;
+  computed from the rows some other way (`tf.gradients(loss, tvars)` as
+  BERT does, a `GradientTape`), they are weighted here. A gradient not
+  computed from the tower's rows (read back from an accumulator every
+  tower added to, a constant) is the same in every tower: tower 0's
+  counts, once. "From the rows" is `replicate.rows`'s rule.
+  """
+  index = context.tower_index
+  weight = context.weights.of(index)
+  weighted = _downstream_of(context.weight_ops[index])
+  rows = context.rows_of(index)
+  result = []
+  for grad, variable in grads_and_vars:
+    if grad is None or _ops_of(grad) & weighted:
+      result.append((grad, variable))
+    elif rows.depend([grad]):
+      result.append((_scaled(grad, weight), variable))
+    elif index == 0:
+      result.append((grad, variable))
+    else:
+      result.append((_nothing_like(grad), variable))
+  return result
+
+
+def _downstream_of(ops):
+  """Every op computed from `ops` (data edges), `ops` included."""
+  found = set(ops)
+  pending = list(ops)
+  while pending:
+    op = pending.pop()
+    for output in op.outputs:
+      for consumer in output.consumers():
+        if consumer not in found:
+          found.add(consumer)
+          pending.append(consumer)
+  return found
+
+
+def _ops_of(grad):
+  if isinstance(grad, tf.IndexedSlices):
+    return {grad.values.op, grad.indices.op}
+  return {tf.convert_to_tensor(grad).op}
+
+
+def _scaled(grad, weight):
+  if isinstance(weight, float) and weight == 1.0:
+    return grad
+  if isinstance(grad, tf.IndexedSlices):
+    return tf.IndexedSlices(grad.values * tf.cast(weight, grad.values.dtype),
+                            grad.indices, grad.dense_shape)
+  grad = tf.convert_to_tensor(grad)
+  return grad * tf.cast(weight, grad.dtype)
+
+
+def _nothing_like(grad):
+  """A gradient that adds nothing to `grad`'s sum over towers."""
+  if isinstance(grad, tf.IndexedSlices):
+    return tf.IndexedSlices(grad.values[:0], grad.indices[:0],
+                            grad.dense_shape)
+  return tf.zeros_like(grad)
+
+
+def _check_not_in_control_flow(context):
+  """An optimizer call inside a tower's tf.cond or tf.function is refused.
+
+  The one update of the step sums every tower's gradients; a call inside
+  one tower's `tf.cond` branch (a NaN guard) or `tf.function` lives in
+  that tower's own function graph, which no other tower's gradients can
+  reach.
+  """
+  graph = tf.compat.v1.get_default_graph()
+  in_v1_cond = tf.compat.v1.get_default_graph()._get_control_flow_context()  # pylint: disable=protected-access
+  if graph.building_function or in_v1_cond is not None:
+    raise ValueError(
+        "Tower {} calls TowerOptimizer.apply_gradients (or minimize) inside "
+        "a tf.cond, a tf.while_loop or a tf.function. The step's one update "
+        "sums every tower's gradients, which a call inside one tower's "
+        "branch cannot reach, so replicate_model_fn cannot make it. Fix: "
+        "call the optimizer unconditionally; for a NaN guard, wrap the "
+        "optimizer in tf.compat.v1.train.experimental."
+        "MixedPrecisionLossScaleOptimizer (inside TowerOptimizer), which "
+        "skips the step everywhere when any tower's gradients are not "
+        "finite, or check finiteness in a gradient_transformers "
+        "function.".format(context.tower_index))
 
 
 def _check_own_copies(context, grads_and_vars):
