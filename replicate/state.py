@@ -165,7 +165,11 @@ class _Classifier:
       return KEEP
     aggregation = variable.aggregation
     kind = WRITE_KINDS[op.type]
-    from_rows = self.rows.depend([op.inputs[1]])
+    # A folded `zeros_like(v)` or `ones_like(v)` written as it is, is a
+    # constant of the variable's shape (an accumulator's reset), whatever
+    # shape it was folded from.
+    from_rows = (not _is_constant(op.inputs[1]) and
+                 self.rows.depend([op.inputs[1]]))
     if aggregation == Aggregation.ONLY_FIRST_REPLICA:
       return ONCE
     if aggregation == Aggregation.MEAN:
@@ -214,6 +218,15 @@ class _Classifier:
                        "update it with assign, assign_add or assign_sub")
       return KEEP if from_rows else ONCE
     if op.type in _TABLE_UNION_TYPES:
+      if written_op(op) in self._tower_ops and self._index:
+        raise _refusal(self._index, op, None, (
+            "changes a table the tower created itself: each tower would "
+            "fill its own table with its own rows, and tower 0's, the one "
+            "read, would hold part of the batch"), (
+                "create the table once per graph and use it in every tower "
+                "(e.g. keep it in a dict keyed by "
+                "tf.compat.v1.get_default_graph() in the model_fn's "
+                "closure), so every tower's inserts reach one table"))
       return KEEP if from_rows else ONCE
     if op.type in _REPLACING_TYPES:
       if variable is not None and self._is_own(variable):
@@ -287,6 +300,10 @@ def _variables_by_op(graph) -> Dict[tf.Operation, tf.Variable]:
     for variable in graph.get_collection(key):
       found.setdefault(variable.op, variable)
   return found
+
+
+def _is_constant(tensor) -> bool:
+  return tensor.op.type == "Const"
 
 
 def _is_moving_average(op) -> bool:

@@ -344,6 +344,9 @@ def _check_own_copies(context, grads_and_vars):
           "tower 0's variable {!r}, but it computes with its own copy {!r}. "
           "Take gradients with TowerOptimizer.compute_gradients(loss) (or "
           "minimize), which differentiates with respect to each tower's "
-          "copies, or with respect to the variables the tower's layers "
-          "hold, then clip or change them and call apply_gradients.".format(
+          "copies, and zip them with the variables compute_gradients "
+          "returns, not with tf.compat.v1.trainable_variables() (tower "
+          "0's); or differentiate with respect to the variables the "
+          "tower's layers hold. Then clip or change them and call "
+          "apply_gradients.".format(
               index, variable.op.name, copy.op.name))
