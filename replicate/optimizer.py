@@ -62,8 +62,10 @@ class TowerOptimizer(wrapping.Wrapping, _V1Optimizer):
   On gradients: gradients are summed over towers (dense: `add_n`;
   `IndexedSlices`: concatenated). Since each tower's loss was weighted by its
   share of the batch, the sum is the gradient of the whole batch's loss.
-  Gradients you compute yourself (without `compute_gradients` or `minimize`)
-  are summed as they are: weight their loss as `compute_gradients` would.
+  Gradients you compute yourself (`tf.gradients(loss, tvars)`, a
+  `GradientTape`) are weighted when they reach `apply_gradients`, once;
+  gradients not computed from the tower's rows (read back from an
+  accumulator) count once, tower 0's.
   """
 
   _family = _V1Optimizer

@@ -57,7 +57,10 @@ def _open_dim0(tensor, name):
   shape = tensor.shape
   if shape.rank:
     shape = tf.TensorShape([None]).concatenate(shape[1:])
-  return tf.compat.v1.placeholder_with_default(tensor, shape, name=name)
+  # Twice: `connect` may only give the stand-in an input whose static shape
+  # fits the one it had, so that one must be open too.
+  opened = tf.compat.v1.placeholder_with_default(tensor, shape)
+  return tf.compat.v1.placeholder_with_default(opened, shape, name=name)
 
 
 def _pass_on(stand_in: tf.Tensor, value: tf.Tensor) -> None:

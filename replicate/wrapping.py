@@ -4,7 +4,8 @@ On the wrapped optimizer: one per graph (the Estimator builds a graph per
 train, evaluate and export call), made from the instance or function given.
 
 On towers: computing gradients weights the tower's loss by its weight (see
-`replicate.weighting`). Tower 0's `apply_gradients` builds the one update of
+`replicate.weighting`); gradients made otherwise are weighted when they
+reach `apply_gradients` (`_weighed_once`), so each counts its share once. Tower 0's `apply_gradients` builds the one update of
 the step with the wrapped optimizer, in tower 0's scopes, on stand-ins for
 the summed gradients (see `replicate.pending`), so it returns the real update
 and the optimizer's slots exist once it returns. Towers 1..N-1 record their
