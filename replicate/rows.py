@@ -1,7 +1,7 @@
 """The one rule for "computed from the tower's rows", in every mode.
 
-On the rule: a value a tower built depends on its rows when walking back
-its data inputs, within the ops the tower built, reaches
+On the rule: a value a tower built depends on its rows when it is, or
+walking back its data inputs within the ops the tower built reaches,
 - a tensor of the tower's shard of `features` or `labels`; or
 - a constant TensorFlow folded from a shape known when the graph was built.
   With a batch of known size `tf.size(x)`, `tf.shape(x)`, `tf.ones_like(x)`
@@ -56,7 +56,10 @@ class TowerRows:
     """Walks back from `start` once; remembers the answer for every op."""
     if start in self._answers:
       return self._answers[start]
-    if self._is_folded_shape(start):
+    # The value may be the rows themselves: a feature passed through
+    # (`predictions=features`), or `tf.zeros_like(x)` folded to one constant.
+    if (any(t.ref() in self._shard for t in start.outputs) or
+        self._is_folded_shape(start)):
       self._answers[start] = True
       return True
     # Iterative depth-first walk: graphs of real models are deep.

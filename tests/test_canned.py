@@ -39,7 +39,7 @@ def _columns():
       color, 2)
 
 
-def _make(kind, family, model_dir, config=None):
+def _make(kind, family, model_dir, config=None, n_classes=3):
   """A canned estimator; the TF 2 ones take Keras legacy optimizers."""
   numeric, color, embedded = _columns()
   v2 = family == "v2"
@@ -49,13 +49,14 @@ def _make(kind, family, model_dir, config=None):
       (lambda: tf.compat.v1.train.AdagradOptimizer(0.1)))
   common = dict(model_dir=model_dir, config=config)
   if kind == "DNNClassifier":
-    return module.DNNClassifier([6, 4], numeric + [embedded], n_classes=3,
-                                optimizer=optimizer, **common)
+    return module.DNNClassifier([6, 4], numeric + [embedded],
+                                n_classes=n_classes, optimizer=optimizer,
+                                **common)
   if kind == "DNNRegressor":
     return module.DNNRegressor([4], numeric + [embedded], optimizer=optimizer,
                                **common)
   if kind == "LinearClassifier":
-    return module.LinearClassifier(numeric + [color], n_classes=3,
+    return module.LinearClassifier(numeric + [color], n_classes=n_classes,
                                    optimizer=optimizer, **common)
   if kind == "LinearRegressor":
     return module.LinearRegressor(numeric + [color], optimizer=optimizer,
@@ -66,12 +67,12 @@ def _make(kind, family, model_dir, config=None):
       dnn_optimizer=replicate.TowerOptimizer(
           (lambda: tf.keras.optimizers.legacy.Adam(0.01)) if v2 else
           (lambda: tf.compat.v1.train.AdamOptimizer(0.01))),
-      n_classes=3, **common)
+      n_classes=n_classes, **common)
 
 
 def _wrapped(kind, family, model_dir, towers,
-             variable_strategy="parameter_server"):
-  canned = _make(kind, family, model_dir)
+             variable_strategy="parameter_server", n_classes=3):
+  canned = _make(kind, family, model_dir, n_classes=n_classes)
   # compat.v1 heads sum their loss over the batch; TF 2 heads average it.
   reduction = Reduction.SUM if family == "v1" else (
       Reduction.SUM_BY_NONZERO_WEIGHTS)
@@ -82,13 +83,13 @@ def _wrapped(kind, family, model_dir, towers,
       config=tf.estimator.RunConfig(session_config=session_config(towers)))
 
 
-def _labels(kind):
-  return CLASS if "Classifier" in kind else VALUE
+def _labels(kind, n_classes=3):
+  return CLASS % n_classes if "Classifier" in kind else VALUE
 
 
-def _train_input(kind):
+def _train_input(kind, n_classes=3):
   return lambda: tf.data.Dataset.from_tensor_slices(
-      ({"x": X, "color": COLOR}, _labels(kind))).batch(4)
+      ({"x": X, "color": COLOR}, _labels(kind, n_classes))).batch(4)
 
 
 def _predict_input():
@@ -334,3 +335,70 @@ def test_dnn_batch_norm_statistics_move_once_with_the_batchs_mean(family,
     for name, value in results[None].items():
       np.testing.assert_allclose(results[towers][name], value, rtol=1e-5,
                                  atol=1e-7, err_msg=name)
+
+
+# Pairwise over kind x variable_strategy x family x classes x batching x
+# yield_single_examples x towers: any two factors meet in every pair of their
+# values in some row (9 rows in place of 864).
+STATIC_PREDICT = [
+    ("DNNClassifier", "parameter_server", "v1", 2, "from_tensors", True, 2),
+    ("DNNClassifier", "round_robin", "v1", 3, "from_tensors", False, 3),
+    ("DNNClassifier", "replicated", "v2", 2, "drop_remainder", True, 3),
+    ("LinearClassifier", "parameter_server", "v2", 3, "drop_remainder", False,
+     3),
+    ("LinearClassifier", "round_robin", "v1", 2, "drop_remainder", True, 3),
+    ("LinearClassifier", "replicated", "v2", 3, "from_tensors", False, 2),
+    ("DNNLinearCombinedClassifier", "parameter_server", "v1", 3,
+     "from_tensors", True, 2),
+    ("DNNLinearCombinedClassifier", "round_robin", "v2", 3, "drop_remainder",
+     True, 2),
+    ("DNNLinearCombinedClassifier", "replicated", "v1", 2, "from_tensors",
+     False, 3),
+]
+
+
+def _static_predict_input(batching):
+  """Batches whose size TensorFlow knows when it builds the graph."""
+  rows = {"x": X, "color": COLOR}
+  if batching == "from_tensors":
+    return lambda: tf.data.Dataset.from_tensors(rows)  # one batch of 10
+  return lambda: tf.data.Dataset.from_tensor_slices(rows).batch(
+      4, drop_remainder=True)  # two batches of 4
+
+
+def _static_predict_id(row):
+  kind, strategy, family, n_classes, batching, is_single, towers = row
+  return "-".join([kind, family, "binary" if n_classes == 2 else "3-class",
+                   batching, "single" if is_single else "batched", strategy,
+                   "{}-towers".format(towers)])
+
+
+@pytest.mark.parametrize(
+    "kind, strategy, family, n_classes, batching, is_single, towers",
+    STATIC_PREDICT, ids=[_static_predict_id(row) for row in STATIC_PREDICT])
+def test_predict_on_a_static_batch_gives_every_row_like_unwrapped(
+    kind, strategy, family, n_classes, batching, is_single, towers,
+    tmp_path):
+  # With a static batch the heads' all_class_ids (and all_classes) depend on
+  # the rows only through a shape folded to a constant: each tower's has its
+  # own rows, so tower 0's alone would be short of rows.
+  model_dir = str(tmp_path)
+  _make(kind, family, model_dir, n_classes=n_classes).train(
+      _train_input(kind, n_classes), steps=1)
+  predict_input = _static_predict_input(batching)
+  expected = list(_make(kind, family, model_dir, n_classes=n_classes).predict(
+      predict_input, yield_single_examples=is_single))
+  got = list(_wrapped(kind, family, model_dir, towers, strategy,
+                      n_classes).predict(
+                          predict_input, yield_single_examples=is_single))
+  rows, batches = (ROWS, 1) if batching == "from_tensors" else (8, 2)
+  assert len(got) == len(expected) == (rows if is_single else batches)
+  for got_one, expected_one in zip(got, expected):
+    assert sorted(got_one) == sorted(expected_one)
+    assert "all_class_ids" in expected_one
+    for key, value in expected_one.items():
+      if value.dtype.kind == "f":
+        np.testing.assert_allclose(got_one[key], value, rtol=1e-5, atol=1e-6,
+                                   err_msg=key)
+      else:
+        np.testing.assert_array_equal(got_one[key], value, err_msg=key)

@@ -120,3 +120,164 @@ def test_variables_read_by_several_keys_are_folded_once(towers):
   # Rows 0..6 twice: mean 3.0 whatever the towers; 1 - 3.0 = -2.0.
   assert mean == pytest.approx(3.0)
   assert baseline == pytest.approx(-2.0)
+
+
+KERAS_ROWS = 10  # batches of 7 from .repeat(): rows 0-6, then 7-9 and 0-3
+KERAS_X = np.random.RandomState(5).rand(KERAS_ROWS, 3).astype(np.float32)
+KERAS_LABEL = np.array([1, 0, 1, 1, 0, 0, 1, 0, 1, 1], np.float32)
+
+
+def _keras_metrics_model_fn(features, labels, mode):
+  """Keras metric objects in eval_metric_ops, as a TF 2 model_fn has them."""
+  weights = tf.compat.v1.get_variable(
+      "w", [3, 1], initializer=tf.constant_initializer([[0.5], [-1.0], [2.0]]))
+  logits = tf.squeeze(tf.matmul(features["x"], weights), 1) - 1.0
+  probabilities = tf.sigmoid(logits)
+  per_row = tf.nn.sigmoid_cross_entropy_with_logits(labels=labels,
+                                                    logits=logits)
+  metrics = {"mean": tf.keras.metrics.Mean(),
+             "accuracy": tf.keras.metrics.BinaryAccuracy(),
+             "auc": tf.keras.metrics.AUC(num_thresholds=50),
+             "precision": tf.keras.metrics.Precision()}
+  metrics["mean"].update_state(per_row)
+  for key in ("accuracy", "auc", "precision"):
+    metrics[key].update_state(labels, probabilities)
+  return tf.estimator.EstimatorSpec(mode, loss=tf.reduce_mean(per_row),
+                                    eval_metric_ops=metrics)
+
+
+def _keras_input_fn(is_repeated):
+  def input_fn():
+    rows = tf.data.Dataset.from_tensor_slices(({"x": KERAS_X}, KERAS_LABEL))
+    # repeat() makes an op named `count`: tower 0's Keras `count` variable
+    # becomes `count_1`, tower 1's `tower_1/count`.
+    return (rows.repeat() if is_repeated else rows).batch(7)
+  return input_fn
+
+
+def _evaluate(model_fn, towers, is_repeated, model_dir):
+  config = tf.estimator.RunConfig(model_dir=model_dir,
+                                  session_config=session_config(towers))
+  return tf.estimator.Estimator(model_fn, config=config).evaluate(
+      _keras_input_fn(is_repeated), steps=3 if is_repeated else None)
+
+
+@pytest.mark.parametrize("is_repeated", [False, True])
+@pytest.mark.parametrize("towers", [2, 3])
+def test_keras_metric_objects_pair_by_creation_order(towers, is_repeated,
+                                                     tmp_path):
+  expected = _evaluate(_keras_metrics_model_fn, 1, is_repeated,
+                       str(tmp_path / "one"))
+  # Rows of 7-row batches 0-6 (and 7-9, 0-3; 4-9 with .repeat()): a fold
+  # that kept tower 0's rows only would give other values.
+  values = _evaluate(replicate.replicate_model_fn(_keras_metrics_model_fn),
+                     towers, is_repeated, str(tmp_path / "wrapped"))
+  assert sorted(values) == sorted(expected)
+  for key in ("mean", "accuracy", "auc", "precision", "loss"):
+    np.testing.assert_allclose(values[key], expected[key], rtol=1e-5,
+                               atol=1e-6, err_msg=key)
+
+
+def _one_batch_values(model_fn, rows):
+  """Every key's value after one update on the first `rows` rows."""
+  with tf.Graph().as_default():
+    spec = model_fn({"x": tf.constant(KERAS_X[:rows])},
+                    tf.constant(KERAS_LABEL[:rows]), EVAL)
+    with tf.compat.v1.Session(config=session_config()) as session:
+      session.run([tf.compat.v1.global_variables_initializer(),
+                   tf.compat.v1.local_variables_initializer()])
+      session.run([update for _, update in spec.eval_metric_ops.values()])
+      return session.run({key: value for key, (value, _)
+                          in spec.eval_metric_ops.items()})
+
+
+@pytest.mark.parametrize("towers", [2, 3])
+def test_keras_metric_towers_without_rows_add_nothing(towers):
+  # One row: tower 0 has it, towers 1.. run on a stand-in row that adds 0.
+  expected = _one_batch_values(_keras_metrics_model_fn, 1)
+  values = _one_batch_values(replicate.replicate_model_fn(
+      _keras_metrics_model_fn, devices=cpus(towers)), 1)
+  for key, value in expected.items():
+    np.testing.assert_allclose(values[key], value, rtol=1e-5, atol=1e-6,
+                               err_msg=key)
+
+
+def _is_tower_1():
+  return tf.compat.v1.get_default_graph().get_name_scope().startswith(
+      "tower_1")
+
+
+def _metric_variable(name, shape=()):
+  """A metric variable made as Keras makes one: under the tower's scope."""
+  return tf.compat.v1.Variable(
+      tf.zeros(shape), trainable=False, name=name, use_resource=True,
+      collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+
+
+def _mismatched(how):
+  """A model_fn whose tower 1 makes its metric differently: `how`."""
+
+  def model_fn(features, labels, mode):
+    del labels
+    is_odd = _is_tower_1()
+    total = _metric_variable("total", (2,) if is_odd and how == "shape"
+                             else ())
+    updates = [total.assign_add(tf.reduce_sum(features["x"]) +
+                                tf.zeros_like(total))]
+    value = tf.reduce_sum(total.read_value())
+    if is_odd and how == "count":
+      extra = _metric_variable("extra")
+      updates.append(extra.assign_add(1.0))
+      value += extra.read_value()
+    return tf.estimator.EstimatorSpec(
+        mode, loss=tf.reduce_mean(features["x"]),
+        eval_metric_ops={"total": (value, tf.group(*updates))})
+
+  return model_fn
+
+
+@pytest.mark.parametrize("how, tower_1", [
+    ("shape", "['tower_1/total: float32 (2,)']"),
+    ("count", "['tower_1/total: float32 ()', 'tower_1/extra: float32 ()']")])
+def test_metric_variables_that_do_not_pair_are_refused(how, tower_1):
+  with tf.Graph().as_default():
+    x = tf.constant(np.arange(ROWS, dtype=np.float32).reshape(ROWS, 1))
+    with pytest.raises(ValueError) as error:
+      replicate.replicate_model_fn(_mismatched(how), devices=cpus(2))(
+          {"x": x}, None, EVAL)
+  message = str(error.value)
+  assert "eval_metric_ops['total']: tower 1's metric variables " in message
+  assert tower_1 in message
+  assert ("do not pair, in creation order, with tower 0's "
+          "['total: float32 ()']") in message
+  assert "Create the metric the same way in every tower" in message
+
+
+def _reordered_model_fn(features, labels, mode):
+  """Tower 1 creates the two variables key 'a' reads in the other order."""
+  del labels
+  if _is_tower_1():
+    second, first = _metric_variable("second"), _metric_variable("first")
+  else:
+    first, second = _metric_variable("first"), _metric_variable("second")
+  update = tf.group(first.assign_add(tf.reduce_sum(features["x"])),
+                    second.assign_add(1.0))
+  return tf.estimator.EstimatorSpec(
+      mode, loss=tf.reduce_mean(features["x"]), eval_metric_ops={
+          "a": (first.read_value() + second.read_value(), update),
+          "b": (second.read_value(), update)})
+
+
+def test_a_variable_paired_differently_by_two_keys_is_refused():
+  # Key 'a' pairs tower_1/second with tower 0's first (creation order);
+  # key 'b' pairs it with second: folding both would count it twice.
+  with tf.Graph().as_default():
+    x = tf.constant(np.arange(ROWS, dtype=np.float32).reshape(ROWS, 1))
+    with pytest.raises(ValueError) as error:
+      replicate.replicate_model_fn(_reordered_model_fn, devices=cpus(2))(
+          {"x": x}, None, EVAL)
+  message = str(error.value)
+  assert ("tower 1's metric variable 'tower_1/second' pairs with tower 0's "
+          "'first' in eval_metric_ops['a'] but with 'second' in "
+          "eval_metric_ops['b']") in message
+  assert "Create the metrics the same way in every tower" in message

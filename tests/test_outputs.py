@@ -124,3 +124,32 @@ def test_a_prediction_reduced_over_the_batch_axis_is_refused(graph):
                      r"tower's rows but tower 0's value has 2 rows where its "
                      r"shard has 3"):
     _wrapped(3, model_fn)({"x": tf.constant(X)}, None, PREDICT)
+
+
+def _folded_shape_model_fn(features, labels, mode):
+  """Predictions tied to the rows only through the batch's static shape."""
+  del labels
+  # With a static batch TensorFlow folds these shapes to constants, so no
+  # data input leads back to the rows; `zeros_like` is that constant itself,
+  # as a feature passed through is the shard itself.
+  return tf.estimator.EstimatorSpec(
+      mode, predictions={"zeros": tf.zeros_like(features["x"]),
+                         "threes": tf.fill(tf.shape(features["x"])[:1], 3.0),
+                         "x": features["x"]})
+
+
+@pytest.mark.parametrize("towers", [2, 3])
+def test_predictions_tied_to_the_rows_by_a_folded_shape_keep_every_row(
+    towers):
+  expected = _run(_folded_shape_model_fn, 1, lambda spec: spec.predictions)
+  np.testing.assert_array_equal(expected["zeros"], np.zeros([ROWS, 1]))
+  np.testing.assert_array_equal(expected["threes"], np.full([ROWS], 3.0))
+  np.testing.assert_array_equal(expected["x"], X)
+  # Tower 0's shard has 4 (2 towers) or 3 (3 towers) of the 7 rows: its
+  # value alone would be short of rows.
+  got = _run(_wrapped(towers, _folded_shape_model_fn), towers,
+             lambda spec: spec.predictions)
+  assert sorted(got) == sorted(expected)
+  for key, value in expected.items():
+    assert got[key].shape == value.shape, key
+    np.testing.assert_array_equal(got[key], value, err_msg=key)

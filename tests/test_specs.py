@@ -93,7 +93,7 @@ def test_keras_metric_objects_report_the_whole_batch(towers):
     assert replicated[key] == pytest.approx(value, rel=1e-6), key
 
 
-def test_metrics_made_differently_per_tower_are_refused(graph):
+def test_metrics_named_differently_per_tower_pair_by_creation_order(graph):
   towers_built = []
 
   def model_fn(features, labels, mode):
@@ -101,13 +101,21 @@ def test_metrics_made_differently_per_tower_are_refused(graph):
     name = "acc_{}".format(len(towers_built))  # a new name in every tower
     return tf.estimator.EstimatorSpec(
         mode, loss=tf.constant(0.0), eval_metric_ops={
-            "accuracy": tf.compat.v1.metrics.accuracy(labels, labels,
-                                                      name=name)
+            "accuracy": tf.compat.v1.metrics.accuracy(
+                labels, tf.cast(features > 0.5, tf.int64), name=name)
         })
 
-  with pytest.raises(ValueError, match="has no counterpart named 'acc_2/"):
-    replicate.replicate_model_fn(model_fn, devices=cpus(2))(
-        tf.ones([4]), tf.ones([4]), EVAL)
+  features = tf.constant([0.9, 0.1, 0.7, 0.2, 0.8])
+  labels = tf.constant([1, 1, 1, 0, 0], tf.int64)
+  spec = replicate.replicate_model_fn(model_fn, devices=cpus(2))(
+      features, labels, EVAL)
+  with tf.compat.v1.Session(config=session_config()) as session:
+    session.run(tf.compat.v1.local_variables_initializer())
+    session.run(spec.eval_metric_ops["accuracy"][1])
+    accuracy = session.run(spec.eval_metric_ops["accuracy"][0])
+  # Right on rows 0, 2, 3 of 5, 3 rows in tower 0 ('acc_1'), 2 in tower 1
+  # ('acc_2'): 3/5 = 0.6 only if tower 1's total and count are folded.
+  assert accuracy == pytest.approx(0.6)
 
 
 def _predict_model_fn(features, labels, mode):
