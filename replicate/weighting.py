@@ -1,5 +1,8 @@
 """How much each tower's loss counts, and `replicate.loss_denominator`.
 
+On gradients: `weighed_once` weights each gradient a tower passes to
+`apply_gradients` once, however it was made (see there).
+
 On weights: with `Reduction.SUM` every tower's loss counts fully (weight 1);
 with an averaging reduction tower i's loss counts `n_i / n`, its share of
 the batch, which is exact when the loss is a mean over rows. A loss that
@@ -47,6 +50,72 @@ def loss_denominator(denominator: Any) -> tf.Tensor:
   if context is None or context.tower_index is None or context.num_towers < 2:
     return tf.convert_to_tensor(denominator)
   return context.weights.set_denominator(context.tower_index, denominator)
+
+
+def weighed_once(context, grads_and_vars: list) -> list:
+  """The tower's gradients, each weighted by the tower's weight once.
+
+  However the gradients were made: through `compute_gradients` or
+  `minimize`, which weighted the loss, they are kept as they are;
+  computed from the rows some other way (`tf.gradients(loss, tvars)` as
+  BERT does, a `GradientTape`), they are weighted here. A gradient not
+  computed from the tower's rows (read back from an accumulator every
+  tower added to, a constant) is the same in every tower: tower 0's
+  counts, once. "From the rows" is `replicate.rows`'s rule.
+  """
+  index = context.tower_index
+  weight = context.weights.of(index)
+  weighted = _downstream_of(context.weight_ops[index])
+  rows = context.rows_of(index)
+  result = []
+  for grad, variable in grads_and_vars:
+    if grad is None or _ops_of(grad) & weighted:
+      result.append((grad, variable))
+    elif rows.depend([grad]):
+      result.append((_scaled(grad, weight), variable))
+    elif index == 0:
+      result.append((grad, variable))
+    else:
+      result.append((_nothing_like(grad), variable))
+  return result
+
+
+def _downstream_of(ops):
+  """Every op computed from `ops` (data edges), `ops` included."""
+  found = set(ops)
+  pending = list(ops)
+  while pending:
+    op = pending.pop()
+    for output in op.outputs:
+      for consumer in output.consumers():
+        if consumer not in found:
+          found.add(consumer)
+          pending.append(consumer)
+  return found
+
+
+def _ops_of(grad):
+  if isinstance(grad, tf.IndexedSlices):
+    return {grad.values.op, grad.indices.op}
+  return {tf.convert_to_tensor(grad).op}
+
+
+def _scaled(grad, weight):
+  if isinstance(weight, float) and weight == 1.0:
+    return grad
+  if isinstance(grad, tf.IndexedSlices):
+    return tf.IndexedSlices(grad.values * tf.cast(weight, grad.values.dtype),
+                            grad.indices, grad.dense_shape)
+  grad = tf.convert_to_tensor(grad)
+  return grad * tf.cast(weight, grad.dtype)
+
+
+def _nothing_like(grad):
+  """A gradient that adds nothing to `grad`'s sum over towers."""
+  if isinstance(grad, tf.IndexedSlices):
+    return tf.IndexedSlices(grad.values[:0], grad.indices[:0],
+                            grad.dense_shape)
+  return tf.zeros_like(grad)
 
 
 class TowerWeights:

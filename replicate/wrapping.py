@@ -5,7 +5,7 @@ train, evaluate and export call), made from the instance or function given.
 
 On towers: computing gradients weights the tower's loss by its weight (see
 `replicate.weighting`); gradients made otherwise are weighted when they
-reach `apply_gradients` (`_weighed_once`), so each counts its share once. Tower 0's `apply_gradients` builds the one update of
+reach `apply_gradients` (`weighting.weighed_once`), so each counts its share once. Tower 0's `apply_gradients` builds the one update of
 the step with the wrapped optimizer, in tower 0's scopes, on stand-ins for
 the summed gradients (see `replicate.pending`), so it returns the real update
 and the optimizer's slots exist once it returns. Towers 1..N-1 record their
@@ -27,6 +27,7 @@ from replicate import aggregation
 from replicate import context as context_lib
 from replicate import optimizer_calls
 from replicate import pending
+from replicate import weighting
 
 V1Optimizer = tf.compat.v1.train.Optimizer
 KerasOptimizer = tf.keras.optimizers.legacy.Optimizer
@@ -73,7 +74,7 @@ class Wrapping:
     """The loss weighted by the current tower's weight.
 
     The weight is held by an op of its own, recorded in the context, so
-    that `_weighed_once` knows a gradient computed through it is weighted.
+    that `weighting.weighed_once` knows a gradient computed through it is weighted.
     """
     context = _active_context()
     if context is None:
@@ -111,7 +112,7 @@ class Wrapping:
     grads_and_vars = list(grads_and_vars)
     _check_not_in_control_flow(context)
     _check_own_copies(context, grads_and_vars)
-    grads_and_vars = _weighed_once(context, grads_and_vars)
+    grads_and_vars = weighting.weighed_once(context, grads_and_vars)
     if context.tower_index == 0:
       return self._build_update(context, grads_and_vars, apply)
     position = context.record_optimizer_call(self, grads_and_vars, None)
@@ -237,72 +238,6 @@ def tower_variables(var_list):
           for v in tf.nest.flatten(var_list)]
 
 
-def _weighed_once(context, grads_and_vars):
-  """The tower's gradients, each weighted by the tower's weight once.
-
-  However the gradients were made: through `compute_gradients` or
-  `minimize`, which weighted the loss, they are kept as they are;
-  computed from the rows some other way (`tf.gradients(loss, tvars)` as
-  BERT does, a `GradientTape`), they are weighted here. A gradient not
-  computed from the tower's rows (read back from an accumulator every
-  tower added to, a constant) is the same in every tower: tower 0's
-  counts, once. "From the rows" is `replicate.rows`'s rule.
-  """
-  index = context.tower_index
-  weight = context.weights.of(index)
-  weighted = _downstream_of(context.weight_ops[index])
-  rows = context.rows_of(index)
-  result = []
-  for grad, variable in grads_and_vars:
-    if grad is None or _ops_of(grad) & weighted:
-      result.append((grad, variable))
-    elif rows.depend([grad]):
-      result.append((_scaled(grad, weight), variable))
-    elif index == 0:
-      result.append((grad, variable))
-    else:
-      result.append((_nothing_like(grad), variable))
-  return result
-
-
-def _downstream_of(ops):
-  """Every op computed from `ops` (data edges), `ops` included."""
-  found = set(ops)
-  pending = list(ops)
-  while pending:
-    op = pending.pop()
-    for output in op.outputs:
-      for consumer in output.consumers():
-        if consumer not in found:
-          found.add(consumer)
-          pending.append(consumer)
-  return found
-
-
-def _ops_of(grad):
-  if isinstance(grad, tf.IndexedSlices):
-    return {grad.values.op, grad.indices.op}
-  return {tf.convert_to_tensor(grad).op}
-
-
-def _scaled(grad, weight):
-  if isinstance(weight, float) and weight == 1.0:
-    return grad
-  if isinstance(grad, tf.IndexedSlices):
-    return tf.IndexedSlices(grad.values * tf.cast(weight, grad.values.dtype),
-                            grad.indices, grad.dense_shape)
-  grad = tf.convert_to_tensor(grad)
-  return grad * tf.cast(weight, grad.dtype)
-
-
-def _nothing_like(grad):
-  """A gradient that adds nothing to `grad`'s sum over towers."""
-  if isinstance(grad, tf.IndexedSlices):
-    return tf.IndexedSlices(grad.values[:0], grad.indices[:0],
-                            grad.dense_shape)
-  return tf.zeros_like(grad)
-
-
 def _check_not_in_control_flow(context):
   """An optimizer call inside a tower's tf.cond or tf.function is refused.
 
@@ -319,12 +254,14 @@ def _check_not_in_control_flow(context):
         "a tf.cond, a tf.while_loop or a tf.function. The step's one update "
         "sums every tower's gradients, which a call inside one tower's "
         "branch cannot reach, so replicate_model_fn cannot make it. Fix: "
-        "call the optimizer unconditionally; for a NaN guard, wrap the "
-        "optimizer in tf.compat.v1.train.experimental."
-        "MixedPrecisionLossScaleOptimizer (inside TowerOptimizer), which "
-        "skips the step everywhere when any tower's gradients are not "
-        "finite, or check finiteness in a gradient_transformers "
-        "function.".format(context.tower_index))
+        "call the optimizer unconditionally. For a NaN guard, wrap the "
+        "optimizer, inside TowerOptimizer, in tf.compat.v1.train."
+        "experimental.MixedPrecisionLossScaleOptimizer(optimizer, "
+        "tf.compat.v1.mixed_precision.DynamicLossScale("
+        "initial_loss_scale=1, multiplier=1)): it skips the update on every "
+        "tower when any tower's gradients are not finite (global_step does "
+        "not advance on a skipped step) and leaves the gradients "
+        "unscaled.".format(context.tower_index))
 
 
 def _check_own_copies(context, grads_and_vars):

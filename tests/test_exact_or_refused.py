@@ -236,13 +236,13 @@ def _nan_guard_model_fn(features, labels, mode):
       tf.compat.v1.train.GradientDescentOptimizer(0.1))
   train_op = tf.cond(tf.math.is_finite(loss),
                      lambda: optimizer.minimize(loss, gs),
-                     lambda: gs.assign_add(1))
+                     lambda: tf.group(gs.assign_add(1)))
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
 def test_optimizer_call_inside_tf_cond_is_refused_with_the_fix():
   # Was: an op's protobuf dumped as the message.
-  with pytest.raises(ValueError, match="inside a tf.cond.*MixedPrecision"):
+  with pytest.raises(ValueError, match="inside a tf.cond.*MixedPrecision.*multiplier=1"):
     _train(_nan_guard_model_fn, 2)
 
 
@@ -477,3 +477,41 @@ def test_batch_norm_with_a_tensor_training_argument_is_refused():
   # Was: the moving mean updated once per tower in no fixed order.
   with pytest.raises(ValueError, match="Python bool as training"):
     _train(_tensor_training_bn_model_fn, 2, rows=7)
+
+
+def _skip_non_finite_model_fn(features, labels, mode):
+  """The refusal's fix for a NaN guard: a loss scale of 1 that never moves."""
+  loss = _mse(features, labels)
+  optimizer = replicate.TowerOptimizer(
+      tf.compat.v1.train.experimental.MixedPrecisionLossScaleOptimizer(
+          tf.compat.v1.train.GradientDescentOptimizer(0.1),
+          tf.compat.v1.mixed_precision.DynamicLossScale(
+              initial_loss_scale=1, multiplier=1)))
+  train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize("towers", TOWERS)
+def test_the_nan_guard_fix_skips_like_the_guard_on_one_device(towers):
+  # Step 2's last row is NaN: in the last tower's shard. One device with
+  # the tf.cond guard skips that step's update; the fix skips it on every
+  # tower, and trains like the guard on the finite steps.
+  batches = _batches(7, 3)
+  batches[1][0][-1, 0] = np.nan
+  results = []
+  for model_fn, count in ((_nan_guard_model_fn, None),
+                          (_skip_non_finite_model_fn, towers)):
+    with tf.Graph().as_default():
+      tf.compat.v1.train.get_or_create_global_step()
+      x = tf.compat.v1.placeholder(tf.float32, [None, 3])
+      y = tf.compat.v1.placeholder(tf.float32, [None, 1])
+      if count:
+        model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(count))
+      spec = model_fn(features={"x": x}, labels=y, mode=TRAIN)
+      with tf.compat.v1.Session(config=session_config(4)) as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        for batch_x, batch_y in batches:
+          session.run(spec.train_op, {x: batch_x, y: batch_y})
+        results.append({v.op.name: session.run(v)
+                        for v in tf.compat.v1.trainable_variables()})
+  _assert_same(*results)
