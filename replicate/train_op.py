@@ -138,15 +138,22 @@ def _wait_for_every_tower(classes, context) -> None:
     for change in tower:
       if change.kind == _KEEP and change.is_shared:
         writes[change.variable.op].append((change.tower, change.op))
+  writes = {variable_op: tower_writes
+            for variable_op, tower_writes in writes.items()
+            if len({tower for tower, _ in tower_writes}) > 1}
+  # What some write waits for: only a read in there could make a cycle.
+  behind_writes = set(graphs.ops_behind(
+      [op for tower_writes in writes.values() for _, op in tower_writes],
+      follow_control=True))
+  tower_ops = [frozenset(ops) for ops in context.tower_ops]
   for variable_op, tower_writes in writes.items():
-    if len({tower for tower, _ in tower_writes}) < 2:
-      continue
-    for index, tower_ops in enumerate(context.tower_ops):
+    for index, ops in enumerate(tower_ops):
       own = {op for tower, op in tower_writes if tower == index}
       others = [op for tower, op in tower_writes if tower != index]
-      for read in _reads_after(variable_op, own, frozenset(tower_ops)):
+      for read in _reads_after(variable_op, own, ops):
         for write in others:
-          if read in set(graphs.ops_behind([write], follow_control=True)):
+          if read in behind_writes and read in set(
+              graphs.ops_behind([write], follow_control=True)):
             raise ValueError(
                 "Tower {}'s op {!r} reads {!r} after adding to it, and "
                 "another tower's addition {!r} waits for that read, so the "
