@@ -303,7 +303,9 @@ def _variables_by_op(graph) -> Dict[tf.Operation, tf.Variable]:
 
 
 def _is_constant(tensor) -> bool:
-  return tensor.op.type == "Const"
+  """A constant that holds no count: not a folded `Size` or `Shape`."""
+  name = tensor.op.name.split("/")[-1]
+  return tensor.op.type == "Const" and not name.startswith(("Size", "Shape"))
 
 
 def _is_moving_average(op) -> bool:
