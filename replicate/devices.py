@@ -9,8 +9,9 @@ called, unless the session it runs in has it (this task's own, in a ps
 cluster's training; the local session's otherwise).
 
 On placement: a device function puts every op of a tower on the tower's
-device, except the ops that create variables, which go where the
-`variable_strategy` says (see `replicate.strategies`).
+device, control flow included, except the ops that create variables, which
+go where the `variable_strategy` says (see `replicate.strategies`), and
+the ops on a variable's handle (reads, writes), which go with it.
 """
 
 from typing import Callable, List, Optional, Sequence
@@ -25,12 +26,16 @@ _VARIABLE_OP_TYPES = frozenset(
 
 
 # Ops that run functions (tf.cond, tf.while_loop, RNNs, tf.function calls).
-# They take a captured variable's handle to pass it to their functions; when
-# TensorFlow lowers them, their nodes and the functions' reads are colocated
-# with that handle, so they can run on the tower only if the variable does.
+# They take the handles of the variables their functions capture only to
+# pass them on: they run on the tower wherever the variables live.
 _CONTROL_FLOW_OP_TYPES = frozenset([
     "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
     "PartitionedCall", "StatefulPartitionedCall"])
+
+# Ops that pass a handle on unchanged (identities, v1 control flow): the
+# resource a handle is of is found through them.
+_HANDLE_PASSING_OP_TYPES = frozenset([
+    "Identity", "Enter", "RefEnter", "Switch", "RefSwitch"])
 
 
 def normalize_devices(devices: Optional[Sequence[str]]) -> Optional[List[str]]:
@@ -108,24 +113,43 @@ def tower_device_function(tower_device: str,
 
   A device the model_fn sets itself (`with tf.device(...)`) is kept: it is
   merged over the chosen one, as `tf.compat.v1.train.replica_device_setter`
-  does. Ops that take a variable's handle are left to the placer, which
-  puts them with the variable. Control flow (`If`, `While`, function
-  calls) that captures only variables on the tower's own device (replicated
-  copies, round-robin variables placed there) runs on the tower; the ops
-  inside its functions are placed like the tower's other ops either way.
+  does. An op on a handle (a variable's read or write, a v1 loop's `Enter`
+  of it) runs where the resource lives, found through the captures of the
+  functions it is built in; where that is unknown it is left to the
+  placer, which puts it with the resource. Control flow (`If`, `While`,
+  function calls) runs on the tower, wherever the variables it captures
+  live.
+
+  On control flow: TensorFlow lowers an `If` or `While` into the graph and
+  gives the nodes of its functions that have no device the device of the
+  `If` or `While`. A variable's read has none (see `_pin_reads`): lowered
+  on a tower away from its variable, it is pulled back to the variable by
+  the placer, but a node colocated with it (the `Switch` of a nested `cond`
+  on the read's value, as in `tf.math.zero_fraction` under a `cond`) keeps
+  the tower's device, and TensorFlow refuses the pair ("Cannot colocate
+  nodes"). So reads inside functions are pinned to their variable.
+
+  On v1 control flow (TF 1 behaviour): `Switch`, `Merge`, `Enter`, `Exit`,
+  `NextIteration` and `LoopCond` go to the tower like any op. TensorFlow
+  builds some under `colocate_with`, which hides them from device
+  functions: the `Switch` of a tensor a `cond` captures, the `Enter` of a
+  handle a read brings into a loop, the stacks and `Enter`s of gradient
+  accumulators. They keep the device of what they are colocated with (or
+  none, and the placer puts them with it), as TensorFlow means them to.
   """
 
   def choose(op):
+    _pin_reads(op)
     if op.type in _VARIABLE_OP_TYPES:
       spec = tf.DeviceSpec.from_string(
           choose_variable_device(op) or tower_device)
-    elif any(t.dtype == tf.resource for t in op.inputs) and not (
-        op.type in _CONTROL_FLOW_OP_TYPES and
-        _handles_are_on(op, tower_device)):
-      # An op on a variable's handle runs where the variable lives; the
-      # placer puts it there. Pinning it to the tower breaks, e.g., a read
-      # inside a tf.cond branch, whose handle has no device of its own.
-      return op.device
+    elif op.type in _CONTROL_FLOW_OP_TYPES:
+      spec = tf.DeviceSpec.from_string(tower_device)
+    elif any(t.dtype == tf.resource for t in op.inputs):
+      device = _resource_device(op)
+      if device is None:
+        return op.device  # left to the placer: with the resource
+      spec = tf.DeviceSpec.from_string(device)
     else:
       spec = tf.DeviceSpec.from_string(tower_device)
     return spec.make_merged_spec(
@@ -134,23 +158,54 @@ def tower_device_function(tower_device: str,
   return choose
 
 
-def _handles_are_on(op, tower_device) -> bool:
-  """Whether every variable handle `op` takes lives on `tower_device`.
+def _pin_reads(op) -> None:
+  """Inside a function, puts the handle ops `op` uses on their resource.
 
-  A handle from elsewhere (a parameter-server variable, or one captured by
-  an outer function, whose device is unknown) would pin the variable's
-  reads inside the control flow to the tower: TensorFlow refuses that
-  ("Cannot colocate nodes"), so such an op is left with the variable.
+  A variable's read is built under `colocate_with(None)`, which hides it
+  from device functions, so it has no device of its own. It is given its
+  variable's device when the first op that uses it is placed, before its
+  function is finished. Outside functions nothing lowers them to the
+  tower; the placer puts them with their variable.
   """
-  tower = tf.DeviceSpec.from_string(tower_device)
+  if not hasattr(op.graph, "captures"):
+    return
   for tensor in op.inputs:
-    if tensor.dtype != tf.resource:
+    source = tensor.op
+    if source.device or not any(t.dtype == tf.resource
+                                for t in source.inputs):
       continue
-    if tensor.op.type not in _VARIABLE_OP_TYPES or not tensor.op.device:
-      return False
-    if tf.DeviceSpec.from_string(tensor.op.device) != tower:
-      return False
-  return True
+    device = _resource_device(source)
+    if device is not None:
+      # The one way to place an op its device functions never saw.
+      source._set_device(device)  # pylint: disable=protected-access
+
+
+def _resource_device(op) -> Optional[str]:
+  """Where the resources whose handles `op` takes live, if known and one.
+
+  None when a resource has no device (a TensorArray made under
+  `device(None)`), its handle comes from a function's argument or loop
+  variable, or `op` takes handles of resources on several devices.
+  """
+  found = {_handle_device(t) for t in op.inputs if t.dtype == tf.resource}
+  return found.pop() if len(found) == 1 else None
+
+
+def _handle_device(tensor) -> Optional[str]:
+  """The device of the op that made the handle `tensor`, through captures."""
+  while True:
+    source = tensor.op
+    if source.type in _HANDLE_PASSING_OP_TYPES:
+      tensor = source.inputs[0]
+    elif source.type == "Placeholder" and hasattr(source.graph, "captures"):
+      # A function's input: the tensor it captured from the graph around.
+      outer = [external for external, internal in source.graph.captures
+               if internal is tensor]
+      if not outer:
+        return None  # an argument or a loop variable, not a capture
+      tensor = outer[0]
+    else:
+      return source.device or None
 
 
 def _canonical_device(device, devices) -> str:

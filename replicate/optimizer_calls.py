@@ -52,8 +52,10 @@ def connect_sums(context, position):
   per_tower = _same_call_in_every_tower(context, position)
   tower0_call = context.optimizer_calls[0][position]
   with context.scopes_of(tower0_call):
+    # Whether each tower counts: it has rows and its loss denominator, if
+    # stated, is not 0 (else its gradients may be NaN: see `weighting`).
     summed = context.layout.strategy.combine(
-        per_tower, context.layout.has_rows, context.layout.devices)
+        per_tower, context.weights.counts(), context.layout.devices)
     by_variable = {variable.ref(): grad for grad, variable in summed}
     for stand_in, variable in tower0_call.pending:
       total = by_variable.get(variable.ref())

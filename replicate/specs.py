@@ -1,7 +1,7 @@
 """Combining the towers' `EstimatorSpec`s into the one the Estimator sees.
 
 On loss: the sum of the towers' weighted losses, the loss of the whole batch;
-a tower with no rows adds exactly 0.
+a tower with no rows, or whose loss denominator is 0, adds exactly 0.
 
 On TRAIN: the one train_op of the step (see `replicate.train_op`).
 
@@ -79,13 +79,15 @@ def _outline(spec):
 def _weighted_loss(tower_specs, context):
   with tf.name_scope("loss_over_towers"):
     terms = []
-    for spec, weight, rows in zip(tower_specs, context.weights.all(),
-                                  context.layout.has_rows):
-      if rows is False:
+    # A tower that does not count (no rows, or a loss denominator of 0) is
+    # chosen away, not weighed 0: its loss may be NaN (0 / 0).
+    for spec, weight, counts in zip(tower_specs, context.weights.all(),
+                                    context.weights.counts()):
+      if counts is False:
         continue
       loss = tf.convert_to_tensor(spec.loss)
       terms.append(sharding.zero_unless_rows(
-          loss * tf.cast(weight, loss.dtype), rows))
+          loss * tf.cast(weight, loss.dtype), counts))
     return tf.math.add_n(terms, name="sum")
 
 

@@ -9,6 +9,13 @@ the batch, which is exact when the loss is a mean over rows. A loss that
 averages over something else (non-zero weights, the tokens a padding mask
 keeps, a sum of weights) states its denominator with `loss_denominator`,
 and tower i then counts `d_i / sum_j d_j`, worked out at run time.
+
+On towers whose denominator is 0 (every row padding): such a tower weighs
+0, but its loss is 0 / 0 = NaN, and 0 x NaN is NaN, in the loss and in
+every gradient. Weighing it 0 is not enough: it must not count at all, as
+a tower without rows does not. `TowerWeights.counts` says, per tower,
+whether its loss and gradients count; what a tower without rows has is
+chosen away with `sharding.zero_unless_rows`, never multiplied by 0.
 """
 
 from typing import Any, List, Optional
@@ -128,6 +135,7 @@ class TowerWeights:
     self._sums_losses = sums_losses
     self._is_read = [False] * len(weights)
     self._denominators: List[Optional[tf.Tensor]] = [None] * len(weights)
+    self._counts = list(has_rows)  # see `counts`
     self._total = None  # stand-in for sum_j d_j, connected by `finish`
 
   def of(self, index: int):
@@ -137,6 +145,15 @@ class TowerWeights:
 
   def all(self) -> List[Any]:
     return list(self._weights)
+
+  def counts(self) -> List[Any]:
+    """Per tower, whether its loss and gradients count (bool or bool tensor).
+
+    A tower counts when it has rows and, if it stated a denominator, that
+    denominator is not 0. Read once every tower stated its denominator:
+    where the losses and gradients are combined.
+    """
+    return list(self._counts)
 
   def set_denominator(self, index: int, denominator) -> tf.Tensor:
     """Weights tower `index` by `denominator / sum over towers`."""
@@ -170,6 +187,9 @@ class TowerWeights:
     if self._has_rows[index] is False:
       counted = tf.zeros([], tf.float32)
     self._denominators[index] = counted
+    if self._has_rows[index] is not False:
+      # `counted` is 0 on a step the tower has no rows: one test for both.
+      self._counts[index] = tf.not_equal(counted, 0.0, name="tower_counts")
     if self._total is None:
       self._total = pending.stand_in(counted, name="loss_denominator_total")
     self._weights[index] = tf.math.divide_no_nan(counted, self._total)

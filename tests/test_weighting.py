@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
-from conftest import TRAIN, cpus, session_config
+from conftest import EVAL, TRAIN, cpus, session_config
 
 Reduction = tf.compat.v1.losses.Reduction
 fc = tf.feature_column
@@ -167,3 +167,173 @@ def test_weighted_canned_heads_train_like_one_device(family, head_reduction,
         tf.train.load_variable(wrapped.model_dir, name),
         tf.train.load_variable(unwrapped.model_dir, name), rtol=1e-5,
         atol=1e-6, err_msg=name)
+
+
+# A masked mean whose last tower holds only padding: its denominator is 0.
+
+MASKED_ROWS = 6  # 3 + 3 rows on 2 towers, 2 + 2 + 2 on 3
+# Padding at the end of the batch, as a padded batch has it: tower 1 of 2
+# and tower 2 of 3 hold only padding (d = 0); tower 1 of 3 keeps 1 row.
+MASK = np.array([1, 1, 1, 0, 0, 0], np.float32)
+MASKED_STEPS = 3
+
+
+def _masked_batches(mask=MASK, steps=MASKED_STEPS):
+  rng = np.random.RandomState(3)
+  return [(rng.rand(MASKED_ROWS, 3).astype(np.float32) * 2 - 1,
+           rng.randint(0, 3, size=MASKED_ROWS).astype(np.int32), mask)
+          for _ in range(steps)]
+
+
+def _masked_mean_model_fn(features, labels, mode):
+  """The README's mean over a padding mask's tokens."""
+  logits = tf.compat.v1.layers.dense(
+      features["x"], 3, name="logits",
+      kernel_initializer=tf.compat.v1.constant_initializer(
+          np.linspace(-0.6, 0.6, 9).reshape(3, 3)))
+  mask = features["mask"]
+  ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                      logits=logits)
+  loss = tf.reduce_sum(ce * mask) / tf.reduce_sum(mask)
+  replicate.loss_denominator(tf.reduce_sum(mask))
+  if mode == EVAL:
+    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
+        "masked_ce": tf.compat.v1.metrics.mean(ce, weights=mask)})
+  optimizer = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.5))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=optimizer.minimize(
+      loss, global_step=tf.compat.v1.train.get_global_step()))
+
+
+def _train_masked(batches, towers=None, static=False, **wrap_kwargs):
+  """Trains the masked mean on `batches`: (losses, {variable: value}).
+
+  `towers=None` is the oracle: the model_fn unwrapped on one device.
+  `static` gives the batch a size known when building (so every tower is
+  known to have rows), else it is known only at run time.
+  """
+  rows = MASKED_ROWS if static else None
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    inputs = x, y, mask = (tf.compat.v1.placeholder(tf.float32, [rows, 3]),
+                           tf.compat.v1.placeholder(tf.int32, [rows]),
+                           tf.compat.v1.placeholder(tf.float32, [rows]))
+    model_fn = _masked_mean_model_fn
+    if towers is not None:
+      model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(towers),
+                                              **wrap_kwargs)
+    spec = model_fn(features={"x": x, "mask": mask}, labels=y, mode=TRAIN)
+    with tf.compat.v1.Session(config=session_config(towers or 1)) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      session.run(tf.compat.v1.local_variables_initializer())
+      losses = []
+      for batch in batches:
+        feed = dict(zip(inputs, batch))
+        losses.append(session.run([spec.train_op, spec.loss], feed)[1])
+      values = {v.op.name: session.run(v)
+                for v in tf.compat.v1.global_variables()}
+  return losses, values
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("strategy", ["parameter_server", "replicated"])
+@pytest.mark.parametrize("towers", [2, 3])
+def test_a_tower_of_padding_only_adds_nothing(towers, strategy, static):
+  # The loss is the mean of ce over the 3 real rows, whatever the towers.
+  # Tower 1 of 2 (tower 2 of 3) has d = 0: its loss is 0 / 0 = NaN and its
+  # weight 0 / 3 = 0, and 0 x NaN is NaN, in the loss and in its gradients,
+  # unless the tower is chosen away as a tower without rows is.
+  expected_losses, expected = _train_masked(_masked_batches())
+  losses, values = _train_masked(_masked_batches(), towers, static,
+                                 variable_strategy=strategy)
+  assert np.all(np.isfinite(losses)) and np.all(np.isfinite(expected_losses))
+  assert expected["global_step"] == MASKED_STEPS
+  assert sorted(values) == sorted(expected)
+  for name, value in expected.items():
+    np.testing.assert_allclose(values[name], value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["parameter_server", "replicated"])
+def test_a_tower_of_padding_first_adds_nothing(strategy):
+  # Tower 0 builds the update and still holds only padding: rows 0-1 of 3
+  # towers. The mean is over rows 2-5.
+  mask = np.array([0, 0, 1, 1, 1, 1], np.float32)
+  expected_losses, expected = _train_masked(_masked_batches(mask))
+  losses, values = _train_masked(_masked_batches(mask), 3,
+                                 variable_strategy=strategy)
+  assert np.all(np.isfinite(losses))
+  for name, value in expected.items():
+    np.testing.assert_allclose(values[name], value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("strategy", ["parameter_server", "replicated"])
+@pytest.mark.parametrize("towers", [2, 3])
+def test_a_batch_of_padding_only_trains_a_finite_no_op_step(
+    towers, strategy, static):
+  # Every row is padding, then two ordinary batches. Unwrapped, the loss is
+  # 0 / 0 = NaN and so is every gradient (d loss / d ce = mask / sum(mask) =
+  # 0 x inf): every variable is NaN from then on, and the Estimator stops
+  # with NanLossDuringTrainingError. Wrapped, every tower's denominator is
+  # 0, so no tower counts (API.md: such a tower "contributes no NaN"): the
+  # step is a finite no-op, loss 0, variables unchanged, global step + 1, as
+  # on a batch found empty at run time (tests/test_sharding.py). We keep
+  # that rather than copy the NaN: nothing was there to learn from, and a
+  # NaN would end the training run. The next steps then train as unwrapped
+  # does on the ordinary batches alone.
+  padding = _masked_batches(np.zeros(MASKED_ROWS, np.float32), steps=1)
+  ordinary = _masked_batches(steps=2)
+  nan_losses, nan_values = _train_masked(padding + ordinary)
+  assert np.all(np.isnan(nan_losses))
+  assert np.all(np.isnan(nan_values["logits/kernel"]))
+  _, initial = _train_masked(padding[:0])
+  expected_losses, expected = _train_masked(ordinary)
+  losses, values = _train_masked(padding + ordinary, towers, static,
+                                 variable_strategy=strategy)
+  _, after_padding = _train_masked(padding, towers, static,
+                                   variable_strategy=strategy)
+  assert losses[0] == 0.0
+  assert after_padding["global_step"] == 1
+  assert values["global_step"] == expected["global_step"] + 1 == 3
+  for name, value in initial.items():
+    if name != "global_step":
+      np.testing.assert_array_equal(after_padding[name], value, err_msg=name)
+  for name, value in expected.items():
+    if name != "global_step":
+      np.testing.assert_allclose(values[name], value, rtol=1e-5, atol=1e-6,
+                                 err_msg=name)
+  np.testing.assert_allclose(losses[1:], expected_losses, rtol=1e-5,
+                             atol=1e-6)
+
+
+@pytest.mark.parametrize("towers", [2, 3])
+def test_a_tower_of_padding_only_adds_nothing_to_the_eval_loss(towers):
+  # The same batch evaluated: the loss is the mean of ce over rows 0-2, and
+  # so is the metric (weighted by the mask, so padding weighs 0 anyway).
+  x, y, mask = _masked_batches(steps=1)[0]
+  results = []
+  for model_fn in (_masked_mean_model_fn, replicate.replicate_model_fn(
+      _masked_mean_model_fn, devices=cpus(towers))):
+    with tf.Graph().as_default():
+      tf.compat.v1.train.get_or_create_global_step()
+      inputs = (tf.compat.v1.placeholder(tf.float32, [None, 3]),
+                tf.compat.v1.placeholder(tf.int32, [None]),
+                tf.compat.v1.placeholder(tf.float32, [None]))
+      spec = model_fn(features={"x": inputs[0], "mask": inputs[2]},
+                      labels=inputs[1], mode=EVAL)
+      value, update = spec.eval_metric_ops["masked_ce"]
+      with tf.compat.v1.Session(config=session_config(towers)) as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        session.run(tf.compat.v1.local_variables_initializer())
+        loss, _ = session.run([spec.loss, update],
+                              dict(zip(inputs, (x, y, mask))))
+        results.append((loss, session.run(value)))
+  (expected_loss, expected_metric), (loss, metric) = results
+  assert np.isfinite(loss)
+  assert loss == pytest.approx(expected_loss, rel=1e-5)
+  assert metric == pytest.approx(expected_metric, rel=1e-5)
+  assert metric == pytest.approx(expected_loss, rel=1e-5)
