@@ -27,6 +27,7 @@ from replicate import aggregation
 from replicate import context as context_lib
 from replicate import optimizer_calls
 from replicate import pending
+from replicate import sharding
 from replicate import weighting
 
 V1Optimizer = tf.compat.v1.train.Optimizer
@@ -84,7 +85,8 @@ class Wrapping:
       return loss
 
     def weighted(value):
-      marker = tf.identity(tf.cast(weight, value.dtype), name="tower_weight")
+      marker = tf.identity(sharding.weight_as(weight, value.dtype),
+                           name="tower_weight")
       context.weight_ops[context.tower_index].add(marker.op)
       return value * marker
 
