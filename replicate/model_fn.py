@@ -12,6 +12,7 @@ import tensorflow as tf
 from tensorflow.python.util import function_utils
 
 from replicate import allreduce
+from replicate import arguments
 from replicate import canned
 from replicate import cluster
 from replicate import context as context_lib
@@ -114,13 +115,13 @@ def replicate_model_fn(
   estimator.train(input_fn, steps=100)
   ```
   """
-  _check_loss_reduction(loss_reduction)
+  arguments.check_loss_reduction(loss_reduction)
   fixed_devices = devices_lib.normalize_devices(devices)
-  _check_variable_strategy(variable_strategy)
-  _check_all_reduce(all_reduce, compact_gradients, variable_strategy)
+  arguments.check_variable_strategy(variable_strategy)
+  arguments.check_all_reduce(all_reduce, compact_gradients, variable_strategy)
   canned.check_canned_model_fn(model_fn, loss_reduction)
   model_fn_args = function_utils.fn_args(model_fn)
-  _check_takes_features(model_fn, model_fn_args)
+  arguments.check_takes_features(model_fn, model_fn_args)
 
   def replicated_model_fn(features, labels, mode, params=None, config=None):
     kwargs = _model_fn_kwargs(model_fn, model_fn_args, labels, mode, params,
@@ -184,51 +185,6 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
       tower_specs.append(spec)
     context.finish_towers()
     return specs_lib.combine_specs(mode, tower_specs, context)
-
-
-def _check_loss_reduction(loss_reduction):
-  if loss_reduction == Reduction.NONE:
-    raise ValueError(
-        "loss_reduction=Reduction.NONE: a none reduction is specified, but "
-        "each tower's loss must be a scalar to be weighted and summed. Use Reduction.SUM or Reduction.SUM_BY_NONZERO_WEIGHTS "
-        "(the default) to match how the model_fn reduces its loss.")
-  if loss_reduction not in Reduction.all():
-    raise ValueError(
-        "loss_reduction must be one of {}. Received: {!r}.".format(
-            sorted(set(Reduction.all()) - {Reduction.NONE}), loss_reduction))
-
-
-def _check_variable_strategy(variable_strategy):
-  if variable_strategy not in strategies.NAMES:
-    raise ValueError(
-        "variable_strategy must be one of {}. Received: {!r}.".format(
-            ", ".join(repr(s) for s in strategies.NAMES), variable_strategy))
-
-
-def _check_all_reduce(all_reduce, compact_gradients, variable_strategy):
-  allreduce.check_algorithm(all_reduce)
-  if not isinstance(compact_gradients, bool):
-    raise ValueError(
-        "compact_gradients must be True or False. Received: {!r}.".format(
-            compact_gradients))
-  if variable_strategy != strategies.REPLICATED and (
-      all_reduce != allreduce.AUTO or compact_gradients):
-    raise ValueError(
-        "all_reduce={!r} and compact_gradients={!r} choose how replicated "
-        "towers sum their gradients; they apply only with "
-        "variable_strategy='replicated' (received {!r}). Pass "
-        "variable_strategy='replicated', or leave them at their defaults."
-        .format(all_reduce, compact_gradients, variable_strategy))
-
-
-def _check_takes_features(model_fn, model_fn_args):
-  """The Estimator passes features by keyword, so the model_fn must name it."""
-  if "features" not in model_fn_args:
-    raise ValueError(
-        "The model_fn {!r} takes no argument named features (it takes {}); "
-        "the Estimator, and replicate_model_fn like it, passes every "
-        "argument by keyword. Name the model_fn's first argument features."
-        .format(model_fn, ", ".join(model_fn_args) or "none"))
 
 
 def _model_fn_kwargs(model_fn, model_fn_args, labels, mode, params, config):
