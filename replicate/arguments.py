@@ -55,3 +55,10 @@ def check_takes_features(model_fn, model_fn_args):
         "argument by keyword. Name the model_fn's first argument features."
         .format(model_fn, ", ".join(model_fn_args) or "none"))
 
+
+def check_sync_batch_norm(sync_batch_norm):
+  if not isinstance(sync_batch_norm, bool):
+    raise ValueError(
+        "sync_batch_norm must be True (batch norm in training mode "
+        "normalizes with the whole batch's moments) or False (each tower's "
+        "own rows). Received: {!r}.".format(sync_batch_norm))

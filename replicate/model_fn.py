@@ -21,6 +21,7 @@ from replicate import graphs
 from replicate import sharding
 from replicate import specs as specs_lib
 from replicate import strategies
+from replicate import sync_batch_norm as sync_batch_norm_lib
 from replicate import variables as variables_lib
 
 Reduction = tf.compat.v1.losses.Reduction
@@ -41,7 +42,8 @@ def replicate_model_fn(
     devices: Optional[Sequence[str]] = None,
     variable_strategy: str = strategies.PARAMETER_SERVER,
     all_reduce: str = allreduce.AUTO,
-    compact_gradients: bool = False) -> Callable:
+    compact_gradients: bool = False,
+    sync_batch_norm: bool = False) -> Callable:
   """Replicates `model_fn` over devices: one tower per device, one update.
 
   Args:
@@ -70,6 +72,9 @@ def replicate_model_fn(
     compact_gradients: with `"replicated"`, cast float32 gradients to
       float16 for the all-reduce and back after (half the traffic, float16
       precision in the sum).
+    sync_batch_norm: with True, every batch norm in training mode
+      normalizes with the whole batch's moments, as on one device (see
+      below). False (the default): each tower's with its own shard's.
 
   Returns:
     A `model_fn(features, labels, mode, params=None, config=None)` for
@@ -95,6 +100,19 @@ def replicate_model_fn(
   variables go to the ps tasks in turn, and each worker sums its towers'
   gradients before sending one update (see `replicate.cluster` and
   `replicate.hooks`).
+
+  On batch norm: with `sync_batch_norm=True`, in TRAIN, every training-mode
+  batch norm (`tf.compat.v1.layers.batch_normalization` and
+  `tf.keras.layers.BatchNormalization`, fused or not) normalizes with the
+  whole batch's mean and variance, combined from the towers' by their row
+  counts, and its gradient through them is summed over towers, so the loss,
+  the gradients, every variable and the moving statistics are one device's
+  on the whole batch (see `replicate.sync_batch_norm`). A Keras layer
+  declared `synchronized=True` is synchronized without the flag. What
+  cannot be synchronized is a `ValueError` with the fix: a tensor
+  `training` argument on a fused layer, batch norm inside a `tf.function`,
+  Keras masks, `virtual_batch_size`, a gradient through it not made by
+  `TowerOptimizer`, and a cluster of several training tasks.
 
   On `"replicated"`: in TRAIN, tower 0 creates the variables under their own
   names on its device, and tower i gets local copies named `tower_i/...` on
@@ -122,12 +140,15 @@ def replicate_model_fn(
   canned.check_canned_model_fn(model_fn, loss_reduction)
   model_fn_args = function_utils.fn_args(model_fn)
   arguments.check_takes_features(model_fn, model_fn_args)
+  arguments.check_sync_batch_norm(sync_batch_norm)
 
   def replicated_model_fn(features, labels, mode, params=None, config=None):
     kwargs = _model_fn_kwargs(model_fn, model_fn_args, labels, mode, params,
                               config)
     if _is_export_graph(mode, features):
       return model_fn(features=features, **kwargs)
+    batch_norm_sync = sync_batch_norm_lib.check_cluster(sync_batch_norm,
+                                                        config, mode)
     tower_devices, strategy = strategies.for_call(
         variable_strategy, fixed_devices, config, mode, all_reduce,
         compact_gradients)
@@ -140,7 +161,8 @@ def replicate_model_fn(
         spec = model_fn(features=features, **kwargs)
     else:
       spec = _build_towers(model_fn, features, labels, mode, kwargs,
-                           tower_devices, loss_reduction, strategy)
+                           tower_devices, loss_reduction, strategy,
+                           batch_norm_sync)
     return cluster.for_cluster(spec, config,
                                cluster.num_ps_tasks(config, mode))
 
@@ -150,11 +172,12 @@ def replicate_model_fn(
 
 
 def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
-                  loss_reduction, strategy):
+                  loss_reduction, strategy, batch_norm_sync):
   """Builds one tower per device and combines their specs.
 
   `strategy` (see `replicate.strategies`) places the variables, says
   whether towers train their own copies, and combines their gradients.
+  `batch_norm_sync(layout)` makes the call's batch-norm sites, or None.
   """
   num_towers = len(tower_devices)
   shards = sharding.split_batch(
@@ -169,7 +192,9 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
   with context_lib.replication_context(
       layout, loss_reduction, tower_variables=variables_lib.TowerVariables(
           tf.compat.v1.get_default_graph(), tower_devices,
-          is_replicated=strategy.copies_variables)) as context:
+          is_replicated=strategy.copies_variables),
+      batch_norm=batch_norm_sync(layout)) as context, \
+      sync_batch_norm_lib.swapped(context):
     tower_specs = []
     for index in range(num_towers):
       tower_kwargs = dict(kwargs)
