@@ -10,11 +10,20 @@ one whatever the flag. Anything else (one tower, EVAL and PREDICT, a layer
 whose input is not computed from the tower's rows, such as Keras's
 construction call on `tf.keras.Input`) calls TensorFlow's own.
 
+On moving statistics: with sync every tower's moving-average write is the
+whole batch's; `replicate.train_op` still combines the towers' writes by
+their shares n_i / n, as for any statistic, which returns the batch's (to
+the rounding of the shares: exact Python numbers for a batch of known size,
+float32 otherwise). One rule for every statistic, and a tower on a stand-in
+row still weighs 0.
+
 On what cannot be synchronized: a training-mode batch norm inside a nested
 graph (a `tf.cond`, as Keras builds a fused layer whose `training` is a
 tensor, or a `tf.function`), a Keras mask, `virtual_batch_size`, and a
 cluster of several training tasks are refused with the fix, never left
-per-tower in silence.
+per-tower in silence; so is a gradient through a site not made by
+`TowerOptimizer` (see `replicate.batch_norm_sites`), a gradient penalty's
+`tf.gradients` included.
 """
 
 import contextlib
