@@ -39,7 +39,7 @@ import tensorflow as tf  # noqa: E402
 from benchmarks import configs as configurations  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks import report  # noqa: E402
-from benchmarks.models import MODELS  # noqa: E402
+from benchmarks.models import DEFAULT_MODELS, MODELS  # noqa: E402
 
 
 def main(argv=None):
@@ -120,8 +120,9 @@ def _parse_args(argv):
                       "0.5 s: about 6 minutes on 2 cores")
   parser.add_argument("--estimate", action="store_true",
                       help="print how long the run would take, and stop")
-  parser.add_argument("--models", default=",".join(MODELS),
-                      help="comma-separated, from: " + ", ".join(MODELS))
+  parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                      help="comma-separated, from: " + ", ".join(MODELS) +
+                      " (default: " + ", ".join(DEFAULT_MODELS) + ")")
   parser.add_argument("--towers", default=None,
                       help="comma-separated tower counts (default 1,2,4,8; "
                       "quick: 1,2,4)")

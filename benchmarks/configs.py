@@ -13,6 +13,8 @@ On configurations:
 | `replicate-N-handring`  | N towers, `replicated`, the ring built from graph ops    |
 |                         | that `ring` was before (`allreduce.HAND_RING`, internal) |
 | `replicate-N-nccl`      | N towers, `replicated`, `all_reduce="nccl"` (GPUs only)  |
+| `replicate-N-V-sync`    | any replicate configuration above with                   |
+|                         | `sync_batch_norm=True` (e.g. `replicate-2-ps-sync`)      |
 | `mirrored-N-default`    | `MirroredStrategy` over N devices, default cross-device ops |
 | `mirrored-N-r1d`        | `MirroredStrategy` with `ReductionToOneDevice`           |
 
@@ -37,14 +39,15 @@ from typing import NamedTuple
 from replicate import allreduce
 
 _CONFIG = re.compile(r"^(?:single|replicate-(\d+)-"
-                     r"(ps|rr|gather|ring|handring|nccl)|"
+                     r"(ps|rr|gather|ring|handring|nccl)(-sync)?|"
                      r"mirrored-(\d+)-(default|r1d))"
                      r"(-static)?(-again)?$")
 CONFIG_FORMS = ("single, replicate-N-ps, replicate-N-rr, replicate-N-gather, "
                 "replicate-N-ring, replicate-N-handring, replicate-N-nccl, "
                 "mirrored-N-default, mirrored-N-r1d (N a number of towers); "
-                "each may end in -static (the static pipeline) and then in "
-                "-again (measured twice, for A/A)")
+                "a replicate one may end in -sync (sync_batch_norm=True); "
+                "each may then end in -static (the static pipeline) and then "
+                "in -again (measured twice, for A/A)")
 
 # A replicate configuration's variant: its replicate_model_fn arguments.
 _REPLICATE_ARGUMENTS = {
@@ -67,6 +70,7 @@ class Config(NamedTuple):
   variant: str  # ps/rr/gather/ring/handring/nccl, or default/r1d mirrored
   pipeline: str = "dynamic"  # or "static"
   is_again: bool = False  # an A/A twin: the configuration measured again
+  sync_batch_norm: bool = False  # replicate's sync_batch_norm=True
 
   @property
   def measured(self) -> str:
@@ -76,7 +80,10 @@ class Config(NamedTuple):
   @property
   def replicate_arguments(self) -> dict:
     """replicate_model_fn's keyword arguments, for a replicate variant."""
-    return dict(_REPLICATE_ARGUMENTS[self.variant])
+    arguments = dict(_REPLICATE_ARGUMENTS[self.variant])
+    if self.sync_batch_norm:
+      arguments["sync_batch_norm"] = True
+    return arguments
 
 
 def parse_config(name: str) -> Config:
@@ -85,7 +92,7 @@ def parse_config(name: str) -> Config:
   if not match:
     raise ValueError("Unknown configuration {!r}; the forms are: {}.".format(
         name, CONFIG_FORMS))
-  (replicate_towers, strategy, mirrored_towers, ops, static,
+  (replicate_towers, strategy, sync, mirrored_towers, ops, static,
    again) = match.groups()
   options = dict(pipeline="static" if static else "dynamic",
                  is_again=bool(again))
@@ -96,5 +103,6 @@ def parse_config(name: str) -> Config:
     raise ValueError("Configuration {!r} asks for {} towers; use 1 or "
                      "more.".format(name, towers))
   if replicate_towers:
-    return Config(name, "replicate", towers, strategy, **options)
+    return Config(name, "replicate", towers, strategy,
+                  sync_batch_norm=bool(sync), **options)
   return Config(name, "mirrored", towers, ops, **options)

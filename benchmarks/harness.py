@@ -62,7 +62,8 @@ TRIMMED_FRACTION = 0.1  # of a cell's steps, the slowest, left out
 # should be faster). Only for the estimate a run prints; the progress lines
 # scale it by how fast the run actually goes.
 _OVERHEAD_SECONDS = {"mlp": (1.0, 0.4), "wide": (0.5, 0.4),
-                     "convnet": (1.0, 0.3), "dnn_classifier": (1.0, 0.5)}
+                     "convnet": (1.0, 0.3), "dnn_classifier": (1.0, 0.5),
+                     "bn_convnet": (1.5, 0.6), "bn_convnet_plain": (1.5, 0.6)}
 
 
 class Cell(NamedTuple):

@@ -96,6 +96,36 @@ def _convnet(wrap):
   return model_fn
 
 
+def _bn_convnet(fused):
+  """Four conv + batch norm blocks, for `sync_batch_norm`'s cost.
+
+  `fused` picks the batch-norm kernel: the fused one (the default of
+  `tf.compat.v1.layers` on images) or plain math ops.
+  """
+
+  def make_model_fn(wrap):
+
+    def model_fn(features, labels, mode):
+      hidden = tf.reshape(features, [-1, 28, 28, 1])
+      for index, (filters, strides) in enumerate([(16, 1), (32, 2),
+                                                  (32, 1), (64, 2)]):
+        hidden = tf.compat.v1.layers.conv2d(
+            hidden, filters, 3, strides, padding="same", use_bias=False,
+            name="conv_{}".format(index))
+        hidden = tf.nn.relu(tf.compat.v1.layers.batch_normalization(
+            hidden, training=mode == tf.estimator.ModeKeys.TRAIN,
+            fused=fused, name="bn_{}".format(index)))
+      logits = tf.compat.v1.layers.dense(tf.compat.v1.layers.flatten(hidden),
+                                         10, name="logits")
+      with tf.control_dependencies(tf.compat.v1.get_collection(
+          tf.compat.v1.GraphKeys.UPDATE_OPS)):
+        return _classifier_spec(mode, logits, labels, wrap)
+
+    return model_fn
+
+  return make_model_fn
+
+
 def _wide(wrap):
 
   def model_fn(features, labels, mode):
@@ -191,4 +221,13 @@ MODELS: Dict[str, Model] = {
     "dnn_classifier": Model(
         "canned tf.estimator.DNNClassifier [256, 128] on parsed Examples",
         256, _dnn_classifier, _example_arrays, _parse_examples),
+    "bn_convnet": Model(
+        "bn_convnet: 4 conv + fused batch norm on 28x28, then dense", 64,
+        _bn_convnet(fused=True), _dense_arrays),
+    "bn_convnet_plain": Model(
+        "bn_convnet_plain: bn_convnet with non-fused batch norm", 64,
+        _bn_convnet(fused=False), _dense_arrays),
 }
+# What `python -m benchmarks` runs by default (RESULTS.md); the batch-norm
+# models are for `sync_batch_norm` (SYNC_BN.md).
+DEFAULT_MODELS = ("mlp", "wide", "convnet", "dnn_classifier")

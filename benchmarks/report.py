@@ -36,8 +36,10 @@ def markdown(cells, failures, configs, command, machine):
       "without their slowest tenth, median (min-max) over repeats. Ratios: "
       "median (min-max) of ratios paired within a repeat. x single: against "
       "`single` on the same pipeline. x ps: against replicate-N-ps, same N "
-      "and pipeline. x mirrored: against the faster of mirrored-N-default "
-      "and mirrored-N-r1d in that repeat, same N. x static: the dynamic "
+      "and pipeline (for a -sync configuration: the same one without "
+      "-sync, per-tower batch norm). x mirrored: against the faster of "
+      "mirrored-N-default and mirrored-N-r1d in that repeat, same N. x "
+      "static: the dynamic "
       "pipeline (`.batch(b)`, a partial batch each epoch) against the same "
       "configuration on the static one (one fixed batch); on `single` it is "
       "the pipeline's own cost, above it what the towers add. build: "
@@ -132,7 +134,8 @@ def write_json(path, cells, failures, command, machine):
 _COLORS = {"replicate-ps": "tab:green", "replicate-rr": "tab:red",
            "replicate-gather": "tab:purple", "replicate-ring": "tab:brown",
            "replicate-handring": "tab:olive",
-           "replicate-nccl": "tab:pink", "mirrored-default": "tab:blue",
+           "replicate-nccl": "tab:pink", "replicate-ps-sync": "tab:cyan",
+           "replicate-rr-sync": "tab:gray", "mirrored-default": "tab:blue",
            "mirrored-r1d": "tab:orange"}
 _METRICS = {  # name: (label, value of a cell)
     "examples/sec": ("examples/sec", lambda c: c.examples_per_second),
@@ -188,8 +191,9 @@ def _panel(axis, by_config, configs, metric):
 
 def _family(config):
   """replicate-ps, mirrored-r1d, ...: a configuration without its N."""
-  return config.kind if config.kind == "single" else "{}-{}".format(
-      config.kind, config.variant)
+  return config.kind if config.kind == "single" else "{}-{}{}".format(
+      config.kind, config.variant,
+      "-sync" if config.sync_batch_norm else "")
 
 
 def _single(by_config, config):
@@ -199,10 +203,16 @@ def _single(by_config, config):
 
 
 def _parameter_server(by_config, config):
-  """replicate-N-ps's runs, for another replicate configuration with N > 1."""
+  """replicate-N-ps's runs, for another replicate configuration with N > 1.
+
+  For a `-sync` one that is the same strategy with per-tower batch norm:
+  what synchronizing costs.
+  """
   if (config.kind != "replicate" or config.towers < 2 or
-      config.variant == "ps"):
+      (config.variant == "ps" and not config.sync_batch_norm)):
     return None
+  if config.sync_batch_norm:
+    return by_config.get(config.measured.replace("-sync", ""))
   suffix = "-static" if config.pipeline == "static" else ""
   return by_config.get("replicate-{}-ps{}".format(config.towers, suffix))
 

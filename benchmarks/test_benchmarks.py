@@ -103,6 +103,41 @@ def test_default_grid_has_static_twins_and_aa():
   assert "replicate-2-gather" not in quick and "single-again" in quick
 
 
+def test_a_sync_configuration_passes_sync_batch_norm():
+  config = configs.parse_config("replicate-4-rr-sync-static-again")
+  assert config == configs.Config(
+      "replicate-4-rr-sync-static-again", "replicate", 4, "rr", "static",
+      True, sync_batch_norm=True)
+  assert config.replicate_arguments == {"variable_strategy": "round_robin",
+                                        "sync_batch_norm": True}
+  assert "sync_batch_norm" not in configs.parse_config(
+      "replicate-2-ps").replicate_arguments
+  for name in ("single-sync", "mirrored-2-default-sync",
+               "replicate-2-ps-static-sync"):
+    with pytest.raises(ValueError, match="Unknown configuration"):
+      configs.parse_config(name)
+
+
+def test_a_sync_configuration_is_compared_with_per_tower_batch_norm():
+  by_config = {"replicate-2-ps": [_Run(100.0, 100.0)],
+               "replicate-2-ps-sync": [_Run(80.0, 80.0)],
+               "replicate-2-rr": [_Run(90.0, 90.0)],
+               "replicate-2-rr-sync": [_Run(45.0, 45.0)]}
+  reference = lambda name: report._parameter_server(  # pylint: disable=protected-access
+      by_config, configs.parse_config(name))
+  assert reference("replicate-2-ps-sync") is by_config["replicate-2-ps"]
+  assert reference("replicate-2-rr-sync") is by_config["replicate-2-rr"]
+  assert reference("replicate-2-ps") is None
+  assert report._family(configs.parse_config("replicate-2-ps-sync")) == (  # pylint: disable=protected-access
+      "replicate-ps-sync")
+
+
+def test_the_default_models_are_results_mds():
+  args = main._parse_args([])
+  assert args.models == ["mlp", "wide", "convnet", "dnn_classifier"]
+  assert {"bn_convnet", "bn_convnet_plain"} <= set(MODELS)
+
+
 def test_paired_ratios_and_spread():
   runs = [_Run(90.0, 88.0), _Run(120.0, 110.0), _Run(50.0, 60.0)]
   reference = [_Run(100.0, 100.0), _Run(100.0, 100.0), _Run(50.0, 50.0)]

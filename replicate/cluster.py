@@ -37,6 +37,15 @@ def num_ps_tasks(config, mode: str) -> int:
   return getattr(config, "num_ps_replicas", 0) or 0
 
 
+def num_training_tasks(config) -> int:
+  """How many tasks of the RunConfig's cluster train (chief, workers)."""
+  spec = getattr(config, "cluster_spec", None)
+  if not spec or not spec.jobs:
+    return 0
+  return sum(spec.num_tasks(job) for job in spec.jobs
+             if job in _TRAINING_TASKS)
+
+
 def worker_device(config) -> str:
   """This task's device prefix, e.g. '/job:worker/task:1'."""
   return "/job:{}/task:{}".format(config.task_type, config.task_id)

@@ -60,7 +60,7 @@ class ReplicationContext:
   """
 
   def __init__(self, graph, layout: TowerLayout, loss_reduction,
-               tower_variables):
+               tower_variables, batch_norm=None):
     self.graph = graph
     self.layout = layout
     self.num_towers = layout.num_towers
@@ -94,6 +94,9 @@ class ReplicationContext:
     # What each tower's variables are: tower 0's, or its own copies
     # (a `replicate.variables.TowerVariables`).
     self.variables = tower_variables
+    # The synchronized batch norms of a TRAIN call (a
+    # `replicate.sync_batch_norm.BatchNormSync`), or None.
+    self.batch_norm = batch_norm
 
   @property
   def is_replicated(self) -> bool:
@@ -177,12 +180,15 @@ class ReplicationContext:
     """Leaves names and collections as the unwrapped model_fn would have.
 
     Also completes what waited for every tower: the sum of the towers'
-    loss denominators.
+    loss denominators; and checks that every synchronized batch norm met
+    its counterparts.
     """
     self._counters.restore_end_of_tower0()
     self.collections.finish()
     with self.building_own_ops():
       self.weights.finish()
+    if self.batch_norm is not None:
+      self.batch_norm.finish()
 
   def record_optimizer_call(self, optimizer, grads_and_vars, result,
                             pending=None) -> int:
@@ -237,7 +243,7 @@ class ReplicationContext:
 
 @contextlib.contextmanager
 def replication_context(layout: TowerLayout, loss_reduction,
-                        tower_variables):
+                        tower_variables, batch_norm=None):
   """Makes a `ReplicationContext` current for the default graph, then clears it."""
   graph = tf.compat.v1.get_default_graph()
   if graph.get_collection(_CONTEXT_COLLECTION):
@@ -246,7 +252,7 @@ def replication_context(layout: TowerLayout, loss_reduction,
         "being built in the same graph; wrap the model_fn once (nested "
         "replicate_model_fn calls are not supported).")
   context = ReplicationContext(graph, layout, loss_reduction,
-                               tower_variables)
+                               tower_variables, batch_norm)
   graph.add_to_collection(_CONTEXT_COLLECTION, context)
   try:
     yield context
@@ -255,9 +261,11 @@ def replication_context(layout: TowerLayout, loss_reduction,
     context.collections.finish()  # also when a tower raised
 
 
-def current_context() -> Optional[ReplicationContext]:
-  """The context of the towers being built in the default graph, if any."""
-  found = tf.compat.v1.get_default_graph().get_collection(_CONTEXT_COLLECTION)
+def current_context(graph=None) -> Optional[ReplicationContext]:
+  """The context of the towers being built in `graph` (default: the default
+  graph), if any."""
+  graph = graph or tf.compat.v1.get_default_graph()
+  found = graph.get_collection(_CONTEXT_COLLECTION)
   return found[0] if found else None
 
 

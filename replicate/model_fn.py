@@ -12,6 +12,7 @@ import tensorflow as tf
 from tensorflow.python.util import function_utils
 
 from replicate import allreduce
+from replicate import arguments
 from replicate import canned
 from replicate import cluster
 from replicate import context as context_lib
@@ -20,6 +21,7 @@ from replicate import graphs
 from replicate import sharding
 from replicate import specs as specs_lib
 from replicate import strategies
+from replicate import sync_batch_norm as sync_batch_norm_lib
 from replicate import variables as variables_lib
 
 Reduction = tf.compat.v1.losses.Reduction
@@ -40,7 +42,8 @@ def replicate_model_fn(
     devices: Optional[Sequence[str]] = None,
     variable_strategy: str = strategies.PARAMETER_SERVER,
     all_reduce: str = allreduce.AUTO,
-    compact_gradients: bool = False) -> Callable:
+    compact_gradients: bool = False,
+    sync_batch_norm: bool = False) -> Callable:
   """Replicates `model_fn` over devices: one tower per device, one update.
 
   Args:
@@ -69,6 +72,9 @@ def replicate_model_fn(
     compact_gradients: with `"replicated"`, cast float32 gradients to
       float16 for the all-reduce and back after (half the traffic, float16
       precision in the sum).
+    sync_batch_norm: with True, every batch norm in training mode
+      normalizes with the whole batch's moments, as on one device (see
+      below). False (the default): each tower's with its own shard's.
 
   Returns:
     A `model_fn(features, labels, mode, params=None, config=None)` for
@@ -95,6 +101,19 @@ def replicate_model_fn(
   gradients before sending one update (see `replicate.cluster` and
   `replicate.hooks`).
 
+  On batch norm: with `sync_batch_norm=True`, in TRAIN, every training-mode
+  batch norm (`tf.compat.v1.layers.batch_normalization` and
+  `tf.keras.layers.BatchNormalization`, fused or not) normalizes with the
+  whole batch's mean and variance, combined from the towers' by their row
+  counts, and its gradient through them is summed over towers, so the loss,
+  the gradients, every variable and the moving statistics are one device's
+  on the whole batch (see `replicate.sync_batch_norm`). A Keras layer
+  declared `synchronized=True` is synchronized without the flag. What
+  cannot be synchronized is a `ValueError` with the fix: a tensor
+  `training` argument on a fused layer, batch norm inside a `tf.function`,
+  Keras masks, `virtual_batch_size`, a gradient through it not made by
+  `TowerOptimizer`, and a cluster of several training tasks.
+
   On `"replicated"`: in TRAIN, tower 0 creates the variables under their own
   names on its device, and tower i gets local copies named `tower_i/...` on
   its own, initialised from tower 0's values by the Scaffold's
@@ -114,19 +133,22 @@ def replicate_model_fn(
   estimator.train(input_fn, steps=100)
   ```
   """
-  _check_loss_reduction(loss_reduction)
+  arguments.check_loss_reduction(loss_reduction)
   fixed_devices = devices_lib.normalize_devices(devices)
-  _check_variable_strategy(variable_strategy)
-  _check_all_reduce(all_reduce, compact_gradients, variable_strategy)
+  arguments.check_variable_strategy(variable_strategy)
+  arguments.check_all_reduce(all_reduce, compact_gradients, variable_strategy)
   canned.check_canned_model_fn(model_fn, loss_reduction)
   model_fn_args = function_utils.fn_args(model_fn)
-  _check_takes_features(model_fn, model_fn_args)
+  arguments.check_takes_features(model_fn, model_fn_args)
+  arguments.check_sync_batch_norm(sync_batch_norm)
 
   def replicated_model_fn(features, labels, mode, params=None, config=None):
     kwargs = _model_fn_kwargs(model_fn, model_fn_args, labels, mode, params,
                               config)
     if _is_export_graph(mode, features):
       return model_fn(features=features, **kwargs)
+    batch_norm_sync = sync_batch_norm_lib.check_cluster(sync_batch_norm,
+                                                        config, mode)
     tower_devices, strategy = strategies.for_call(
         variable_strategy, fixed_devices, config, mode, all_reduce,
         compact_gradients)
@@ -139,7 +161,8 @@ def replicate_model_fn(
         spec = model_fn(features=features, **kwargs)
     else:
       spec = _build_towers(model_fn, features, labels, mode, kwargs,
-                           tower_devices, loss_reduction, strategy)
+                           tower_devices, loss_reduction, strategy,
+                           batch_norm_sync)
     return cluster.for_cluster(spec, config,
                                cluster.num_ps_tasks(config, mode))
 
@@ -149,11 +172,12 @@ def replicate_model_fn(
 
 
 def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
-                  loss_reduction, strategy):
+                  loss_reduction, strategy, batch_norm_sync):
   """Builds one tower per device and combines their specs.
 
   `strategy` (see `replicate.strategies`) places the variables, says
   whether towers train their own copies, and combines their gradients.
+  `batch_norm_sync(layout)` makes the call's batch-norm sites, or None.
   """
   num_towers = len(tower_devices)
   shards = sharding.split_batch(
@@ -168,7 +192,9 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
   with context_lib.replication_context(
       layout, loss_reduction, tower_variables=variables_lib.TowerVariables(
           tf.compat.v1.get_default_graph(), tower_devices,
-          is_replicated=strategy.copies_variables)) as context:
+          is_replicated=strategy.copies_variables),
+      batch_norm=batch_norm_sync(layout)) as context, \
+      sync_batch_norm_lib.swapped(context):
     tower_specs = []
     for index in range(num_towers):
       tower_kwargs = dict(kwargs)
@@ -184,51 +210,6 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
       tower_specs.append(spec)
     context.finish_towers()
     return specs_lib.combine_specs(mode, tower_specs, context)
-
-
-def _check_loss_reduction(loss_reduction):
-  if loss_reduction == Reduction.NONE:
-    raise ValueError(
-        "loss_reduction=Reduction.NONE: a none reduction is specified, but "
-        "each tower's loss must be a scalar to be weighted and summed. Use Reduction.SUM or Reduction.SUM_BY_NONZERO_WEIGHTS "
-        "(the default) to match how the model_fn reduces its loss.")
-  if loss_reduction not in Reduction.all():
-    raise ValueError(
-        "loss_reduction must be one of {}. Received: {!r}.".format(
-            sorted(set(Reduction.all()) - {Reduction.NONE}), loss_reduction))
-
-
-def _check_variable_strategy(variable_strategy):
-  if variable_strategy not in strategies.NAMES:
-    raise ValueError(
-        "variable_strategy must be one of {}. Received: {!r}.".format(
-            ", ".join(repr(s) for s in strategies.NAMES), variable_strategy))
-
-
-def _check_all_reduce(all_reduce, compact_gradients, variable_strategy):
-  allreduce.check_algorithm(all_reduce)
-  if not isinstance(compact_gradients, bool):
-    raise ValueError(
-        "compact_gradients must be True or False. Received: {!r}.".format(
-            compact_gradients))
-  if variable_strategy != strategies.REPLICATED and (
-      all_reduce != allreduce.AUTO or compact_gradients):
-    raise ValueError(
-        "all_reduce={!r} and compact_gradients={!r} choose how replicated "
-        "towers sum their gradients; they apply only with "
-        "variable_strategy='replicated' (received {!r}). Pass "
-        "variable_strategy='replicated', or leave them at their defaults."
-        .format(all_reduce, compact_gradients, variable_strategy))
-
-
-def _check_takes_features(model_fn, model_fn_args):
-  """The Estimator passes features by keyword, so the model_fn must name it."""
-  if "features" not in model_fn_args:
-    raise ValueError(
-        "The model_fn {!r} takes no argument named features (it takes {}); "
-        "the Estimator, and replicate_model_fn like it, passes every "
-        "argument by keyword. Name the model_fn's first argument features."
-        .format(model_fn, ", ".join(model_fn_args) or "none"))
 
 
 def _model_fn_kwargs(model_fn, model_fn_args, labels, mode, params, config):

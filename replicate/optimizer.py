@@ -95,8 +95,9 @@ class TowerOptimizer(wrapping.Wrapping, _V1Optimizer):
     loss = self._weighted_loss(loss)
     variables = wrapping.tower_variables(var_list)
     if not isinstance(variables, list):
-      return self.optimizer.compute_gradients(loss, variables, *args,
-                                              **kwargs)
+      with wrapping.backward_pass():
+        return self.optimizer.compute_gradients(loss, variables, *args,
+                                                **kwargs)
     return self._tower_gradients(
         lambda loss_, variables_: [g for g, _ in self.optimizer.
                                    compute_gradients(loss_, variables_, *args,
@@ -152,9 +153,11 @@ class KerasTowerOptimizer(wrapping.Wrapping, _KerasOptimizer):
     return [self.apply_gradients(list(zip(grads, params)))]
 
   def minimize(self, loss, var_list, grad_loss=None, name=None, tape=None):
-    grads_and_vars = self.optimizer._compute_gradients(  # pylint: disable=protected-access
-        self._weighted_loss(loss), var_list=wrapping.tower_variables(var_list),
-        grad_loss=grad_loss, tape=tape)
+    with wrapping.backward_pass():
+      grads_and_vars = self.optimizer._compute_gradients(  # pylint: disable=protected-access
+          self._weighted_loss(loss),
+          var_list=wrapping.tower_variables(var_list), grad_loss=grad_loss,
+          tape=tape)
     return self.apply_gradients(grads_and_vars, name=name)
 
   def apply_gradients(self, grads_and_vars, name=None,

@@ -128,6 +128,18 @@ def shard_shares(sizes, batch_size) -> List[Any]:
   return tf.unstack(shares, num=num_shards, name="tower_shares")
 
 
+def weight_as(weight, dtype) -> tf.Tensor:
+  """A share or weight (Python number or tensor) as a tensor of `dtype`.
+
+  A Python number becomes a constant of `dtype` directly: `tf.cast` would
+  make a float32 of it first, and a float64 model would weigh 7/13 to
+  float32's precision.
+  """
+  if isinstance(weight, (int, float)):
+    return tf.constant(weight, dtype)
+  return tf.cast(weight, dtype)
+
+
 def _num_shards(sizes) -> int:
   if isinstance(sizes, list):
     return len(sizes)

@@ -87,7 +87,7 @@ def _weighted_loss(tower_specs, context):
         continue
       loss = tf.convert_to_tensor(spec.loss)
       terms.append(sharding.zero_unless_rows(
-          loss * tf.cast(weight, loss.dtype), counts))
+          loss * sharding.weight_as(weight, loss.dtype), counts))
     return tf.math.add_n(terms, name="sum")
 
 

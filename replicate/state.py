@@ -117,7 +117,7 @@ def classify(context, tower_specs) -> List[List[Change]]:
   for index in range(context.num_towers):
     tower_ops = context.tower_ops[index]
     in_step = [op for op in tower_ops if op in closure and
-               _tf.is_stateful(op)]
+               _changes_state(op)]
     classifier = _Classifier(context, index, frozenset(tower_ops), variables)
     classes.append([classifier.change(op) if index else
                     classifier.tower0_change(op) for op in in_step])
@@ -282,6 +282,18 @@ class _Classifier:
     return (variable.op in variables.copy_ops(self._index) or
             (variable.op in self._tower_ops and
              not variables.is_shared(variable)))
+
+
+def _changes_state(op) -> bool:
+  """Stateful by TensorFlow's registry, or a write through a ref.
+
+  A TF 1 (ref) variable's `Assign`, `AssignSub`, `ScatterAdd`, ... and its
+  optimizers' `Apply*` are not registered stateful (they change the state
+  their ref input points to), but change it all the same.
+  """
+  return (_tf.is_stateful(op) or op.type in WRITE_KINDS or
+          op.type in _ADDITIVE_TYPES or op.type in _REPLACING_TYPES or
+          op.type.startswith(("Apply", "SparseApply")))
 
 
 def written_op(write_op):

@@ -111,10 +111,10 @@ def _scaled(grad, weight):
   if isinstance(weight, float) and weight == 1.0:
     return grad
   if isinstance(grad, tf.IndexedSlices):
-    return tf.IndexedSlices(grad.values * tf.cast(weight, grad.values.dtype),
+    return tf.IndexedSlices(grad.values * sharding.weight_as(weight, grad.values.dtype),
                             grad.indices, grad.dense_shape)
   grad = tf.convert_to_tensor(grad)
-  return grad * tf.cast(weight, grad.dtype)
+  return grad * sharding.weight_as(weight, grad.dtype)
 
 
 def _nothing_like(grad):

@@ -19,6 +19,7 @@ applied, in order, to the summed gradients before the update (with one
 tower, and outside `replicate_model_fn`, to the gradients given).
 """
 
+import contextlib
 from typing import Callable, List, Optional, Sequence
 
 import tensorflow as tf
@@ -27,6 +28,7 @@ from replicate import aggregation
 from replicate import context as context_lib
 from replicate import optimizer_calls
 from replicate import pending
+from replicate import sharding
 from replicate import weighting
 
 V1Optimizer = tf.compat.v1.train.Optimizer
@@ -84,7 +86,8 @@ class Wrapping:
       return loss
 
     def weighted(value):
-      marker = tf.identity(tf.cast(weight, value.dtype), name="tower_weight")
+      marker = tf.identity(sharding.weight_as(weight, value.dtype),
+                           name="tower_weight")
       context.weight_ops[context.tower_index].add(marker.op)
       return value * marker
 
@@ -158,10 +161,12 @@ class Wrapping:
     if context is not None and context.is_replicated and variables:
       originals = [context.variables.tower0_variable(v) for v in variables]
       originals = [v for v, copy in zip(originals, variables) if v is not copy]
-    own = list(compute(loss, list(variables)))
+    with backward_pass():
+      own = list(compute(loss, list(variables)))
     if originals and not callable(loss):
-      by_original = {v.ref(): g for v, g in zip(
-          originals, tf.compat.v1.gradients(loss, originals))}
+      with backward_pass(extra=True):
+        by_original = {v.ref(): g for v, g in zip(
+            originals, tf.compat.v1.gradients(loss, originals))}
       for position, variable in enumerate(variables):
         extra = by_original.get(
             context.variables.tower0_variable(variable).ref())
@@ -217,6 +222,15 @@ def _active_context():
   if context is None or context.tower_index is None or context.num_towers < 2:
     return None
   return context
+
+
+def backward_pass(extra=False):
+  """Where `TowerOptimizer` differentiates: the only gradients a synchronized
+  batch norm lets through (`extra`: `"replicated"`'s second pass, none)."""
+  context = _active_context()
+  if context is None or context.batch_norm is None:
+    return contextlib.nullcontext()
+  return context.batch_norm.backward(extra)
 
 
 def tower_variables(var_list):

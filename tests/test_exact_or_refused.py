@@ -515,3 +515,39 @@ def test_the_nan_guard_fix_skips_like_the_guard_on_one_device(towers):
         results.append({v.op.name: session.run(v)
                         for v in tf.compat.v1.trainable_variables()})
   _assert_same(*results)
+
+
+# TF 1 (ref) variables: their writes are not registered stateful ops.
+
+
+def _ref_variables_model_fn(features, labels, mode):
+  # A moving mean through UPDATE_OPS, a counter of rows and a step
+  # counter, all ref variables as a TF 1 model makes them.
+  ref = lambda name, dtype: tf.compat.v1.get_variable(
+      name, [3] if dtype == tf.float32 else [], dtype, trainable=False,
+      initializer=tf.zeros_initializer(), use_resource=False)
+  mean, seen, steps = (ref("moving_mean", tf.float32),
+                       ref("seen", tf.int32), ref("steps", tf.int32))
+  update = tf.compat.v1.assign_sub(
+      mean, (mean - tf.reduce_mean(features["x"], 0)) * 0.1,
+      name="AssignMovingAvg")
+  tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, update)
+  loss = _mse(features, labels)
+  with tf.control_dependencies(
+      tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+    step = replicate.TowerOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1)).minimize(loss)
+  train_op = tf.group(step, tf.compat.v1.assign_add(seen, tf.size(labels)),
+                      tf.compat.v1.assign_add(steps, 1))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize("towers", TOWERS)
+def test_writes_of_ref_variables_follow_the_rule_for_state(towers):
+  # Was: every tower's assign_sub and assign_add ran (`Assign*` of a ref is
+  # not registered stateful): the moving mean moved 2x / 3x, steps counted
+  # once per tower.
+  expected, _ = _train(_ref_variables_model_fn, steps=2, rows=7)
+  actual, _ = _train(_ref_variables_model_fn, towers, steps=2, rows=7)
+  _assert_same(expected, actual)
+  assert actual["seen"] == 14 and actual["steps"] == 2

@@ -285,3 +285,14 @@ def test_a_batch_empty_at_run_time_trains_a_finite_no_op_step(towers):
   assert np.isnan(alone) and gradient.ravel().tolist() == [0.0, 0.0]
   assert loss == 0.0 and step == 1
   assert w.ravel().tolist() == [0.5, -1.0]
+
+
+def test_a_python_share_keeps_float64_precision(graph):
+  # tf.cast(7 / 13, tf.float64) would round 7/13 to float32 first
+  # (0.53846156597137451...), 1.2e-8 off: a float64 model's towers would
+  # weigh their losses and statistics to float32's precision.
+  share = run_initialized(sharding.weight_as(7 / 13, tf.float64))
+  assert share == 7 / 13
+  tensor_share = run_initialized(sharding.weight_as(
+      tf.constant(0.5, tf.float32), tf.float64))
+  assert tensor_share == 0.5
