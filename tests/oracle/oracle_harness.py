@@ -91,11 +91,25 @@ class Cell:
 
 
 def cells(full: bool) -> List[Cell]:
-  """The whole cross, or a pairwise-covering sample of it."""
+  """The whole cross, or a pairwise-covering sample of it.
+
+  The sample is `oracle_pairwise.pairwise(FACTORS)` plus, for each model it
+  trains on one tower only, one TRAIN cell on 3 towers with the "batch"
+  pipeline (batches of 3, 3, 1: even shards, then towers without rows):
+  training on several towers is what the wrapper is for, and pairs alone do
+  not promise it.
+  """
   if full:
     return [Cell(*values) for values in itertools.product(
         *(values for _, values in FACTORS))]
-  return [Cell(**row) for row in oracle_pairwise.pairwise(FACTORS)]
+  sample = [Cell(**row) for row in oracle_pairwise.pairwise(FACTORS)]
+  trained = {cell.model for cell in sample
+             if cell.mode == "train" and cell.tower_count > 1}
+  for index, model in enumerate(ZOO):
+    if model not in trained:
+      sample.append(Cell(model, "batch", "3",
+                         STRATEGIES[index % len(STRATEGIES)], "train"))
+  return sample
 
 
 def expected_refusal(cell: Cell):

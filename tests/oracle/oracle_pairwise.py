@@ -5,10 +5,13 @@ of values of any two factors appears in at least one row. Greedy, in the
 spirit of AETG: each new row starts from the first pair not yet covered (in
 the factors' order), then gives every other factor the value that covers
 the most uncovered pairs with the values already chosen, ties going to the
-value used least so far, then to the first listed. No randomness: the same
+value whose pairs with them have appeared least so far (so that, once a
+pair is covered, its factors keep mixing instead of falling into step),
+then to the value used least, then to the first listed. No randomness: the same
 factors give the same rows, in the same order, on every machine.
 """
 
+import collections
 import itertools
 from typing import Dict, List, Sequence, Tuple
 
@@ -26,6 +29,7 @@ def pairwise(factors: Sequence[Tuple[str, Sequence]]) -> List[Dict[str, object]]
                for i, j in itertools.combinations(range(len(values)), 2)
                for a in range(len(values[i])) for b in range(len(values[j]))}
   usage = [[0] * len(options) for options in values]
+  pair_counts = collections.Counter()
   rows = []
   while uncovered:
     i, a, j, b = min(uncovered)
@@ -37,10 +41,14 @@ def pairwise(factors: Sequence[Tuple[str, Sequence]]) -> List[Dict[str, object]]
           range(len(values[factor])),
           key=lambda value, factor=factor: (
               _gain(uncovered, chosen, factor, value),
+              -sum(pair_counts[_pair(factor, value, other, chosen[other])]
+                   for other in chosen),
               -usage[factor][value], -value))
     for factor, value in chosen.items():
       usage[factor][value] += 1
-    uncovered -= _pairs(chosen)
+    pairs = _pairs(chosen)
+    pair_counts.update(pairs)
+    uncovered -= pairs
     rows.append({names[f]: values[f][chosen[f]] for f in range(len(values))})
   return rows
 

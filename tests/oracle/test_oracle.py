@@ -37,6 +37,8 @@ def test_the_sample_covers_every_pair_of_factor_values():
   sample = [vars(cell) for cell in harness.cells(full=False)]
   assert oracle_pairwise.uncovered_pairs(harness.FACTORS, sample) == []
   assert len(sample) < len(harness.cells(full=True))
+  assert {cell["model"] for cell in sample
+          if cell["mode"] == "train" and cell["towers"] != "1"} == set(ZOO)
 
 
 def test_pairwise_on_three_binary_factors_is_the_four_row_array():
