@@ -24,7 +24,7 @@ TF1_TESTS := tests/test_tf1_behavior.py tests/test_equivalence.py \
 	tests/test_specs.py tests/test_sharding.py tests/test_sync_batch_norm.py
 TF1_SELECTION := not v2 and not v1-1 and not v1-2
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test test-oracle clean
 
 venv: $(STAMP)
 
@@ -42,6 +42,12 @@ test: $(STAMP)
 	REPLICATE_TF1_BEHAVIOR=1 $(VENV)/bin/python -m pytest -q $(TF1_TESTS) \
 		-k "$(TF1_SELECTION)" || status=1; \
 	exit $$status
+
+# The oracle's whole cross (tests/oracle: every zoo model x pipeline x towers
+# x variable_strategy x mode against the unwrapped model_fn; `make test`
+# runs a pairwise-covering sample of it). Hours, not minutes.
+test-oracle: $(STAMP)
+	REPLICATE_ORACLE=full $(VENV)/bin/python -m pytest -q tests/oracle
 
 $(STAMP): requirements-test.txt setup.py
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11) and "replicate needs Python 3.11 (TensorFlow 2.15); $(PYTHON) is " + sys.version.split()[0] + ". Run: make PYTHON=/path/to/python3.11 ...")'

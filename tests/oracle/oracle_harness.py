@@ -1,0 +1,376 @@
+"""The oracle: every cell of zoo x pipeline x towers x strategy x mode.
+
+A cell trains, evaluates, predicts or exports one zoo model through one
+input pipeline, wrapped with `replicate_model_fn` on N virtual CPU devices
+(`RunConfig(session_config=ConfigProto(device_count={'CPU': N}))`, one
+tower per device) with one `variable_strategy`, and compares the result with
+the unwrapped `model_fn` on one device, the oracle:
+- both start from the same checkpoint: the unwrapped estimator trained one
+  step on all the rows, copied into each `model_dir` (initial values depend
+  on op creation order, which wrapping changes);
+- "train": trains through the pipeline (at least 2 steps), then every
+  variable of the checkpoint (optimizer slots, accumulators, averages and
+  the global step included) must equal the oracle's;
+- "eval": every key `evaluate` returns;
+- "predict": every key of every prediction, row by row;
+- "export": `export_saved_model` (raw tensors, or parsed `tf.Example`s for
+  the "tf_example" pipeline), then every output of every signature served
+  for batches of 1 and 7 rows, against the unwrapped model's export served
+  the same way. Exports are served by a separate Python process that never
+  builds a training graph: each one is loaded into a new graph and a
+  session with one CPU and no soft placement, as a serving machine would
+  (one process for the run, not one per export, which would cost a
+  TensorFlow import, ~3 s, per cell).
+"Equal" is to 1e-5 (absolute plus relative; NaN equals NaN); anything not a
+number must be identical. A cell either equals the oracle or is refused
+with a `ValueError` listed in `EXPECTED_REFUSALS`.
+
+Towers: "1", "2" and "3" on the 7 rows in batches of 3 (7 = 3 + 3 + 1, so
+the remainder batch already leaves towers without rows); "3_small": 3
+towers on the first 2 rows in batches of 2, a batch smaller than the towers
+in every pipeline.
+"""
+
+import dataclasses
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from typing import Dict, List, Tuple
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import oracle_pairwise
+import oracle_pipelines as pipelines
+from oracle_zoo import ROWS, ZOO
+
+TOWERS = {"1": (1, ROWS, 3), "2": (2, ROWS, 3), "3": (3, ROWS, 3),
+          "3_small": (3, 2, 2)}  # towers, rows, batch size
+STRATEGIES = ("parameter_server", "round_robin", "replicated")
+MODES = ("train", "eval", "predict", "export")
+FACTORS = (("model", tuple(ZOO)), ("pipeline", pipelines.PIPELINES),
+           ("towers", tuple(TOWERS)), ("strategy", STRATEGIES),
+           ("mode", MODES))
+SERVING_SIZES = (1, 7)
+TOLERANCE = 1e-5
+
+# The published refusals: (zoo model, condition) -> a substring of the
+# ValueError the wrapper must raise for every cell the condition holds for.
+# A condition is "*" or "factor=value" terms joined by "&", e.g.
+# "mode=train&towers=3". Empty: no refusal is expected yet.
+EXPECTED_REFUSALS: Dict[Tuple[str, str], str] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  model: str
+  pipeline: str
+  towers: str
+  strategy: str
+  mode: str
+
+  def __str__(self):
+    return "-".join(dataclasses.astuple(self))
+
+  @property
+  def tower_count(self) -> int:
+    return TOWERS[self.towers][0]
+
+  @property
+  def rows(self) -> int:
+    return TOWERS[self.towers][1]
+
+  @property
+  def batch(self) -> int:
+    return TOWERS[self.towers][2]
+
+
+def cells(full: bool) -> List[Cell]:
+  """The whole cross, or a pairwise-covering sample of it.
+
+  The sample is `oracle_pairwise.pairwise(FACTORS)` plus, for each model it
+  trains on one tower only, one TRAIN cell on 3 towers with the "batch"
+  pipeline (batches of 3, 3, 1: even shards, then towers without rows):
+  training on several towers is what the wrapper is for, and pairs alone do
+  not promise it.
+  """
+  if full:
+    return [Cell(*values) for values in itertools.product(
+        *(values for _, values in FACTORS))]
+  sample = [Cell(**row) for row in oracle_pairwise.pairwise(FACTORS)]
+  trained = {cell.model for cell in sample
+             if cell.mode == "train" and cell.tower_count > 1}
+  for index, model in enumerate(ZOO):
+    if model not in trained:
+      sample.append(Cell(model, "batch", "3",
+                         STRATEGIES[index % len(STRATEGIES)], "train"))
+  return sample
+
+
+def expected_refusal(cell: Cell):
+  """The message substring `cell` must be refused with, or None."""
+  for (model, condition), message in EXPECTED_REFUSALS.items():
+    if model in (cell.model, "*") and _holds(condition, cell):
+      return message
+  return None
+
+
+def check(cell: Cell, workspace: "Workspace", tmp_path) -> None:
+  """Runs `cell` wrapped and asserts it equals the oracle (or is refused)."""
+  oracle = workspace.oracle(cell)
+  model = ZOO[cell.model]
+  model_dir = str(tmp_path / "wrapped")
+  shutil.copytree(workspace.start(model), model_dir)
+  estimator = model.build(model_dir, run_config(cell.tower_count),
+                          {"variable_strategy": cell.strategy})
+  refusal = expected_refusal(cell)
+  if refusal is not None:
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+      _run(estimator, model, cell, model_dir, workspace)
+    return
+  assert_equal(oracle, _run(estimator, model, cell, model_dir, workspace),
+               _WHAT[cell.mode])
+
+
+def run_config(devices: int) -> tf.estimator.RunConfig:
+  return tf.estimator.RunConfig(
+      session_config=tf.compat.v1.ConfigProto(device_count={"CPU": devices}),
+      tf_random_seed=0, save_summary_steps=None, log_step_count_steps=None,
+      keep_checkpoint_max=1)
+
+
+def assert_equal(expected: dict, actual: dict, what: str) -> None:
+  """Every key of `expected` in `actual`, equal to TOLERANCE; one-line error.
+
+  The error leads with the worst entry: its name and the largest difference.
+  """
+  common = sorted(set(expected) & set(actual))
+  missing = sorted(set(expected) - set(actual))
+  extra = sorted(set(actual) - set(expected))
+  off = sorted((_difference(expected[name], actual[name]) + (name,)
+                for name in common), reverse=True)
+  off = [entry for entry in off if entry[0] > 0]
+  problems = []
+  if off:
+    _, detail, name = off[0]
+    problems.append("{} of {} {} differ; worst {!r}: {}".format(
+        len(off), len(common), what, name, detail))
+    if len(off) > 1:
+      problems.append("also " + ", ".join(repr(e[2]) for e in off[1:6]) +
+                      (" ..." if len(off) > 6 else ""))
+  if missing:
+    problems.append("missing {}".format(missing[:6]))
+  if extra:
+    problems.append("unexpected {}".format(extra[:6]))
+  if problems:
+    raise AssertionError("; ".join(problems))
+
+
+class Workspace:
+  """What the cells share: start checkpoints, oracle results, the server."""
+
+  def __init__(self, root):
+    self._root = str(root)
+    self._starts = {}
+    self._oracles = {}
+    self._server = None
+
+  def start(self, model) -> str:
+    """The model's shared starting checkpoint: one unwrapped step."""
+    if model.name not in self._starts:
+      model_dir = os.path.join(self._root, "start", model.name)
+      input_fn, _, _ = pipelines.input_fn("from_tensors", model, ROWS, 3,
+                                          "train")
+      # Keras initializers without a seed draw one from Python's `random`:
+      # seeded here, the start (and each failure's numbers) is the same on
+      # every run.
+      tf.keras.utils.set_random_seed(0)
+      model.build(model_dir, run_config(1), None).train(input_fn, steps=1)
+      self._starts[model.name] = model_dir
+    return self._starts[model.name]
+
+  def oracle(self, cell: Cell):
+    """The unwrapped model's result for `cell`, computed once per run."""
+    key = (cell.model, cell.pipeline, cell.mode, cell.rows, cell.batch)
+    if cell.mode == "export":
+      key = (cell.model, cell.pipeline == "tf_example", cell.mode)
+    if key not in self._oracles:
+      model = ZOO[cell.model]
+      model_dir = os.path.join(self._root, "oracle",
+                               "-".join(str(part) for part in key))
+      shutil.copytree(self.start(model), model_dir)
+      self._oracles[key] = _run(model.build(model_dir, run_config(1), None),
+                                model, cell, model_dir, self)
+    return self._oracles[key]
+
+  def serve(self, export_dir: str, request: dict) -> dict:
+    """Every signature's outputs for each of SERVING_SIZES, served apart."""
+    if self._server is None or self._server.poll() is not None:
+      self._server = subprocess.Popen(
+          [sys.executable, "-c", _SERVER], stdin=subprocess.PIPE,
+          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+          env=dict(os.environ, CUDA_VISIBLE_DEVICES="",
+                   TF_CPP_MIN_LOG_LEVEL="3"))
+    self._server.stdin.write(json.dumps(dict(
+        request, export_dir=export_dir, sizes=SERVING_SIZES)) + "\n")
+    self._server.stdin.flush()
+    for line in self._server.stdout:
+      if line.startswith(_REPLY):
+        reply = json.loads(line[len(_REPLY):])
+        if "error" in reply:
+          raise AssertionError("serving {} failed: {}".format(
+              export_dir, reply["error"]))
+        return {name: np.array(value, dtype=object if isinstance(
+            _first(value), str) else None)
+                for name, value in reply["result"].items()}
+    raise AssertionError("the serving process ended while serving " +
+                         export_dir)
+
+  def close(self):
+    if self._server is not None and self._server.poll() is None:
+      self._server.stdin.close()
+      try:
+        self._server.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        self._server.kill()
+
+
+_WHAT = {"train": "checkpoint variables", "eval": "metrics",
+         "predict": "prediction keys", "export": "served outputs"}
+
+
+def _run(estimator, model, cell, model_dir, workspace) -> dict:
+  """The estimator's result for the cell's mode, as {name: array}."""
+  if cell.mode == "export":
+    export_dir = estimator.export_saved_model(
+        os.path.join(model_dir, "export"),
+        pipelines.serving_receiver(model, cell.pipeline)).decode()
+    return workspace.serve(export_dir, pipelines.serving_request(
+        model, max(SERVING_SIZES)))
+  input_fn, steps, limit = pipelines.input_fn(cell.pipeline, model, cell.rows,
+                                              cell.batch, cell.mode)
+  if cell.mode == "train":
+    estimator.train(input_fn, steps=steps)
+    reader = tf.train.load_checkpoint(model_dir)
+    return {name: reader.get_tensor(name)
+            for name, _ in tf.train.list_variables(model_dir)}
+  if cell.mode == "eval":
+    return {name: np.asarray(value) for name, value in
+            estimator.evaluate(input_fn, steps=steps).items()}
+  predictions = list(itertools.islice(estimator.predict(input_fn), limit))
+  if not predictions:
+    return {}
+  if not isinstance(predictions[0], dict):
+    predictions = [{"predictions": p} for p in predictions]
+  result = {key: np.stack([p[key] for p in predictions])
+            for key in predictions[0]}
+  result["number of rows"] = np.array(len(predictions))
+  return result
+
+
+def _difference(expected, actual):
+  """(how far off, a description), how far off is 0 when equal."""
+  expected, actual = np.asarray(expected), np.asarray(actual)
+  if expected.shape != actual.shape:
+    return float("inf"), "shape {} instead of {}".format(actual.shape,
+                                                         expected.shape)
+  if expected.dtype.kind in "biufc" and actual.dtype.kind in "biufc":
+    expected = expected.astype(np.float64)
+    actual = actual.astype(np.float64)
+    both_nan = np.isnan(expected) & np.isnan(actual)
+    difference = np.where(both_nan, 0.0, np.abs(actual - expected))
+    difference = np.where(np.isnan(difference), np.inf, difference)
+    excess = difference - TOLERANCE * (1 + np.abs(expected))
+    if expected.size == 0 or not (excess > 0).any():
+      return 0, ""
+    worst = int(np.argmax(difference))
+    return float(difference.flat[worst]), (
+        "largest difference {:.3g} (expected {:.6g}, got {:.6g}{})".format(
+            difference.flat[worst], expected.flat[worst], actual.flat[worst],
+            "" if expected.size == 1 else " at index {}".format(
+                np.unravel_index(worst, expected.shape))))
+  if np.array_equal(expected.astype(str), actual.astype(str)):
+    return 0, ""
+  return float("inf"), "expected {}, got {}".format(
+      expected.ravel()[:4].tolist(), actual.ravel()[:4].tolist())
+
+
+def _holds(condition: str, cell: Cell) -> bool:
+  if condition == "*":
+    return True
+  terms = [term.split("=", 1) for term in condition.split("&")]
+  return all(getattr(cell, name) == value for name, value in terms)
+
+
+def _first(value):
+  while isinstance(value, list) and value:
+    value = value[0]
+  return value
+
+
+_REPLY = "ORACLE-SERVED "
+
+# The serving process: one JSON request a line (an export, raw columns,
+# serialized tf.Examples, batch sizes); each export is loaded into a new
+# graph and a strict one-CPU session, and every signature is run.
+_SERVER = r"""
+import base64, json, sys
+import numpy as np
+import tensorflow as tf
+
+STRICT = tf.compat.v1.ConfigProto(allow_soft_placement=False,
+                                  device_count={"CPU": 1})
+
+
+def listed(value):
+  value = np.asarray(value)
+  if value.dtype == object or value.dtype.kind == "S":
+    return np.vectorize(lambda b: b.decode(), otypes=[object])(value).tolist()
+  return value.tolist()
+
+
+def feed_value(name, info, size, request, examples):
+  dtype = tf.as_dtype(info.dtype)
+  if name in request["raw"]:
+    value = np.array(request["raw"][name][:size])
+    if dtype == tf.string:
+      return np.vectorize(lambda s: s.encode(), otypes=[object])(value)
+    return value.astype(dtype.as_numpy_dtype)
+  if dtype == tf.string:
+    return np.array(examples[:size], dtype=object)
+  raise KeyError("no value for signature input " + name)
+
+
+def serve(request):
+  examples = [base64.b64decode(e) for e in request["examples"]]
+  result = {}
+  with tf.compat.v1.Session(graph=tf.Graph(), config=STRICT) as session:
+    meta_graph = tf.compat.v1.saved_model.load(session, ["serve"],
+                                               request["export_dir"])
+    for key, signature in sorted(meta_graph.signature_def.items()):
+      if key.startswith("__"):
+        continue
+      for size in request["sizes"]:
+        feed = {info.name: feed_value(name, info, size, request, examples)
+                for name, info in signature.inputs.items()}
+        fetches = {name: info.name for name, info in signature.outputs.items()}
+        for name, value in session.run(fetches, feed).items():
+          result["{}/{}/{}".format(key, size, name)] = listed(value)
+  return result
+
+
+for line in sys.stdin:
+  request = json.loads(line)
+  try:
+    reply = {"result": serve(request)}
+  except Exception as error:  # reported to the test, which fails
+    message = str(error).strip().splitlines()
+    reply = {"error": "{}: {}".format(type(error).__name__,
+                                      message[0] if message else "")}
+  print("ORACLE-SERVED " + json.dumps(reply), flush=True)
+"""

@@ -1,0 +1,72 @@
+"""The oracle: each cell of the zoo's cross, wrapped, against the unwrapped
+`model_fn` (see oracle_harness.py for what a cell compares).
+
+`make test` runs a pairwise-covering sample of the cross (every pair of
+factor values in at least one cell); `make test-oracle`
+(REPLICATE_ORACLE=full) runs the whole cross. No cell is marked xfail: a
+cell equals the oracle, is refused as `EXPECTED_REFUSALS` publishes, or
+fails.
+"""
+
+import os
+
+import pytest
+
+import oracle_harness as harness
+import oracle_pairwise
+from oracle_zoo import ZOO
+
+IS_FULL = os.environ.get("REPLICATE_ORACLE") == "full"
+CELLS = harness.cells(full=IS_FULL)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+  shared = harness.Workspace(tmp_path_factory.mktemp("oracle"))
+  yield shared
+  shared.close()
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=str)
+def test_wrapped_cell_equals_the_unwrapped_model_fn(cell, workspace,
+                                                    tmp_path):
+  harness.check(cell, workspace, tmp_path)
+
+
+def test_the_sample_covers_every_pair_of_factor_values():
+  sample = [vars(cell) for cell in harness.cells(full=False)]
+  assert oracle_pairwise.uncovered_pairs(harness.FACTORS, sample) == []
+  assert len(sample) < len(harness.cells(full=True))
+  assert {cell["model"] for cell in sample
+          if cell["mode"] == "train" and cell["towers"] != "1"} == set(ZOO)
+
+
+def test_pairwise_on_three_binary_factors_is_the_four_row_array():
+  # Rows by hand: (0,0) first; C=0 ties, the first value wins. Then (A0,B1):
+  # C=1 covers (A0,C1) and (B1,C1). Then (A1,B0): C=1 covers two, C=0 one.
+  # Then (A1,B1): C=0 covers (A1,C0) and (B1,C0). Four rows, all 12 pairs.
+  factors = [("a", [0, 1]), ("b", [0, 1]), ("c", [0, 1])]
+  rows = oracle_pairwise.pairwise(factors)
+  assert [(r["a"], r["b"], r["c"]) for r in rows] == [
+      (0, 0, 0), (0, 1, 1), (1, 0, 1), (1, 1, 0)]
+  assert oracle_pairwise.uncovered_pairs(factors, rows) == []
+
+
+def test_the_zoo_has_every_pattern_and_at_least_15_models():
+  assert len(ZOO) >= 15
+  canned = [name for name in ZOO if name.startswith("canned_")]
+  for part in ("v1", "v2", "_dnn_", "_linear_", "_dnn_linear_", "binary",
+               "multiclass", "regressor", "weighted"):
+    assert any(part in name for name in canned), part
+  assert any(not name.endswith("weighted") for name in canned)
+
+
+def test_expected_refusals_name_models_and_factor_values():
+  values = dict(harness.FACTORS)
+  for (model, condition), message in harness.EXPECTED_REFUSALS.items():
+    assert model == "*" or model in ZOO, model
+    assert message
+    if condition != "*":
+      for term in condition.split("&"):
+        name, value = term.split("=", 1)
+        assert value in values[name], term
