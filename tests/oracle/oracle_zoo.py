@@ -89,7 +89,9 @@ def _rng(seed):
 
 def _keras_classifier(params):
   inputs = tf.keras.Input(shape=(4,), name="x")
-  hidden = tf.keras.layers.Dense(8, name="hidden")(inputs)
+  # No bias before batch norm, as Keras models write it: its gradient is 0
+  # up to rounding, which Adam would turn into full-size steps either way.
+  hidden = tf.keras.layers.Dense(8, use_bias=False, name="hidden")(inputs)
   hidden = tf.keras.layers.BatchNormalization(name="batch_norm")(hidden)
   hidden = tf.keras.layers.Activation("relu")(hidden)
   # Rate 0.0 in the zoo: no N-tower dropout mask can equal one device's.
@@ -138,7 +140,7 @@ def _keras_data():
 
 def cnn_model_fn(features, labels, mode):
   net = tf.compat.v1.layers.conv2d(features["image"], 4, 3, padding="same",
-                                   name="conv1")
+                                   use_bias=False, name="conv1")
   net = tf.compat.v1.layers.batch_normalization(
       net, training=mode == ModeKeys.TRAIN, name="bn1")
   net = tf.nn.relu(net)
