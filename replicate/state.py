@@ -65,7 +65,7 @@ _TABLE_UNION_TYPES = frozenset(["LookupTableInsertV2", "LookupTableInsert",
 IDEMPOTENT_TYPES = frozenset(["LookupTableInsertV2", "LookupTableInsert"])
 # Stateful ops whose running changes nothing that outlives the step.
 _ALLOWED_TYPES = frozenset([
-    "VarHandleOp", "VariableV2", "Variable", "ReadVariableOp",
+    "VarHandleOp", "VariableV2", "Variable", "ReadVariableOp", "VariableShape",
     "ResourceGather", "ResourceGatherNd", "VarIsInitializedOp",
     "IsVariableInitialized", "Assert", "Print", "PrintV2", "Timestamp",
     "RandomUniform", "RandomUniformInt", "RandomStandardNormal",

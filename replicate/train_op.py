@@ -101,6 +101,13 @@ def _combine_statistics(writes, context) -> None:
     _check_rewritable(change.op)
   names = lambda changes: [c.variable.op.name for c in changes]
   for index, tower_writes in enumerate(writes[1:], start=1):
+    if context.layout.has_rows[index] is False:
+      # A tower on a stand-in row: its loss and gradients are dropped, so
+      # the step may run none of its writes; any it runs change nothing.
+      for change in tower_writes:
+        _change_nothing(change.op, after=[c.op for c in writes[0]])
+      writes[index] = []
+      continue
     if names(tower_writes) != names(writes[0]):
       raise ValueError(
           "Tower {}'s step updates the statistics {} and tower 0's {} "
@@ -122,7 +129,8 @@ def _combine_statistics(writes, context) -> None:
         terms.append(sharding.zero_unless_rows(value * share, rows))
       combined = _as_dtype_of(tf.math.add_n(terms), tower0_write.inputs[1])
       for tower_writes in writes[1:]:
-        _change_nothing(tower_writes[position].op, after=[tower0_write])
+        if tower_writes:
+          _change_nothing(tower_writes[position].op, after=[tower0_write])
       tower0_write._update_input(1, combined)  # pylint: disable=protected-access
 
 
