@@ -31,64 +31,13 @@ from typing import Dict, List, NamedTuple, Optional
 import tensorflow as tf
 
 from replicate import graphs
+from replicate import op_kinds
 from replicate import rows as rows_lib
 from replicate import _tf
 
 ALLOWED, KEEP, ONCE, STATISTIC = "allowed", "keep", "once", "statistic"
 
 Aggregation = tf.VariableAggregation
-
-# Variable writes: op type -> "add", "sub" or "set" (the value is input 1).
-WRITE_KINDS = {
-    "Assign": "set", "AssignVariableOp": "set",
-    "AssignAdd": "add", "AssignAddVariableOp": "add",
-    "AssignSub": "sub", "AssignSubVariableOp": "sub",
-}
-# Writes that add to what is there, so that every tower's adds up.
-_ADDITIVE_TYPES = frozenset([
-    "ScatterAdd", "ScatterSub", "ResourceScatterAdd", "ResourceScatterSub",
-    "ScatterNdAdd", "ScatterNdSub", "ResourceScatterNdAdd",
-    "ResourceScatterNdSub",
-])
-# Writes that replace what is there, element by element.
-_REPLACING_TYPES = frozenset([
-    "ScatterUpdate", "ResourceScatterUpdate", "ScatterNdUpdate",
-    "ResourceScatterNdUpdate", "ScatterMul", "ScatterDiv", "ScatterMin",
-    "ScatterMax", "ResourceScatterMul", "ResourceScatterDiv",
-    "ResourceScatterMin", "ResourceScatterMax",
-])
-# Table changes whose union over towers is the batch's.
-_TABLE_UNION_TYPES = frozenset(["LookupTableInsertV2", "LookupTableInsert",
-                                "LookupTableRemoveV2"])
-# Table changes a tower on a stand-in row (a copy of the batch's first row)
-# may repeat: inserting tower 0's first key and value again changes nothing.
-IDEMPOTENT_TYPES = frozenset(["LookupTableInsertV2", "LookupTableInsert"])
-# Stateful ops whose running changes nothing that outlives the step.
-_ALLOWED_TYPES = frozenset([
-    "VarHandleOp", "VariableV2", "Variable", "ReadVariableOp", "VariableShape",
-    "ResourceGather", "ResourceGatherNd", "VarIsInitializedOp",
-    "IsVariableInitialized", "Assert", "Print", "PrintV2", "Timestamp",
-    "RandomUniform", "RandomUniformInt", "RandomStandardNormal",
-    "TruncatedNormal", "RandomShuffle", "Multinomial", "RandomGamma",
-    "RandomPoisson", "RandomPoissonV2", "ParameterizedTruncatedNormal",
-    "HashTableV2", "HashTable", "MutableHashTableV2",
-    "MutableHashTableOfTensorsV2", "MutableDenseHashTableV2",
-    "LookupTableFindV2", "LookupTableFind", "LookupTableSizeV2",
-    "LookupTableExportV2", "TensorArrayV3", "TensorArrayReadV3",
-    "TensorArrayWriteV3", "TensorArrayGatherV3", "TensorArrayScatterV3",
-    "TensorArraySizeV3", "TensorArrayGradV3", "TensorArrayConcatV3",
-    "TensorArraySplitV3", "TensorArrayCloseV3", "TensorArrayGradWithShape",
-    "StackV2", "StackPushV2", "StackPopV2", "StackCloseV2",
-    "IteratorGetNext", "IteratorGetNextSync", "IteratorV2",
-    "AnonymousIteratorV2", "AnonymousIteratorV3", "DummySeedGenerator",
-    "AnonymousSeedGenerator", "Placeholder", "PlaceholderWithDefault",
-    "_Arg", "_Retval", "NoOp",
-])
-_PY_FUNC_TYPES = frozenset(["PyFunc", "EagerPyFunc"])
-# Ops a variable's handle or ref passes through on its way to a write.
-_PASSING_TYPES = frozenset(["Enter", "RefEnter", "Identity", "RefIdentity",
-                            "Switch", "RefSwitch"])
-
 
 class Change(NamedTuple):
   """A stateful op of one tower's step, and how it counts."""
@@ -152,9 +101,9 @@ class _Classifier:
       return Change(op, 0, ALLOWED, None)
 
   def change(self, op) -> Change:
-    if op.type in WRITE_KINDS or op.type in _ADDITIVE_TYPES:
+    if op.type in op_kinds.WRITE_KINDS or op.type in op_kinds.ADDITIVE_TYPES:
       variable = self._variables.get(written_op(op))
-      kind = (self._write_kind(op, variable) if op.type in WRITE_KINDS else
+      kind = (self._write_kind(op, variable) if op.type in op_kinds.WRITE_KINDS else
               self._effect_kind(op))
       return Change(op, self._index, kind, variable, variable is not None
                     and not self._is_own(variable))
@@ -164,7 +113,7 @@ class _Classifier:
     if variable is None or self._is_own(variable):
       return KEEP
     aggregation = variable.aggregation
-    kind = WRITE_KINDS[op.type]
+    kind = op_kinds.WRITE_KINDS[op.type]
     # A folded `zeros_like(v)` or `ones_like(v)` written as it is, is a
     # constant of the variable's shape (an accumulator's reset), whatever
     # shape it was folded from.
@@ -199,14 +148,14 @@ class _Classifier:
     return KEEP
 
   def _effect_kind(self, op) -> str:
-    if op.type in _ALLOWED_TYPES:
+    if op.type in op_kinds.ALLOWED_TYPES:
       return ALLOWED
-    if op.type in _PY_FUNC_TYPES and any(
+    if op.type in op_kinds.PY_FUNC_TYPES and any(
         output.consumers() for output in op.outputs):
       return ALLOWED  # a computation on the tower's rows, like a map
     variable = self._variables.get(written_op(op)) if op.inputs else None
     from_rows = self.rows.depend([op])
-    if op.type in _ADDITIVE_TYPES:
+    if op.type in op_kinds.ADDITIVE_TYPES:
       if variable is not None and (
           self._is_own(variable) or
           variable.aggregation == Aggregation.SUM):
@@ -217,7 +166,7 @@ class _Classifier:
                 variable.aggregation.name, op.type)),
                        "update it with assign, assign_add or assign_sub")
       return KEEP if from_rows else ONCE
-    if op.type in _TABLE_UNION_TYPES:
+    if op.type in op_kinds.TABLE_UNION_TYPES:
       if written_op(op) in self._tower_ops and self._index:
         raise _refusal(self._index, op, None, (
             "changes a table the tower created itself: each tower would "
@@ -228,7 +177,7 @@ class _Classifier:
                 "tf.compat.v1.get_default_graph() in the model_fn's "
                 "closure), so every tower's inserts reach one table"))
       return KEEP if from_rows else ONCE
-    if op.type in _REPLACING_TYPES:
+    if op.type in op_kinds.REPLACING_TYPES:
       if variable is not None and self._is_own(variable):
         return KEEP
       if not from_rows:
@@ -256,7 +205,7 @@ class _Classifier:
   def _call_kind(self, op, function_types, from_rows) -> str:
     """A function call (`tf.function`, TF 2 `tf.cond`/`tf.while_loop`)."""
     stateful = {t for t in function_types
-                if t not in _ALLOWED_TYPES and t not in _PY_FUNC_TYPES}
+                if t not in op_kinds.ALLOWED_TYPES and t not in op_kinds.PY_FUNC_TYPES}
     if not stateful:
       return ALLOWED
     declared = [self._variables.get(t.op) for t in op.inputs
@@ -291,15 +240,15 @@ def _changes_state(op) -> bool:
   optimizers' `Apply*` are not registered stateful (they change the state
   their ref input points to), but change it all the same.
   """
-  return (_tf.is_stateful(op) or op.type in WRITE_KINDS or
-          op.type in _ADDITIVE_TYPES or op.type in _REPLACING_TYPES or
+  return (_tf.is_stateful(op) or op.type in op_kinds.WRITE_KINDS or
+          op.type in op_kinds.ADDITIVE_TYPES or op.type in op_kinds.REPLACING_TYPES or
           op.type.startswith(("Apply", "SparseApply")))
 
 
 def written_op(write_op):
   """The op of the variable a write op writes (through control flow's)."""
   op = write_op.inputs[0].op
-  while op.type in _PASSING_TYPES and op.inputs:
+  while op.type in op_kinds.PASSING_TYPES and op.inputs:
     op = op.inputs[0].op
   return op
 

@@ -32,6 +32,7 @@ import collections
 import tensorflow as tf
 
 from replicate import graphs
+from replicate import op_kinds
 from replicate import sharding
 from replicate import state
 
@@ -70,7 +71,7 @@ def _keep(change, context, runs):
     if op in runs:
       _change_nothing(op, after=None)
     return []
-  if not isinstance(has_rows, bool) and op.type not in state.IDEMPOTENT_TYPES:
+  if not isinstance(has_rows, bool) and op.type not in op_kinds.IDEMPOTENT_TYPES:
     _change_nothing_unless_rows(op, has_rows, change.tower)
   return [] if op in runs else [op]
 
@@ -78,7 +79,7 @@ def _keep(change, context, runs):
 def _make_once(change, tower0_changes, runs):
   """A change of tower i that only tower 0's must make."""
   op = change.op
-  if op.type not in state.WRITE_KINDS:
+  if op.type not in op_kinds.WRITE_KINDS:
     raise ValueError(
         "Tower {}'s op {!r} ({}) is not computed from the tower's rows, so "
         "only tower 0's may run, but the tower's gradients or loss wait for "
@@ -177,7 +178,7 @@ def _reads_after(variable_op, own_writes, tower_ops):
     return []
   reads = []
   for consumer in variable_op.outputs[0].consumers():
-    if consumer not in tower_ops or consumer.type in state.WRITE_KINDS:
+    if consumer not in tower_ops or consumer.type in op_kinds.WRITE_KINDS:
       continue
     behind = set(graphs.ops_behind([consumer], within=tower_ops,
                                    follow_control=True))
@@ -225,7 +226,7 @@ def _change_nothing(op, after):
   """Makes a write leave its variable as it is, once `after` have run."""
   _check_rewritable(op)
   after = list(after or [])
-  if state.WRITE_KINDS[op.type] == "set":
+  if op_kinds.WRITE_KINDS[op.type] == "set":
     with tf.control_dependencies(after):
       value = _read(op)
   else:
@@ -237,7 +238,7 @@ def _change_nothing(op, after):
 
 def _change_nothing_unless_rows(op, has_rows, index):
   """Where the tower may have no rows, its write changes nothing then."""
-  if op.type not in state.WRITE_KINDS:
+  if op.type not in op_kinds.WRITE_KINDS:
     raise ValueError(
         "Tower {}'s op {!r} ({}) changes state from the tower's rows, but "
         "the batch's size is known only when the step runs, so the tower "
@@ -248,7 +249,7 @@ def _change_nothing_unless_rows(op, has_rows, index):
         "drop_remainder=True)).".format(index, op.name, op.type))
   _check_rewritable(op)
   value = op.inputs[1]
-  if state.WRITE_KINDS[op.type] == "set":
+  if op_kinds.WRITE_KINDS[op.type] == "set":
     unchanged = _read(op)
   else:
     unchanged = tf.zeros_like(value)
