@@ -221,11 +221,18 @@ class Workspace:
   def serve(self, export_dir: str, request: dict) -> dict:
     """Every signature's outputs for each of SERVING_SIZES, served apart."""
     if self._server is None or self._server.poll() is not None:
+      # oneDNN's graph rewrites off: on AMD EPYC machines Grappler's
+      # remapper aborts the process (protobuf CHECK "key not found: value")
+      # on the unwrapped BERT export's serving graph, a TensorFlow 2.15 bug
+      # that depends on the CPU. Both exports are served the same way.
+      if self._server is not None:
+        self._stderr.close()
+      self._stderr = open(os.path.join(self._root, "server.stderr"), "w")
       self._server = subprocess.Popen(
           [sys.executable, "-c", _SERVER], stdin=subprocess.PIPE,
-          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+          stdout=subprocess.PIPE, stderr=self._stderr, text=True,
           env=dict(os.environ, CUDA_VISIBLE_DEVICES="",
-                   TF_CPP_MIN_LOG_LEVEL="3"))
+                   TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0"))
     self._server.stdin.write(json.dumps(dict(
         request, export_dir=export_dir, sizes=SERVING_SIZES)) + "\n")
     self._server.stdin.flush()
@@ -238,8 +245,10 @@ class Workspace:
         return {name: np.array(value, dtype=object if isinstance(
             _first(value), str) else None)
                 for name, value in reply["result"].items()}
-    raise AssertionError("the serving process ended while serving " +
-                         export_dir)
+    with open(self._stderr.name) as stderr:
+      last = stderr.read().strip().splitlines()[-3:]
+    raise AssertionError("the serving process ended while serving {}: "
+                         "{}".format(export_dir, " | ".join(last)))
 
   def close(self):
     if self._server is not None and self._server.poll() is None:
@@ -248,6 +257,8 @@ class Workspace:
         self._server.wait(timeout=10)
       except subprocess.TimeoutExpired:
         self._server.kill()
+    if self._server is not None:
+      self._stderr.close()
 
 
 _WHAT = {"train": "checkpoint variables", "eval": "metrics",
