@@ -18,6 +18,8 @@ from oracle_zoo import ZOO
 
 IS_FULL = os.environ.get("REPLICATE_ORACLE") == "full"
 CELLS = harness.cells(full=IS_FULL)
+if os.environ.get("REPLICATE_ORACLE_SHARD"):  # `make test-oracle`: 2 at once
+  CELLS = harness.shard(CELLS, os.environ["REPLICATE_ORACLE_SHARD"])
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +41,15 @@ def test_the_sample_covers_every_pair_of_factor_values():
   assert len(sample) < len(harness.cells(full=True))
   assert {cell["model"] for cell in sample
           if cell["mode"] == "train" and cell["towers"] != "1"} == set(ZOO)
+
+
+def test_shards_split_the_cells_by_model_and_lose_none():
+  everything = harness.cells(full=True)
+  first, second = (harness.shard(everything, spec) for spec in ("0/2", "1/2"))
+  assert len(first) + len(second) == len(everything)
+  assert not {cell.model for cell in first} & {cell.model for cell in second}
+  with pytest.raises(ValueError, match="REPLICATE_ORACLE_SHARD must be"):
+    harness.shard(everything, "2/2")
 
 
 def test_pairwise_on_three_binary_factors_is_the_four_row_array():
