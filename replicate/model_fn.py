@@ -142,7 +142,7 @@ def replicate_model_fn(
   arguments.check_takes_features(model_fn, model_fn_args)
   arguments.check_sync_batch_norm(sync_batch_norm)
 
-  def replicated_model_fn(features, labels, mode, params=None, config=None):
+  def build(features, labels, mode, params, config):
     kwargs = _model_fn_kwargs(model_fn, model_fn_args, labels, mode, params,
                               config)
     if _is_export_graph(mode, features):
@@ -152,6 +152,9 @@ def replicate_model_fn(
     tower_devices, strategy = strategies.for_call(
         variable_strategy, fixed_devices, config, mode, all_reduce,
         compact_gradients)
+    devices_lib.log_towers(tower_devices, variable_strategy, mode,
+                           config if fixed_devices is None and
+                           not cluster.num_ps_tasks(config, mode) else None)
     if len(tower_devices) == 1:
       # Placed as a tower, so that in a cluster the variables still go to
       # the ps tasks rather than following the one device.
@@ -165,6 +168,16 @@ def replicate_model_fn(
                            batch_norm_sync)
     return cluster.for_cluster(spec, config,
                                cluster.num_ps_tasks(config, mode))
+
+  # The wrapper takes `params` exactly when the model_fn does: the Estimator
+  # passes `params` by what the signature names, and warns about a model_fn
+  # that names `params` it was not given.
+  if "params" in model_fn_args:
+    def replicated_model_fn(features, labels, mode, params=None, config=None):
+      return build(features, labels, mode, params, config)
+  else:
+    def replicated_model_fn(features, labels, mode, config=None):
+      return build(features, labels, mode, None, config)
 
   replicated_model_fn.__name__ = "replicated_" + getattr(
       model_fn, "__name__", "model_fn")

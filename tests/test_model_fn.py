@@ -82,17 +82,89 @@ def test_params_and_config_reach_the_model_fn_that_takes_them(graph):
     np.testing.assert_allclose(session.run(spec.predictions), [3.0, 6.0])
 
 
-def test_params_or_labels_the_model_fn_cannot_take_are_refused(graph):
-  def features_only(features, mode):
-    return tf.estimator.EstimatorSpec(mode, predictions=features)
+def _features_only(features, mode):
+  return tf.estimator.EstimatorSpec(mode, predictions=features)
 
-  wrapped = replicate.replicate_model_fn(features_only, devices=cpus(2))
-  with pytest.raises(ValueError, match="does not take params"):
-    wrapped(tf.ones([2]), None, PREDICT, params={"scale": 2.0})
+
+def test_params_or_labels_the_model_fn_cannot_take_are_refused(graph):
+  wrapped = replicate.replicate_model_fn(_features_only, devices=cpus(2))
+  # The wrapper takes params when the model_fn does, so the Estimator
+  # refuses params for it as it does for the model_fn.
+  assert "params" not in inspect.signature(wrapped).parameters
+  assert "params" in inspect.signature(
+      replicate.replicate_model_fn(_model_fn)).parameters
+  with pytest.raises(ValueError, match="does not include params argument"):
+    tf.estimator.Estimator(wrapped, params={"scale": 2.0})
   with pytest.raises(ValueError, match="does not take labels"):
     wrapped(tf.ones([2]), tf.ones([2]), PREDICT)
-  spec = wrapped(tf.ones([2]), None, PREDICT, params={})
+  spec = wrapped(tf.ones([2]), None, PREDICT)
   assert spec.predictions.shape.as_list() == [2]
+
+
+class _Lines(list):
+  """The "tensorflow" logger's lines at INFO and above, while installed."""
+
+  def __enter__(self):
+    import logging  # pylint: disable=import-outside-toplevel
+    self._handler = logging.Handler()
+    self._handler.emit = lambda record: self.append(record.getMessage())
+    self._verbosity = tf.compat.v1.logging.get_verbosity()
+    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.INFO)
+    tf.get_logger().addHandler(self._handler)
+    return self
+
+  def __exit__(self, *unused):
+    tf.get_logger().removeHandler(self._handler)
+    tf.compat.v1.logging.set_verbosity(self._verbosity)
+
+
+def test_an_estimator_without_params_logs_no_params_warning():
+  with _Lines() as lines:
+    tf.estimator.Estimator(
+        replicate.replicate_model_fn(_features_only, devices=cpus(2)))
+  assert not [line for line in lines if "params" in line]
+
+
+def test_the_towers_built_are_logged_in_one_line(graph, monkeypatch):
+  monkeypatch.setattr(replicate.devices, "local_devices",
+                      lambda *args, **kwargs: cpus(3))
+  with _Lines() as lines:
+    replicate.replicate_model_fn(_model_fn, variable_strategy="round_robin")(
+        tf.ones([6]), tf.ones([6]), TRAIN, params={})
+  assert [line for line in lines if line.startswith("replicate:")] == [
+      "replicate: 3 towers (train) on {}, variable_strategy='round_robin'."
+      .format(", ".join(cpus(3)))]
+
+
+@pytest.mark.parametrize("gpus, cores, hint", [
+    (0, 4, "no GPU and 4 CPU cores, which TensorFlow counts as one device. "
+           "For towers on CPU cores, give the Estimator tf.estimator.RunConfig"
+           "(session_config=tf.compat.v1.ConfigProto(device_count={'CPU': 4}"
+           "))."),
+    (2, 4, "this machine has 2 GPUs but the session sees one"),
+    (0, 1, None), (1, 8, None)])
+def test_one_tower_where_the_machine_has_more_is_a_warning(
+    monkeypatch, gpus, cores, hint):
+  monkeypatch.setattr(tf.config, "list_physical_devices",
+                      lambda kind=None: ["GPU:%d" % i for i in range(gpus)])
+  monkeypatch.setattr(replicate.devices, "local_devices",
+                      lambda *args, **kwargs: ["/device:CPU:0"])
+  monkeypatch.setattr(replicate.devices.os, "cpu_count", lambda: cores)
+  wrapped = replicate.replicate_model_fn(_model_fn)
+  with _Lines() as lines:
+    for mode in (TRAIN, EVAL):
+      with tf.Graph().as_default():
+        tf.compat.v1.train.get_or_create_global_step()
+        wrapped(tf.ones([6]), tf.ones([6]), mode, params={},
+                config=tf.estimator.RunConfig())
+  warnings = [line for line in lines if line.startswith("replicate: 1 tower,")]
+  if hint is None:
+    assert warnings == []
+  else:
+    assert len(warnings) == 1 and hint in warnings[0], warnings
+    assert warnings[0].endswith(
+        "For one tower on purpose, pass devices=['/device:CPU:0'] to "
+        "replicate_model_fn.")
 
 
 def test_a_model_fn_that_returns_no_estimator_spec_is_named(graph):
