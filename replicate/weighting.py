@@ -90,14 +90,14 @@ def weighed_once(context, grads_and_vars: list) -> list:
 def _downstream_of(ops):
   """Every op computed from `ops` (data edges), `ops` included."""
   found = set(ops)
-  pending = list(ops)
-  while pending:
-    op = pending.pop()
+  frontier = list(ops)
+  while frontier:
+    op = frontier.pop()
     for output in op.outputs:
       for consumer in output.consumers():
         if consumer not in found:
           found.add(consumer)
-          pending.append(consumer)
+          frontier.append(consumer)
   return found
 
 
