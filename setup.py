@@ -17,7 +17,7 @@ setuptools.setup(
                  "machine: towers, one update per step."),
     long_description=(_HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
-    packages=["replicate"],
+    packages=setuptools.find_packages(include=["replicate", "replicate.*"]),
     python_requires=">=3.11,<3.12",
     install_requires=["tensorflow-estimator==2.15.*", "six"],
     extras_require={

@@ -2,7 +2,7 @@
 
 Where the end-to-end tables say that `replicated` with the collective
 `ring` is slower than with `gather` or the hand-written ring, this says
-why: it times `replicate.allreduce.all_reduce_grads` by itself, per
+why: it times `replicate.communication.allreduce.all_reduce_grads` by itself, per
 algorithm, on dense float32 tensors of a given size (the MLP's gradients,
 or a single tensor of 1,000 to 4,000,000 elements) on N devices, with the
 configurations interleaved in one process and the ratios paired within a
@@ -20,7 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
-from replicate import allreduce  # noqa: E402
+from replicate.communication import allreduce  # noqa: E402
 
 ALGORITHMS = {"gather": allreduce.GATHER, "ring": allreduce.RING,
               "handring": allreduce.HAND_RING}

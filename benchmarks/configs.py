@@ -36,7 +36,7 @@ twins is what the measurement alone moves a ratio by.
 import re
 from typing import NamedTuple
 
-from replicate import allreduce
+from replicate.communication import allreduce
 
 _CONFIG = re.compile(r"^(?:single|replicate-(\d+)-"
                      r"(ps|rr|gather|ring|handring|nccl)(-sync)?|"
@@ -56,7 +56,7 @@ _REPLICATE_ARGUMENTS = {
     "gather": {"variable_strategy": "replicated", "all_reduce": "gather"},
     "ring": {"variable_strategy": "replicated", "all_reduce": "ring"},
     # Not a public all_reduce value: the internal hook kept for this
-    # comparison (see replicate.allreduce).
+    # comparison (see replicate.communication.allreduce).
     "handring": {"variable_strategy": "replicated",
                  "all_reduce": allreduce.HAND_RING},
     "nccl": {"variable_strategy": "replicated", "all_reduce": "nccl"},

@@ -8,9 +8,9 @@ with the `model_fn`'s optimizer wrapped in `replicate.TowerOptimizer`.
 """
 
 from replicate.model_fn import replicate_model_fn
-from replicate.optimizer import TowerOptimizer
-from replicate.tower_local import tower_local_scope
-from replicate.weighting import loss_denominator
+from replicate.gradients.optimizer import TowerOptimizer
+from replicate.variables.tower_local import tower_local_scope
+from replicate.gradients.weighting import loss_denominator
 
 __version__ = "0.1.0"
 

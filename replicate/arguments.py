@@ -5,8 +5,8 @@ Each raises a `ValueError` that says what was received and what to pass.
 
 import tensorflow as tf
 
-from replicate import allreduce
-from replicate import strategies
+from replicate.communication import allreduce
+from replicate.variables import strategies
 
 Reduction = tf.compat.v1.losses.Reduction
 

@@ -30,7 +30,7 @@ later. A worker that fails is reported and training goes on without it, as
 asynchronous training allows. Ctrl-C or SIGTERM to the launcher stops all.
 The launcher exits with the chief's exit code (128 + N if the chief died of
 signal N; 130 on Ctrl-C, 143 on SIGTERM). Logging, stopping and signals at
-the level of processes are `replicate.processes`; this module is the cluster.
+the level of processes are `replicate.cluster.processes`; this module is the cluster.
 """
 
 import argparse
@@ -45,7 +45,7 @@ import threading
 import time
 from typing import Dict, Optional, Sequence, TextIO, Tuple
 
-from replicate import processes
+from replicate.cluster import processes
 
 Task = Tuple[str, int]
 

@@ -11,18 +11,18 @@ from typing import Callable, Optional, Sequence
 import tensorflow as tf
 from tensorflow.python.util import function_utils
 
-from replicate import allreduce
+from replicate.communication import allreduce
 from replicate import arguments
 from replicate import canned
-from replicate import cluster
-from replicate import context as context_lib
-from replicate import devices as devices_lib
-from replicate import graphs
-from replicate import sharding
-from replicate import specs as specs_lib
-from replicate import strategies
-from replicate import sync_batch_norm as sync_batch_norm_lib
-from replicate import variables as variables_lib
+from replicate.cluster import ps_cluster
+from replicate.towers import context as context_lib
+from replicate.towers import devices as devices_lib
+from replicate import graph_walk
+from replicate.shard import sharding
+from replicate.outputs import specs as specs_lib
+from replicate.variables import strategies
+from replicate.batch_norm import sync_batch_norm as sync_batch_norm_lib
+from replicate.variables import tower_variables as tower_variables_lib
 
 Reduction = tf.compat.v1.losses.Reduction
 
@@ -68,7 +68,7 @@ def replicate_model_fn(
       (TensorFlow's collective all-reduce, `CollectiveReduceV2`), `"nccl"`
       (the same over NCCL, GPUs), or `"auto"` (NCCL on GPUs when
       TensorFlow has it, else `"gather"`). The session needs no setting
-      for them. See `replicate.allreduce` and `replicate.collectives`.
+      for them. See `replicate.communication.allreduce` and `replicate.communication.collectives`.
     compact_gradients: with `"replicated"`, cast float32 gradients to
       float16 for the all-reduce and back after (half the traffic, float16
       precision in the sum).
@@ -98,8 +98,8 @@ def replicate_model_fn(
   On clusters: with a `RunConfig` whose `TF_CONFIG` cluster has ps tasks,
   each training task builds one tower per device of its own server, the
   variables go to the ps tasks in turn, and each worker sums its towers'
-  gradients before sending one update (see `replicate.cluster` and
-  `replicate.hooks`).
+  gradients before sending one update (see `replicate.cluster.ps_cluster` and
+  `replicate.cluster.session_hooks`).
 
   On batch norm: with `sync_batch_norm=True`, in TRAIN, every training-mode
   batch norm (`tf.compat.v1.layers.batch_normalization` and
@@ -107,7 +107,7 @@ def replicate_model_fn(
   whole batch's mean and variance, combined from the towers' by their row
   counts, and its gradient through them is summed over towers, so the loss,
   the gradients, every variable and the moving statistics are one device's
-  on the whole batch (see `replicate.sync_batch_norm`). A Keras layer
+  on the whole batch (see `replicate.batch_norm.sync_batch_norm`). A Keras layer
   declared `synchronized=True` is synchronized without the flag. What
   cannot be synchronized is a `ValueError` with the fix: a tensor
   `training` argument on a fused layer, batch norm inside a `tf.function`,
@@ -154,7 +154,7 @@ def replicate_model_fn(
         compact_gradients)
     devices_lib.log_towers(tower_devices, variable_strategy, mode,
                            config if fixed_devices is None and
-                           not cluster.num_ps_tasks(config, mode) else None)
+                           not ps_cluster.num_ps_tasks(config, mode) else None)
     if len(tower_devices) == 1:
       # Placed as a tower, so that in a cluster the variables still go to
       # the ps tasks rather than following the one device.
@@ -166,8 +166,8 @@ def replicate_model_fn(
       spec = _build_towers(model_fn, features, labels, mode, kwargs,
                            tower_devices, loss_reduction, strategy,
                            batch_norm_sync)
-    return cluster.for_cluster(spec, config,
-                               cluster.num_ps_tasks(config, mode))
+    return ps_cluster.for_cluster(spec, config,
+                               ps_cluster.num_ps_tasks(config, mode))
 
   # The wrapper takes `params` exactly when the model_fn does: the Estimator
   # passes `params` by what the signature names, and warns about a model_fn
@@ -188,7 +188,7 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
                   loss_reduction, strategy, batch_norm_sync):
   """Builds one tower per device and combines their specs.
 
-  `strategy` (see `replicate.strategies`) places the variables, says
+  `strategy` (see `replicate.variables.strategies`) places the variables, says
   whether towers train their own copies, and combines their gradients.
   `batch_norm_sync(layout)` makes the call's batch-norm sites, or None.
   """
@@ -203,7 +203,7 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
   layout = context_lib.TowerLayout.of(tower_devices, device_functions,
                                       shards, strategy)
   with context_lib.replication_context(
-      layout, loss_reduction, tower_variables=variables_lib.TowerVariables(
+      layout, loss_reduction, tower_variables=tower_variables_lib.TowerVariables(
           tf.compat.v1.get_default_graph(), tower_devices,
           is_replicated=strategy.copies_variables),
       batch_norm=batch_norm_sync(layout)) as context, \
@@ -276,7 +276,7 @@ def _is_export_graph(mode, features):
 def _is_serving_input(features):
   """Whether features come from placeholders rather than an input pipeline."""
   has_placeholder = False
-  for op in graphs.ops_behind(
+  for op in graph_walk.ops_behind(
       t for t in tf.nest.flatten(features, expand_composites=True)
       if isinstance(t, tf.Tensor)):
     if op.type in _PIPELINE_OP_TYPES:

@@ -78,7 +78,7 @@ def run_initialized(fetches, feed_dict=None, steps=1):
 def replication_context(graph, count=2,
                         reduction=tf.compat.v1.losses.Reduction.MEAN):
   """A replication context for `count` towers on a batch of `count` rows."""
-  from replicate import context as context_lib  # pylint: disable=import-outside-toplevel
+  from replicate.towers import context as context_lib  # pylint: disable=import-outside-toplevel
   from replicate import sharding, strategies, variables  # pylint: disable=import-outside-toplevel
   layout = context_lib.TowerLayout.of(
       cpus(count), [lambda op, d=d: d for d in cpus(count)],

@@ -4,7 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 from conftest import run_initialized
-from replicate import aggregation
+from replicate.gradients import aggregation
 
 
 def test_dense_gradients_are_added(graph):

@@ -1,4 +1,4 @@
-"""`replicate.allreduce`: every algorithm sums like one device.
+"""`replicate.communication.allreduce`: every algorithm sums like one device.
 
 `ring` is TensorFlow's collective all-reduce (`CollectiveReduceV2`); it must
 train exactly like one device and like `gather`, with packing, float16
@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import replicate
 from conftest import TRAIN, cpus, session_config
-from replicate import allreduce
+from replicate.communication import allreduce
 from test_equivalence import (_assert_close, _assert_same_training, _batches,
                               _make_model_fn, _train, _unwrapped)
 from test_replicated import _train_embedding, _embedding_model_fn

@@ -1,4 +1,4 @@
-"""`replicate.collectives`: keys read from the graph, ops on tower devices.
+"""`replicate.communication.collectives`: keys read from the graph, ops on tower devices.
 
 A graph's reductions each need their own instance key, and a group key
 always means one set of devices; rebuilt graphs and sessions open side by
@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import replicate
 from conftest import TRAIN, cpus, session_config
-from replicate import collectives
+from replicate.communication import collectives
 
 X = np.linspace(-1, 1, 21, dtype=np.float32).reshape(7, 3)
 Y = X @ np.array([[1.0], [2.0], [-1.0]], np.float32)

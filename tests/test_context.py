@@ -4,7 +4,8 @@ import pytest
 import tensorflow as tf
 
 from conftest import cpus, replication_context, run_initialized
-from replicate import context as context_lib
+from replicate.towers import context as context_lib
+from replicate.towers import current
 
 
 def _context(graph, count=2):
@@ -13,12 +14,12 @@ def _context(graph, count=2):
 
 def test_context_exists_only_while_towers_are_built(graph):
   keys_before = set(graph.get_all_collection_keys())
-  assert context_lib.current_context() is None
+  assert current.current_context() is None
   with _context(graph) as context:
-    assert context_lib.current_context() is context
+    assert current.current_context() is context
     with tf.Graph().as_default():  # another graph does not see it
-      assert context_lib.current_context() is None
-  assert context_lib.current_context() is None
+      assert current.current_context() is None
+  assert current.current_context() is None
   assert not graph.get_collection(context_lib._CONTEXT_COLLECTION)
   assert set(graph.get_all_collection_keys()) <= keys_before | {
       context_lib._CONTEXT_COLLECTION
@@ -30,7 +31,7 @@ def test_context_is_cleared_when_a_tower_raises(graph):
     with _context(graph) as context:
       with context.tower_scope(0):
         raise RuntimeError("model_fn failed")
-  assert context_lib.current_context() is None
+  assert current.current_context() is None
 
 
 def test_nested_contexts_are_refused(graph):

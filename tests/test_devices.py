@@ -4,8 +4,8 @@ import pytest
 import tensorflow as tf
 
 from conftest import session_config
-from replicate import devices
-from replicate import strategies
+from replicate.towers import devices
+from replicate.variables import strategies
 
 
 def test_any_spelling_is_normalised():

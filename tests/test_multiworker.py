@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
-from replicate import hooks
+from replicate.cluster import session_hooks
 from replicate.launch import LocalCluster
 from conftest import RecordingLog
 
@@ -177,7 +177,7 @@ def test_a_fresh_ps_gets_the_checkpoint_back(tmp_path):
   with tf.Graph().as_default():
     w = tf.compat.v1.get_variable(
         "w", [], initializer=tf.compat.v1.ones_initializer())
-    saver = hooks.NoRollbackSaver()
+    saver = session_hooks.NoRollbackSaver()
     saver.build()
     with tf.compat.v1.Session() as session:
       session.run(w.initializer)

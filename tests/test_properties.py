@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import replicate
 from conftest import TRAIN, cpus, session_config
-from replicate import sharding
+from replicate.shard import sharding
 
 Reduction = tf.compat.v1.losses.Reduction
 _SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)

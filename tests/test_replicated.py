@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import replicate
 from conftest import EVAL, TRAIN, checkpoint_values, cpus, session_config
-from replicate import allreduce
+from replicate.communication import allreduce
 from test_equivalence import (_assert_same_training, _batches, _make_model_fn,
                               _train, _unwrapped)
 

@@ -2,7 +2,7 @@
 
 import tensorflow as tf
 
-from replicate import rows
+from replicate.shard import rows
 
 
 def test_values_from_the_rows_or_their_folded_shape_depend_on_them(graph):

@@ -7,7 +7,7 @@ import tensorflow as tf
 import replicate
 from conftest import cpus, regression_spec, run_initialized
 from conftest import session_config
-from replicate import sharding
+from replicate.shard import sharding
 
 Reduction = tf.compat.v1.losses.Reduction
 

@@ -4,8 +4,8 @@ import pytest
 import tensorflow as tf
 
 from conftest import EVAL, PREDICT, TRAIN, cpus, session_config
-from replicate import allreduce
-from replicate import strategies
+from replicate.communication import allreduce
+from replicate.variables import strategies
 
 CONFIG = tf.estimator.RunConfig(session_config=session_config(3))
 

@@ -1,0 +1,7 @@
+"""`sync_batch_norm=True`: batch norm with the whole batch's moments.
+
+- `sync_batch_norm`: which calls are synchronized, the refusals, the swaps.
+- `batch_norm_sites`: each tower's sites, their moments and gradients
+  combined by the last tower.
+- `batch_moments`: the arithmetic (Chan's combination by counts).
+"""

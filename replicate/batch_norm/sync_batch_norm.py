@@ -1,0 +1,191 @@
+"""`sync_batch_norm`: batch norm in training mode on the whole batch's moments.
+
+On where: while TRAIN towers are built, `replicate._tf.batch_norm_swapped`
+sends every training-mode moments call of a Keras batch norm
+(`tf.keras.layers.BatchNormalization` and `tf.compat.v1.layers`, non-fused)
+to `calculate_mean_and_var`, and every `fused_batch_norm(is_training=True)`
+to `fused_batch_norm`. With `sync_batch_norm=True` each becomes a site (see
+`replicate.batch_norm.batch_norm_sites`); a Keras layer declared `synchronized=True` is
+one whatever the flag. Anything else (one tower, EVAL and PREDICT, a layer
+whose input is not computed from the tower's rows, such as Keras's
+construction call on `tf.keras.Input`) calls TensorFlow's own.
+
+On moving statistics: with sync every tower's moving-average write is the
+whole batch's; `replicate.state.train_op` still combines the towers' writes by
+their shares n_i / n, as for any statistic, which returns the batch's (to
+the rounding of the shares: exact Python numbers for a batch of known size,
+float32 otherwise). One rule for every statistic, and a tower on a stand-in
+row still weighs 0.
+
+On what cannot be synchronized: a training-mode batch norm inside a nested
+graph (a `tf.cond`, as Keras builds a fused layer whose `training` is a
+tensor, or a `tf.function`), a Keras mask, `virtual_batch_size`, and a
+cluster of several training tasks are refused with the fix, never left
+per-tower in silence; so is a gradient through a site not made by
+`TowerOptimizer` (see `replicate.batch_norm.batch_norm_sites`), a gradient penalty's
+`tf.gradients` included.
+"""
+
+import contextlib
+from typing import Callable
+
+import tensorflow as tf
+
+from replicate.batch_norm import batch_moments
+from replicate.batch_norm import batch_norm_sites
+from replicate.cluster import ps_cluster
+from replicate import _tf
+
+
+def check_cluster(sync_all: bool, config, mode: str) -> Callable:
+  """What makes a call's `BatchNormSync` from its layout (None: none).
+
+  Only TRAIN synchronizes. In a cluster of several training tasks, where the
+  moments would have to be combined across tasks too, `sync_batch_norm=True`
+  is refused here, and a layer declared `synchronized=True` where it is
+  built.
+  """
+  if mode != tf.estimator.ModeKeys.TRAIN:
+    return lambda layout: None
+  tasks = ps_cluster.num_training_tasks(config)
+  refusal = None
+  if tasks > 1:
+    if sync_all:
+      raise ValueError(
+          "sync_batch_norm=True, but this RunConfig's cluster has {} "
+          "training tasks (chief and workers): replicate_model_fn combines "
+          "batch-norm moments over one task's towers only, and combining "
+          "them across tasks is not built yet. Fix: sync_batch_norm=False "
+          "(each tower normalizes with its own rows), or train on one "
+          "machine.".format(tasks))
+    refusal = (
+        "The batch norm {{}} is declared synchronized=True, but this "
+        "RunConfig's cluster has {} training tasks (chief and workers): "
+        "replicate_model_fn combines batch-norm moments over one task's "
+        "towers only, and combining them across tasks is not built yet. "
+        "Fix: synchronized=False (each tower normalizes with its own rows), "
+        "or train on one machine.".format(tasks))
+  return lambda layout: batch_norm_sites.BatchNormSync(
+      layout.num_towers, layout.has_rows, sync_all, refusal)
+
+
+def swapped(context):
+  """While the towers are built, batch norm goes through this module."""
+  if context.batch_norm is None:
+    return contextlib.nullcontext()
+  return _tf.batch_norm_swapped(calculate_mean_and_var, fused_batch_norm)
+
+
+def calculate_mean_and_var(original, layer, inputs, reduction_axes,
+                           keep_dims, mask=None):
+  """Keras `_calculate_mean_and_var`, on the whole batch at a site."""
+  call_original = lambda: original(layer, inputs, reduction_axes, keep_dims,
+                                   mask=mask)
+  active = _active(bool(getattr(layer, "synchronized", False)))
+  if active is None or 0 not in reduction_axes:
+    return call_original()  # one tower, or not a batch's moments
+  context, batch_norm = active
+  label = repr(layer.name)
+  if not _from_rows(context, inputs):
+    return call_original()
+  _check_not_nested(context, label)
+  if mask is not None:
+    raise _cannot_sync(label, "is called with a mask (Keras masking)",
+                       "drop the mask (mask=None), or use a non-batch "
+                       "normalization")
+  if getattr(layer, "virtual_batch_size", None) is not None:
+    raise _cannot_sync(label, "has virtual_batch_size={}".format(
+        layer.virtual_batch_size), "remove virtual_batch_size")
+  mean, variance = batch_moments.local_moments(inputs, reduction_axes,
+                                               keep_dims)
+  _, mean, variance = batch_norm.synced(context, label, inputs,
+                                        reduction_axes, mean, variance)
+  return mean, variance
+
+
+def fused_batch_norm(original, x, scale, offset, mean=None, variance=None,
+                     epsilon=0.001, data_format="NHWC", is_training=True,
+                     name=None, exponential_avg_factor=1.0):
+  """`tf.compat.v1.nn.fused_batch_norm`, on the whole batch at a site.
+
+  Returns what the kernel returns in training mode: y, the batch mean and
+  the batch's unbiased variance (Keras moves a fused layer's moving
+  variance towards that one).
+  """
+  active = _active(False) if is_training else None
+  if active is None or not _from_rows(active[0], x):
+    return original(x, scale, offset, mean=mean, variance=variance,
+                    epsilon=epsilon, data_format=data_format,
+                    is_training=is_training, name=name,
+                    exponential_avg_factor=exponential_avg_factor)
+  context, batch_norm = active
+  label = repr(_scope_name(context))
+  _check_not_nested(context, label)
+  if exponential_avg_factor not in (None, 1.0):
+    raise _cannot_sync(label, "is given exponential_avg_factor={}".format(
+        exponential_avg_factor), "leave exponential_avg_factor at 1.0")
+  x = tf.convert_to_tensor(x)
+  scale = tf.convert_to_tensor(scale)
+  offset = tf.convert_to_tensor(offset)
+  channel = 1 if data_format.startswith("NC") else x.shape.rank - 1
+  axes = [axis for axis in range(x.shape.rank) if axis != channel]
+  local_mean, local_variance = batch_moments.local_moments(
+      tf.cast(x, scale.dtype), axes, keepdims=False)
+  count, batch_mean, batch_variance = batch_norm.synced(
+      context, label, x, axes, local_mean, local_variance)
+  y = batch_moments.normalized(original, x, scale, offset, batch_mean,
+                               batch_variance, epsilon, data_format)
+  return y, batch_mean, batch_moments.unbiased(batch_variance, count)
+
+
+def _active(is_declared):
+  """(context, its BatchNormSync) while a site may be made, else None."""
+  context = batch_norm_sites.outer_context()
+  if (context is None or context.tower_index is None or
+      context.num_towers < 2 or context.batch_norm is None):
+    return None
+  if not (context.batch_norm.sync_all or is_declared):
+    return None
+  return context, context.batch_norm
+
+
+def _scope_name(context):
+  """Tower 0's name scope of the call: the layer's, for a Keras layer.
+
+  A function graph (a `tf.cond` branch) starts its own scopes; its call's
+  scope in the graph around it is the layer's.
+  """
+  for graph in _tf.enclosing_graphs(tf.compat.v1.get_default_graph()):
+    scope = graph.get_name_scope()
+    if scope:
+      return context.to_tower0_name(scope, context.tower_index)
+  return ""
+
+
+def _from_rows(context, tensor):
+  """Whether `tensor` is computed from the tower's rows (unknown: yes)."""
+  outer = _tf.outer_tensors(tensor, context.graph)
+  return outer is None or context.rows_of(context.tower_index).depend(outer)
+
+
+def _check_not_nested(context, label):
+  graph = tf.compat.v1.get_default_graph()
+  if graph is context.graph and not _tf.in_control_flow(graph):
+    return
+  raise _cannot_sync(label, (
+      "runs in training mode inside a tf.cond, a while loop or a tf.function "
+      "(Keras builds it inside a tf.cond when its training argument is a "
+      "tensor), where its moments cannot meet the other towers'"), (
+          "pass training as a Python bool (e.g. training=(mode == "
+          "tf.estimator.ModeKeys.TRAIN)) and call the layer outside "
+          "tf.function"))
+
+
+def _cannot_sync(label, why, fix):
+  return ValueError(
+      "The batch norm {} {}, so replicate_model_fn cannot normalize it with "
+      "the whole batch's moments (sync_batch_norm=True, or a Keras layer "
+      "declared synchronized=True). Fix: {}; or, for per-tower batch norm, "
+      "sync_batch_norm=False and synchronized=False.".format(label, why, fix))
+
+

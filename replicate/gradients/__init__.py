@@ -1,0 +1,11 @@
+"""Steps 3 and 4, combine gradients and apply once.
+
+- `optimizer`: `TowerOptimizer` and `KerasTowerOptimizer`.
+- `apply_once`: what both share: each tower's gradients weighted once,
+  tower 0's one update built on stand-ins, the others recorded.
+- `optimizer_calls`: the towers' calls matched by position, their gradients
+  combined and connected to tower 0's update.
+- `stand_ins`: values that exist only once every tower is built.
+- `weighting`: each tower's weight (its share, or `loss_denominator`).
+- `aggregation`: sums of dense and sparse gradients; towers without rows.
+"""

@@ -1,0 +1,101 @@
+"""Each tower's optimizer calls: recorded, matched to tower 0's, summed.
+
+On records: `ReplicationContext.record_optimizer_call` keeps an
+`OptimizerCall` per call, in each tower's order.
+
+On matching: every tower's `model_fn` makes the same optimizer calls in the
+same order, so tower i's call at position k goes with tower 0's call k. It
+must be the same kind of optimizer, with gradients for the same variables
+(a replicated tower's copies standing for tower 0's variables); anything
+else is an error, never a silent sum of unrelated gradients.
+
+On sums: once the last tower has made its call k, the towers' gradients are
+combined by the variable strategy (summed or all-reduced) in tower 0's
+device and name scope, and connected to the stand-ins tower 0's update was
+built on (see `replicate.gradients.stand_ins`). A stand-in no sum comes back for gets
+zeros; a gradient that another tower has and tower 0 lacks is refused.
+"""
+
+from typing import Any, List, NamedTuple, Optional
+
+import tensorflow as tf
+
+from replicate.gradients import stand_ins
+
+
+class OptimizerCall(NamedTuple):
+  """One `TowerOptimizer.apply_gradients` call made by one tower."""
+  optimizer: Any
+  grads_and_vars: List[Any]
+  name_scope: str  # the name scope the call was made in
+  result: Any  # what the call returned: tower 0's update, in every tower
+  # Tower 0 only: the (stand-in gradient, variable) pairs its update was
+  # built on, connected to the sums by the last tower (see `stand_ins`).
+  pending: Optional[List[Any]] = None
+
+
+def tower0_call(context, position):
+  """Tower 0's call at `position`, which tower i's call must match."""
+  first = context.optimizer_calls[0]
+  if len(first) <= position:
+    raise ValueError(
+        "Tower {} made {} TowerOptimizer.apply_gradients calls, more than "
+        "tower 0's {}: each tower's model_fn was supposed to make the same "
+        "optimizer calls in the same order. Make the calls independent of "
+        "the tower's data.".format(context.tower_index, position + 1,
+                                   len(first)))
+  return first[position]
+
+
+def connect_sums(context, position):
+  """Sums call `position`'s gradients over towers; feeds tower 0's update."""
+  per_tower = _same_call_in_every_tower(context, position)
+  tower0_call = context.optimizer_calls[0][position]
+  with context.scopes_of(tower0_call):
+    # Whether each tower counts: it has rows and its loss denominator, if
+    # stated, is not 0 (else its gradients may be NaN: see `weighting`).
+    summed = context.layout.strategy.combine(
+        per_tower, context.weights.counts(), context.layout.devices)
+    by_variable = {variable.ref(): grad for grad, variable in summed}
+    for stand_in, variable in tower0_call.pending:
+      total = by_variable.get(variable.ref())
+      if stand_in is None:
+        if total is not None:
+          raise ValueError(
+              "Tower 0 has no gradient for {!r}, but another tower has one: "
+              "each tower's loss must depend on the same variables. Make "
+              "the model_fn build the same model whatever its data.".format(
+                  variable.op.name))
+        continue
+      stand_ins.connect(stand_in, total if total is not None else
+                      tf.zeros_like(stand_in if not isinstance(
+                          stand_in, tf.IndexedSlices) else stand_in.values))
+
+
+def _same_call_in_every_tower(context, position):
+  """Every tower's gradients for call `position`, checked to be alike."""
+  reference = context.optimizer_calls[0][position]
+  per_tower = []
+  for index, calls in enumerate(context.optimizer_calls):
+    call = calls[position] if position < len(calls) else None
+    # Each tower usually builds its own optimizer object; what must match is
+    # the kind of optimizer and the variables it updates.
+    if (call is None or type(call.optimizer.optimizer) is not type(
+        reference.optimizer.optimizer) or not _same_variables(
+            call.grads_and_vars, reference.grads_and_vars, context)):
+      raise ValueError(
+          "Tower {}'s optimizer call {} differs from tower 0's (another kind "
+          "of optimizer, or gradients for other variables): each tower's "
+          "model_fn was supposed to make the same optimizer calls in the same "
+          "order.".format(index, position + 1))
+    per_tower.append(call.grads_and_vars)
+  return per_tower
+
+
+def _same_variables(grads_and_vars, tower0_grads_and_vars, context):
+  # By identity: `==` on variables builds an elementwise comparison op. A
+  # replicated tower's copies stand for tower 0's variables.
+  tower0_variable = context.variables.tower0_variable
+  return len(grads_and_vars) == len(tower0_grads_and_vars) and all(
+      tower0_variable(a) is b
+      for (_, a), (_, b) in zip(grads_and_vars, tower0_grads_and_vars))

@@ -1,0 +1,209 @@
+"""How much each tower's loss counts, and `replicate.loss_denominator`.
+
+On gradients: `weighed_once` weights each gradient a tower passes to
+`apply_gradients` once, however it was made (see there).
+
+On weights: with `Reduction.SUM` every tower's loss counts fully (weight 1);
+with an averaging reduction tower i's loss counts `n_i / n`, its share of
+the batch, which is exact when the loss is a mean over rows. A loss that
+averages over something else (non-zero weights, the tokens a padding mask
+keeps, a sum of weights) states its denominator with `loss_denominator`,
+and tower i then counts `d_i / sum_j d_j`, worked out at run time.
+
+On towers whose denominator is 0 (every row padding): such a tower weighs
+0, but its loss is 0 / 0 = NaN, and 0 x NaN is NaN, in the loss and in
+every gradient. Weighing it 0 is not enough: it must not count at all, as
+a tower without rows does not. `TowerWeights.counts` says, per tower,
+whether its loss and gradients count; what a tower without rows has is
+chosen away with `sharding.zero_unless_rows`, never multiplied by 0.
+"""
+
+from typing import Any, List, Optional
+
+import tensorflow as tf
+
+from replicate.gradients import stand_ins
+from replicate.shard import sharding
+from replicate.towers import current
+
+
+def loss_denominator(denominator: Any) -> tf.Tensor:
+  """States what this tower's loss is averaged over; returns it as a tensor.
+
+  Args:
+    denominator: a scalar: the count or sum the `model_fn`'s loss divides by
+      (e.g. `tf.math.count_nonzero(weights)` for a
+      `SUM_BY_NONZERO_WEIGHTS` loss, `tf.reduce_sum(weights)` for `MEAN`,
+      `tf.reduce_sum(mask)` for a mean over the tokens a mask keeps).
+
+  On towers: inside `replicate_model_fn`, with an averaging
+  `loss_reduction`, tower i's loss (and so its gradients) is weighted by
+  `d_i / sum_j d_j` instead of its share of the rows, so that N towers
+  train on the loss one device would compute on the whole batch. Call it in
+  the `model_fn` before the optimizer, once per tower. Outside
+  `replicate_model_fn`, or with one tower, it does nothing.
+
+  ```python
+  def model_fn(features, labels, mode):
+    logits = tf.compat.v1.layers.dense(features["x"], 3)
+    weights = features["weight"]  # 0 for padding rows
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
+        labels, logits, weights=weights)  # SUM_BY_NONZERO_WEIGHTS
+    replicate.loss_denominator(tf.math.count_nonzero(weights))
+    ...
+  ```
+  """
+  context = current.current_context()
+  if context is None or context.tower_index is None or context.num_towers < 2:
+    return tf.convert_to_tensor(denominator)
+  return context.weights.set_denominator(context.tower_index, denominator)
+
+
+def weighed_once(context, grads_and_vars: list) -> list:
+  """The tower's gradients, each weighted by the tower's weight once.
+
+  However the gradients were made: through `compute_gradients` or
+  `minimize`, which weighted the loss, they are kept as they are;
+  computed from the rows some other way (`tf.gradients(loss, tvars)` as
+  BERT does, a `GradientTape`), they are weighted here. A gradient not
+  computed from the tower's rows (read back from an accumulator every
+  tower added to, a constant) is the same in every tower: tower 0's
+  counts, once. "From the rows" is `replicate.shard.rows`'s rule.
+  """
+  index = context.tower_index
+  weight = context.weights.of(index)
+  weighted = _downstream_of(context.weight_ops[index])
+  rows = context.rows_of(index)
+  result = []
+  for grad, variable in grads_and_vars:
+    if grad is None or _ops_of(grad) & weighted:
+      result.append((grad, variable))
+    elif rows.depend([grad]):
+      result.append((_scaled(grad, weight), variable))
+    elif index == 0:
+      result.append((grad, variable))
+    else:
+      result.append((_nothing_like(grad), variable))
+  return result
+
+
+def _downstream_of(ops):
+  """Every op computed from `ops` (data edges), `ops` included."""
+  found = set(ops)
+  frontier = list(ops)
+  while frontier:
+    op = frontier.pop()
+    for output in op.outputs:
+      for consumer in output.consumers():
+        if consumer not in found:
+          found.add(consumer)
+          frontier.append(consumer)
+  return found
+
+
+def _ops_of(grad):
+  if isinstance(grad, tf.IndexedSlices):
+    return {grad.values.op, grad.indices.op}
+  return {tf.convert_to_tensor(grad).op}
+
+
+def _scaled(grad, weight):
+  if isinstance(weight, float) and weight == 1.0:
+    return grad
+  if isinstance(grad, tf.IndexedSlices):
+    return tf.IndexedSlices(grad.values * sharding.weight_as(weight, grad.values.dtype),
+                            grad.indices, grad.dense_shape)
+  grad = tf.convert_to_tensor(grad)
+  return grad * sharding.weight_as(weight, grad.dtype)
+
+
+def _nothing_like(grad):
+  """A gradient that adds nothing to `grad`'s sum over towers."""
+  if isinstance(grad, tf.IndexedSlices):
+    return tf.IndexedSlices(grad.values[:0], grad.indices[:0],
+                            grad.dense_shape)
+  return tf.zeros_like(grad)
+
+
+class TowerWeights:
+  """Each tower's loss weight, by rows or by stated denominators."""
+
+  def __init__(self, weights: List[Any], has_rows: List[Any],
+               sums_losses: bool):
+    self._weights = list(weights)
+    self._has_rows = has_rows
+    self._sums_losses = sums_losses
+    self._is_read = [False] * len(weights)
+    self._denominators: List[Optional[tf.Tensor]] = [None] * len(weights)
+    self._counts = list(has_rows)  # see `counts`
+    self._total = None  # stand-in for sum_j d_j, connected by `finish`
+
+  def of(self, index: int):
+    """Tower `index`'s weight (float or scalar tensor), now fixed."""
+    self._is_read[index] = True
+    return self._weights[index]
+
+  def all(self) -> List[Any]:
+    return list(self._weights)
+
+  def counts(self) -> List[Any]:
+    """Per tower, whether its loss and gradients count (bool or bool tensor).
+
+    A tower counts when it has rows and, if it stated a denominator, that
+    denominator is not 0. Read once every tower stated its denominator:
+    where the losses and gradients are combined.
+    """
+    return list(self._counts)
+
+  def set_denominator(self, index: int, denominator) -> tf.Tensor:
+    """Weights tower `index` by `denominator / sum over towers`."""
+    if self._sums_losses:
+      raise ValueError(
+          "replicate.loss_denominator was called, but replicate_model_fn "
+          "was given loss_reduction=Reduction.SUM, which sums the towers' "
+          "losses as they are. A denominator only applies to a loss that "
+          "averages: pass the reduction your loss uses (e.g. "
+          "Reduction.SUM_BY_NONZERO_WEIGHTS, Reduction.MEAN), or remove the "
+          "call.")
+    if self._denominators[index] is not None:
+      raise ValueError(
+          "replicate.loss_denominator was called twice in tower {}: a "
+          "tower's loss has one denominator. Call it once per model_fn "
+          "call, with the denominator of the loss the optimizer "
+          "minimizes.".format(index))
+    if self._is_read[index]:
+      raise ValueError(
+          "replicate.loss_denominator was called in tower {} after the "
+          "tower's loss was weighted (by TowerOptimizer's compute_gradients "
+          "or minimize). Call it before the optimizer.".format(index))
+    value = tf.convert_to_tensor(denominator)
+    if value.shape.rank not in (None, 0):
+      raise ValueError(
+          "replicate.loss_denominator takes a scalar, the count or sum the "
+          "tower's loss divides by. Received a tensor of shape {}: reduce "
+          "it, e.g. tf.reduce_sum(weights).".format(value.shape))
+    counted = sharding.zero_unless_rows(tf.cast(value, tf.float32),
+                                        self._has_rows[index])
+    if self._has_rows[index] is False:
+      counted = tf.zeros([], tf.float32)
+    self._denominators[index] = counted
+    if self._has_rows[index] is not False:
+      # `counted` is 0 on a step the tower has no rows: one test for both.
+      self._counts[index] = tf.not_equal(counted, 0.0, name="tower_counts")
+    if self._total is None:
+      self._total = stand_ins.stand_in(counted, name="loss_denominator_total")
+    self._weights[index] = tf.math.divide_no_nan(counted, self._total)
+    return value
+
+  def finish(self) -> None:
+    """Connects the sum of the denominators; every tower must state one."""
+    if self._total is None:
+      return
+    missing = [i for i, d in enumerate(self._denominators) if d is None]
+    if missing:
+      raise ValueError(
+          "replicate.loss_denominator was called in some towers but not in "
+          "tower(s) {}: every tower's model_fn must state its loss "
+          "denominator, whatever its data.".format(missing))
+    with tf.name_scope("loss_denominator_over_towers"):
+      stand_ins.connect(self._total, tf.math.add_n(self._denominators))

@@ -1,0 +1,113 @@
+"""Combining the towers' `EstimatorSpec`s into the one the Estimator sees.
+
+On loss: the sum of the towers' weighted losses, the loss of the whole batch;
+a tower with no rows, or whose loss denominator is 0, adds exactly 0.
+
+On TRAIN: the one train_op of the step (see `replicate.state.train_op`).
+
+On EVAL: every metric over the whole batch (see `replicate.outputs.metrics`).
+
+On predictions and export outputs (every mode): see `replicate.outputs.predictions`.
+A tower on a stand-in row (see `sharding`) has its metric updates zeroed,
+not moved.
+
+Scaffold and hooks are tower 0's: each tower makes the same ones, and tower
+0's are what the unwrapped model_fn makes. A `local_init_op` of the
+model_fn's own also initialises the other towers' local state (see
+`replicate.towers.scaffolds`).
+"""
+
+from typing import List
+
+import tensorflow as tf
+
+from replicate.outputs import metrics
+from replicate.outputs import predictions as predictions_lib
+from replicate.towers import scaffolds
+from replicate.shard import sharding
+from replicate.state import train_op as train_op_lib
+
+ModeKeys = tf.estimator.ModeKeys
+
+
+def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
+                  context) -> tf.estimator.EstimatorSpec:
+  """The EstimatorSpec of the whole batch, from one spec per tower."""
+  _check_alike(tower_specs)
+  fields = tower_specs[0]._asdict()
+  fields["mode"] = mode
+  fields["predictions"], fields["export_outputs"] = (
+      predictions_lib.combine_outputs(tower_specs, context.layout,
+                                  frozenset(context.tower_ops[0])))
+  if tower_specs[0].loss is not None:
+    fields["loss"] = _weighted_loss(tower_specs, context)
+  fields.update(_COMBINERS[mode](tower_specs, context))
+  fields["scaffold"] = scaffolds.initializing_towers(
+      fields["scaffold"], context.local_state_after_tower0, context.graph)
+  return tf.estimator.EstimatorSpec(**fields)
+
+
+def _check_alike(tower_specs):
+  """Every tower's spec must have tower 0's parts, to be put together."""
+  first = _outline(tower_specs[0])
+  for index, spec in enumerate(tower_specs[1:], start=1):
+    outline = _outline(spec)
+    for part, expected in first.items():
+      if outline[part] != expected:
+        raise ValueError(
+            "Tower {}'s EstimatorSpec differs from tower 0's in its {}: {} "
+            "instead of {}. Each tower's model_fn must return the same "
+            "structure, whatever its data.".format(index, part,
+                                                    outline[part], expected))
+
+
+def _outline(spec):
+  """What must match across towers: which parts are set, and their keys."""
+  def keys(value):
+    return sorted(value) if isinstance(value, dict) else (
+        "none" if value is None else "a single tensor")
+
+  return {
+      "loss": "none" if spec.loss is None else "a loss",
+      "train_op": "none" if spec.train_op is None else "a train_op",
+      "predictions": keys(spec.predictions),
+      "eval_metric_ops keys": keys(spec.eval_metric_ops or None),
+      "export_outputs keys": keys(spec.export_outputs or None),
+  }
+
+
+def _weighted_loss(tower_specs, context):
+  with tf.name_scope("loss_over_towers"):
+    terms = []
+    # A tower that does not count (no rows, or a loss denominator of 0) is
+    # chosen away, not weighed 0: its loss may be NaN (0 / 0).
+    for spec, weight, counts in zip(tower_specs, context.weights.all(),
+                                    context.weights.counts()):
+      if counts is False:
+        continue
+      loss = tf.convert_to_tensor(spec.loss)
+      terms.append(sharding.zero_unless_rows(
+          loss * sharding.weight_as(weight, loss.dtype), counts))
+    return tf.math.add_n(terms, name="sum")
+
+
+def _train_fields(tower_specs, context):
+  if all(spec.train_op is None for spec in tower_specs):
+    return {}
+  return {"train_op": train_op_lib.combine_train_op(tower_specs, context)}
+
+
+def _eval_fields(tower_specs, context):
+  return {"eval_metric_ops": metrics.combine_metrics(tower_specs, context)}
+
+
+def _predict_fields(tower_specs, context):
+  del tower_specs, context  # predictions and exports are done for every mode
+  return {}
+
+
+_COMBINERS = {
+    ModeKeys.TRAIN: _train_fields,
+    ModeKeys.EVAL: _eval_fields,
+    ModeKeys.PREDICT: _predict_fields,
+}

@@ -1,0 +1,7 @@
+"""Step 1, shard: the batch split into one shard per tower.
+
+- `sharding`: features and labels split along dimension 0 (uneven too),
+  each tower's share `n_i / n`, stand-in rows for towers without rows.
+- `batch_leaves`: a batch's leaves converted, named for errors, measured.
+- `rows`: the one rule for "computed from the tower's rows".
+"""

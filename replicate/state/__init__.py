@@ -1,0 +1,7 @@
+"""Step 5, combine state: what each tower's step changes, made exact.
+
+- `rule`: every stateful op of a tower's step classified (kept, once, a
+  statistic, allowed) or refused with the fix.
+- `op_kinds`: op types by what running them does to state.
+- `train_op`: the one `train_op` of the step, acting on those classes.
+"""

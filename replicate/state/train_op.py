@@ -1,0 +1,265 @@
+"""The one `train_op` of a step, from the towers' `train_op`s.
+
+On the update: tower 0's optimizer calls built the one update of the step
+(see `replicate.gradients.apply_once`); every tower's call returned it.
+
+On other state changes: `replicate.state.rule` classifies every stateful op a
+tower's step runs, by the one rule for state; this module acts on the
+classes. Tower 0's `train_op` runs as the `model_fn` built it. Of towers
+1..N-1:
+- `KEEP` changes run in every tower (added to the `train_op` where nothing
+  else runs them), so an `assign_add` of the rows sums over the batch; a
+  read the tower made after such a change (an accumulator read back for
+  `apply_gradients`) waits for every tower's change, so it reads the
+  batch's total;
+- `ONCE` changes that the step runs anyway (a step counter the optimizer
+  call waits for) are made to change nothing; the others are not run;
+- `STATISTIC` writes: tower 0's writes the towers' values combined by
+  their share of the batch `n_i / n`, and the other towers' are made to
+  change nothing. An `assign` of `(1 - f) m + f x_i`, or an `assign_sub`
+  of `f (m - x_i)`, becomes the same with `x` the share-weighted mean of
+  the `x_i`: a moving mean moves as it would with the whole batch's mean.
+
+On towers without rows (a stand-in row): their `STATISTIC` values weigh 0,
+and their `KEEP` writes are made to change nothing.
+
+Editing built ops is kept to the inputs of write ops (a value, or an
+ordering), in the fewest places.
+"""
+
+import collections
+
+import tensorflow as tf
+
+from replicate import graph_walk
+from replicate.state import op_kinds
+from replicate.shard import sharding
+from replicate.state import rule
+
+_KEEP, _ONCE, _STATISTIC = rule.KEEP, rule.ONCE, rule.STATISTIC
+
+
+def combine_train_op(tower_specs, context) -> tf.Operation:
+  """Tower 0's train_op, the other towers' changes per class, the fold."""
+  _check_optimizer_calls(context)
+  classes = rule.classify(context, tower_specs)
+  runs = set(graph_walk.ops_behind(
+      [tower_specs[0].train_op] +
+      [spec.loss for spec in tower_specs if spec.loss is not None],
+      follow_control=True))
+  _combine_statistics(
+      [[c for c in tower if c.kind == _STATISTIC] for tower in classes],
+      context)
+  kept = []
+  for tower in classes[1:]:
+    for change in tower:
+      if change.kind == _KEEP:
+        kept.extend(_keep(change, context, runs))
+      elif change.kind == _ONCE and change.op in runs:
+        _make_once(change, classes[0], runs)
+  _wait_for_every_tower(classes, context)
+  train_op = tf.group(tower_specs[0].train_op, *kept,
+                      name="train_op_over_towers")
+  return context.variables.then_fold(train_op, context.layout.has_rows)
+
+
+def _keep(change, context, runs):
+  """Tower i's change runs too; returns it if the step would not run it."""
+  has_rows = context.layout.has_rows[change.tower]
+  op = change.op
+  if has_rows is False:
+    if op in runs:
+      _change_nothing(op, after=None)
+    return []
+  if not isinstance(has_rows, bool) and op.type not in op_kinds.IDEMPOTENT_TYPES:
+    _change_nothing_unless_rows(op, has_rows, change.tower)
+  return [] if op in runs else [op]
+
+
+def _make_once(change, tower0_changes, runs):
+  """A change of tower i that only tower 0's must make."""
+  op = change.op
+  if op.type not in op_kinds.WRITE_KINDS:
+    raise ValueError(
+        "Tower {}'s op {!r} ({}) is not computed from the tower's rows, so "
+        "only tower 0's may run, but the tower's gradients or loss wait for "
+        "it, so it would run once per tower. Fix: make it outside the "
+        "model_fn's loss and optimizer call (e.g. group it with the "
+        "train_op after the update), or make it depend on the tower's "
+        "rows.".format(change.tower, op.name, op.type))
+  tower0_writes = [c.op for c in tower0_changes
+                   if c.variable is not None and
+                   c.variable is change.variable and c.op in runs]
+  _change_nothing(op, after=tower0_writes)
+
+
+def _combine_statistics(writes, context) -> None:
+  """Makes tower 0's statistic writes write the towers' weighted values.
+
+  `writes[i]` are tower i's `STATISTIC` changes, in build order.
+  """
+  for change in writes[0]:
+    _check_rewritable(change.op)
+  names = lambda changes: [c.variable.op.name for c in changes]
+  for index, tower_writes in enumerate(writes[1:], start=1):
+    if context.layout.has_rows[index] is False:
+      # A tower on a stand-in row: its loss and gradients are dropped, so
+      # the step may run none of its writes; any it runs change nothing.
+      for change in tower_writes:
+        _change_nothing(change.op, after=[c.op for c in writes[0]])
+      writes[index] = []
+      continue
+    if names(tower_writes) != names(writes[0]):
+      raise ValueError(
+          "Tower {}'s step updates the statistics {} and tower 0's {} "
+          "(writes through UPDATE_OPS, moving averages, or of variables "
+          "declared aggregation=MEAN): each tower's model_fn must make the "
+          "same updates (batch norm, moving averages), whatever its "
+          "data.".format(index, names(tower_writes), names(writes[0])))
+  with tf.name_scope("update_ops_over_towers"):
+    for position, tower0_write in enumerate(c.op for c in writes[0]):
+      terms = []
+      for index, tower_writes in enumerate(writes):
+        rows = context.layout.has_rows[index]
+        if rows is False:
+          continue
+        value = tower_writes[position].op.inputs[1]
+        if not value.dtype.is_floating:  # a count: weighed in float
+          value = tf.cast(value, tf.float64)
+        share = sharding.weight_as(context.layout.shares[index], value.dtype)
+        terms.append(sharding.zero_unless_rows(value * share, rows))
+      combined = _as_dtype_of(tf.math.add_n(terms), tower0_write.inputs[1])
+      for tower_writes in writes[1:]:
+        if tower_writes:
+          _change_nothing(tower_writes[position].op, after=[tower0_write])
+      tower0_write._update_input(1, combined)  # pylint: disable=protected-access
+
+
+def _wait_for_every_tower(classes, context) -> None:
+  """Reads after a tower's `KEEP` change wait for every tower's.
+
+  A gradient accumulator: each tower adds its gradients, then reads the
+  accumulator back for `apply_gradients`; the read must see every tower's
+  addition, the batch's total, as on one device.
+  """
+  writes = collections.defaultdict(list)  # variable op -> [(tower, op)]
+  for tower in classes:
+    for change in tower:
+      if change.kind == _KEEP and change.is_shared:
+        writes[change.variable.op].append((change.tower, change.op))
+  writes = {variable_op: tower_writes
+            for variable_op, tower_writes in writes.items()
+            if len({tower for tower, _ in tower_writes}) > 1}
+  # What some write waits for: only a read in there could make a cycle.
+  behind_writes = set(graph_walk.ops_behind(
+      [op for tower_writes in writes.values() for _, op in tower_writes],
+      follow_control=True))
+  tower_ops = [frozenset(ops) for ops in context.tower_ops]
+  for variable_op, tower_writes in writes.items():
+    for index, ops in enumerate(tower_ops):
+      own = {op for tower, op in tower_writes if tower == index}
+      others = [op for tower, op in tower_writes if tower != index]
+      for read in _reads_after(variable_op, own, ops):
+        for write in others:
+          if read in behind_writes and read in set(
+              graph_walk.ops_behind([write], follow_control=True)):
+            raise ValueError(
+                "Tower {}'s op {!r} reads {!r} after adding to it, and "
+                "another tower's addition {!r} waits for that read, so the "
+                "read cannot see every tower's addition. Make the additions "
+                "independent of the reads.".format(
+                    index, read.name, variable_op.name, write.name))
+          read._add_control_input(write)  # pylint: disable=protected-access
+
+
+def _reads_after(variable_op, own_writes, tower_ops):
+  """The tower's reads of the variable that come after its own writes."""
+  if not own_writes:
+    return []
+  reads = []
+  for consumer in variable_op.outputs[0].consumers():
+    if consumer not in tower_ops or consumer.type in op_kinds.WRITE_KINDS:
+      continue
+    behind = set(graph_walk.ops_behind([consumer], within=tower_ops,
+                                   follow_control=True))
+    if behind & own_writes:
+      reads.append(consumer)
+  return reads
+
+
+def _as_dtype_of(value, like):
+  """`value` in `like`'s dtype, rounded to the nearest for an integer."""
+  if like.dtype.is_floating:
+    return value
+  return tf.cast(tf.math.round(value), like.dtype)
+
+
+def _check_optimizer_calls(context):
+  counts = [len(calls) for calls in context.optimizer_calls]
+  if not any(counts):
+    raise ValueError(
+        "The model_fn built a train_op on {} towers without a "
+        "TowerOptimizer, so each tower would update the variables with its "
+        "own gradients. Please wrap optimizers with TowerOptimizer: "
+        "replicate.TowerOptimizer(tf.compat.v1.train.AdamOptimizer(...)).".
+        format(context.num_towers))
+  if len(set(counts)) > 1:
+    raise ValueError(
+        "The towers made different numbers of TowerOptimizer.apply_gradients "
+        "calls ({}): each tower's model_fn was supposed to make the same "
+        "optimizer calls in the same order. Make the calls independent of "
+        "the tower's data.".format(", ".join(
+            "tower {}: {}".format(i, n) for i, n in enumerate(counts))))
+
+
+def _check_rewritable(op):
+  if op._control_flow_context is not None or op.graph.building_function:  # pylint: disable=protected-access
+    raise ValueError(
+        "The write {!r} is built inside control flow (a tf.cond, a while "
+        "loop or a tf.function), where replicate_model_fn cannot combine "
+        "the towers' writes or make them once. Build it outside control "
+        "flow (for batch norm: pass a Python bool as training).".format(
+            op.name))
+
+
+def _change_nothing(op, after):
+  """Makes a write leave its variable as it is, once `after` have run."""
+  _check_rewritable(op)
+  after = list(after or [])
+  if op_kinds.WRITE_KINDS[op.type] == "set":
+    with tf.control_dependencies(after):
+      value = _read(op)
+  else:
+    value = tf.zeros_like(op.inputs[1])
+  op._update_input(1, value)  # pylint: disable=protected-access
+  for other in after:
+    op._add_control_input(other)  # pylint: disable=protected-access
+
+
+def _change_nothing_unless_rows(op, has_rows, index):
+  """Where the tower may have no rows, its write changes nothing then."""
+  if op.type not in op_kinds.WRITE_KINDS:
+    raise ValueError(
+        "Tower {}'s op {!r} ({}) changes state from the tower's rows, but "
+        "the batch's size is known only when the step runs, so the tower "
+        "may run on a stand-in row (a batch with fewer rows than towers), "
+        "where replicate can undo only a variable's assign or assign_add. "
+        "Fix: make the change with assign_add outside the tf.function, or "
+        "give the input_fn a static batch (.batch(b, "
+        "drop_remainder=True)).".format(index, op.name, op.type))
+  _check_rewritable(op)
+  value = op.inputs[1]
+  if op_kinds.WRITE_KINDS[op.type] == "set":
+    unchanged = _read(op)
+  else:
+    unchanged = tf.zeros_like(value)
+  op._update_input(1, tf.where(has_rows, value, unchanged))  # pylint: disable=protected-access
+
+
+def _read(write_op):
+  """The current value of the variable `write_op` writes."""
+  target = write_op.inputs[0]
+  if target.dtype == tf.resource:
+    return tf.raw_ops.ReadVariableOp(resource=target,
+                                     dtype=write_op.get_attr("dtype"))
+  return tf.identity(target)

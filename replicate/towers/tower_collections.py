@@ -1,0 +1,94 @@
+"""What each tower sees of the graph's loss and update collections.
+
+On `LOSSES` and `UPDATE_OPS`: each tower sees what it added itself (and
+what was there before the `model_fn` was called), so that
+`tf.compat.v1.losses.get_total_loss()` in tower i sums tower i's losses and
+`tf.control_dependencies(get_collection(UPDATE_OPS))` waits for tower i's
+batch-norm updates only. `replicate.state.train_op` combines the towers' updates.
+
+On `REGULARIZATION_LOSSES`: regularization belongs to the variables, not to
+a shard, and must count once per step. Every tower sees tower 0's
+regularization losses; what towers 1..N-1 would add themselves is left out
+(with `"replicated"`, a layer regularises the tower's copy of a variable
+again). With an averaging reduction each tower's loss is weighted by its
+share of the batch, so the shares add up to one regularization. With
+`Reduction.SUM` the towers' losses are summed as they are, so towers 1..N-1
+see zeros in place of tower 0's regularization losses, and tower 0's count
+once.
+
+On the end: after the towers are built every collection holds what it held
+before plus what tower 0 added, as the unwrapped `model_fn` leaves it.
+
+This module is the only code that swaps a graph collection's list.
+"""
+
+from typing import Dict, List
+
+import tensorflow as tf
+
+GraphKeys = tf.compat.v1.GraphKeys
+LOSSES = GraphKeys.LOSSES
+REGULARIZATION_LOSSES = GraphKeys.REGULARIZATION_LOSSES
+UPDATE_OPS = GraphKeys.UPDATE_OPS
+_KEYS = (LOSSES, REGULARIZATION_LOSSES, UPDATE_OPS)
+
+
+class TowerCollections:
+  """Per-tower views of `LOSSES`, `REGULARIZATION_LOSSES` and `UPDATE_OPS`."""
+
+  def __init__(self, graph: tf.Graph, num_towers: int, sums_losses: bool):
+    self._graph = graph
+    self._sums_losses = sums_losses
+    self._outer = {key: graph.get_collection(key) for key in _KEYS}
+    # Per key, per tower: what the tower added to the collection.
+    self._added: Dict[str, List[list]] = {
+        key: [[] for _ in range(num_towers)] for key in _KEYS}
+
+  def enter(self, index: int) -> None:
+    """Shows tower `index` its view of each collection."""
+    if index == 0:
+      return
+    for key in (LOSSES, UPDATE_OPS):
+      self._set(key, list(self._outer[key]))
+    tower0 = self._added[REGULARIZATION_LOSSES][0]
+    if self._sums_losses:
+      with tf.name_scope("regularization_counted_in_tower_0"):
+        tower0 = [tf.zeros(loss.shape, loss.dtype) for loss in tower0]
+    self._set(REGULARIZATION_LOSSES,
+              _ClosedList(self._outer[REGULARIZATION_LOSSES] + tower0))
+
+  def leave(self, index: int) -> None:
+    """Records what tower `index` added."""
+    for key in _KEYS:
+      now = self._graph.get_collection(key)
+      start = len(self._outer[key])
+      if index > 0 and key == REGULARIZATION_LOSSES:
+        start = len(now)  # towers 1..N-1 add none of their own
+      self._added[key][index] = now[start:]
+
+  def finish(self) -> None:
+    """Leaves each collection as the unwrapped model_fn would."""
+    for key in _KEYS:
+      self._set(key, self._outer[key] + self._added[key][0])
+
+  def update_ops(self, index: int) -> list:
+    """What tower `index` added to `UPDATE_OPS`, in order."""
+    return list(self._added[UPDATE_OPS][index])
+
+  def _set(self, key, values):
+    if not values and key not in self._graph.collections:
+      return
+    if isinstance(values, _ClosedList):
+      self._graph._collections[key] = values  # pylint: disable=protected-access
+      return
+    self._graph._collections[key] = list(values)  # pylint: disable=protected-access
+
+
+class _ClosedList(list):
+  """A collection that ignores additions: towers 1..N-1's regularization."""
+
+  def append(self, value):
+    del value
+
+  def extend(self, values):
+    del values
