@@ -1,8 +1,18 @@
 """`replicate_model_fn`: one `model_fn`, one tower per device.
 
-The pipeline, per call: split the batch (`sharding`), build the `model_fn` once
-per device inside the replication context (`context`, `devices`), then combine
-the towers' specs into one (`specs`). `TowerOptimizer` does the gradient side.
+The build, per call of the wrapped `model_fn`, one sub-package a step:
+1. `shard`: split the batch into one shard per tower;
+2. `towers`: build the `model_fn` once per device, in the replication
+   context;
+3. `gradients`: inside each tower's optimizer call (`TowerOptimizer`),
+   weight its gradients once and combine every tower's;
+4. `gradients`: apply them once, tower 0's update on the sums;
+5. `state`: what each tower's step changes, kept, made once, combined or
+   refused;
+6. `outputs`: one `EstimatorSpec` from the towers'.
+Beside them: `variables` (where variables live, what a tower sees),
+`communication` (all-reduce), `batch_norm` (synchronized batch norm). Apart:
+`cluster` (a ps cluster from `TF_CONFIG`).
 """
 
 import inspect
