@@ -26,7 +26,7 @@ def test_readme_figures_are_results_md():
     block = readme.render(results.read())
   with open(readme.README) as text:
     assert block in text.read(), (
-        "README.md's performance figures are not benchmarks/RESULTS.md's; "
+        "docs/benchmarks.md's figures are not benchmarks/RESULTS.md's; "
         "run python -m benchmarks.readme")
 
 
