@@ -67,6 +67,11 @@ $(STAMP): requirements-test.txt setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -r requirements-test.txt
+	@# A .venv made before the rename to replicate-model-fn has this checkout as
+	@# `replicate`, whose import hook would stay beside replicate-model-fn's;
+	@# under that name it can otherwise only be the unrelated API client.
+	@if $(VENV)/bin/python -m pip show --quiet replicate >/dev/null 2>&1; then \
+		$(VENV)/bin/python -m pip uninstall --quiet --yes replicate; fi
 	$(VENV)/bin/python -m pip install --quiet -e .
 	touch $(STAMP)
 

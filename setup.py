@@ -1,4 +1,10 @@
-"""Packaging for replicate: pip install 'replicate[cpu]' (or '[gpu]')."""
+"""Packaging: the distribution `replicate-model-fn`, the import package `replicate`.
+
+Install from a checkout with `pip install '.[cpu]'` (or `'.[gpu]'`). The
+distribution is not called `replicate`: on PyPI that name is the unrelated
+Replicate.com API client, which also provides a module `replicate` (the
+package warns at import if it finds it; see replicate/_identity.py).
+"""
 
 import pathlib
 import re
@@ -11,7 +17,7 @@ _VERSION = re.search(r'^__version__ = "([^"]+)"',
                      re.MULTILINE).group(1)
 
 setuptools.setup(
-    name="replicate",
+    name="replicate-model-fn",
     version=_VERSION,
     description=("Train one tf.estimator model_fn on every device of a "
                  "machine: towers, one update per step."),
