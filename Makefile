@@ -75,5 +75,9 @@ $(STAMP): requirements-test.txt setup.py
 	$(VENV)/bin/python -m pip install --quiet -e .
 	touch $(STAMP)
 
+# Build artifacts too: pip wheel / pip install . leave build/ and
+# replicate_model_fn.egg-info/ here, and build/lib would ship a stale copy
+# of a module since deleted.
 clean:
-	rm -rf $(VENV) examples/output .pytest_cache *.egg-info build dist
+	rm -rf $(VENV) examples/output .pytest_cache *.egg-info .eggs build dist
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -15,6 +15,7 @@ _HERE = pathlib.Path(__file__).parent
 _VERSION = re.search(r'^__version__ = "([^"]+)"',
                      (_HERE / "replicate" / "__init__.py").read_text(),
                      re.MULTILINE).group(1)
+_URL = "https://github.com/replicate-model-fn/replicate-model-fn"
 
 setuptools.setup(
     name="replicate-model-fn",
@@ -23,7 +24,19 @@ setuptools.setup(
                  "machine: towers, one update per step."),
     long_description=(_HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
-    packages=["replicate"],
+    author="The replicate authors",
+    license="Apache-2.0",
+    url=_URL,
+    project_urls={
+        "Source": _URL,
+        "Issues": _URL + "/issues",
+        "Changelog": _URL + "/blob/main/CHANGELOG.md",
+    },
+    keywords=["tensorflow", "estimator", "model_fn", "multi-gpu",
+              "data-parallel", "towers", "distributed-training",
+              "parameter-server"],
+    # Every package under replicate/, so a sub-package added later ships too.
+    packages=setuptools.find_packages(include=["replicate", "replicate.*"]),
     python_requires=">=3.11,<3.12",
     install_requires=["tensorflow-estimator==2.15.*", "six"],
     extras_require={
@@ -34,7 +47,14 @@ setuptools.setup(
         "demo": ["scikit-learn"],
     },
     classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "License :: OSI Approved :: Apache Software License",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
         "Programming Language :: Python :: 3.11",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Topic :: Software Development :: Libraries :: Python Modules",
     ],
 )

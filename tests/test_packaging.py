@@ -1,13 +1,28 @@
-"""The distribution: its name, and the warning about the other `replicate`."""
+"""The distribution: its name, its wheel, and the warning about the other one.
+
+The wheel is built offline (`pip wheel --no-build-isolation`, the setuptools
+already installed) from a copy of the checkout, so that setuptools' build/
+and egg-info land in a temporary folder, and every module is then imported
+from the unpacked wheel alone, in a fresh process.
+"""
 
 import importlib
+import json
+import os
 import pathlib
+import shutil
+import subprocess
+import sys
 import warnings
+import zipfile
 
 import pytest
 
 import replicate
 from replicate import _identity
+
+REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
+TIMEOUT = 120
 
 API_CLIENT_METADATA = """\
 Metadata-Version: 2.1
@@ -23,6 +38,87 @@ Name: replicate
 Version: 0.1.0
 Summary: Train one tf.estimator model_fn on every device of a machine.
 """
+
+# Run in the unpacked wheel's process: imports every module of the package
+# and prints where each came from, and the distribution's metadata.
+IMPORT_ALL = r"""
+import importlib, importlib.metadata, json, pkgutil
+import replicate
+modules = {"replicate": replicate.__file__}
+for found in pkgutil.walk_packages(replicate.__path__, "replicate."):
+  modules[found.name] = importlib.import_module(found.name).__file__
+metadata = importlib.metadata.metadata("replicate-model-fn")
+print(json.dumps({"modules": modules, "name": metadata["Name"],
+                  "license": metadata["License"]}))
+"""
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+  """The wheel built from a copy of this checkout."""
+  source = tmp_path_factory.mktemp("source") / "checkout"
+  shutil.copytree(REPOSITORY, source, ignore=shutil.ignore_patterns(
+      ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__",
+      ".pytest_cache", "output", "results"))
+  output = tmp_path_factory.mktemp("wheel")
+  # An absolute path: a bare name would be looked up as a package on PyPI.
+  subprocess.run(
+      [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
+       "--no-build-isolation", "--no-index", "--wheel-dir", str(output),
+       str(source)], check=True, timeout=TIMEOUT, capture_output=True)
+  [built] = output.glob("*.whl")
+  return built
+
+
+def source_modules():
+  """replicate/**/*.py of this checkout, as paths inside a wheel."""
+  return {path.relative_to(REPOSITORY).as_posix()
+          for path in (REPOSITORY / "replicate").rglob("*.py")}
+
+
+def test_the_wheel_is_replicate_model_fn_with_every_module(wheel):
+  assert wheel.name == "replicate_model_fn-{}-py3-none-any.whl".format(
+      replicate.__version__)
+  with zipfile.ZipFile(wheel) as archive:
+    names = set(archive.namelist())
+    info = "replicate_model_fn-{}.dist-info/".format(replicate.__version__)
+    metadata = archive.read(info + "METADATA").decode().splitlines()
+  modules = source_modules()
+  assert "replicate/_identity.py" in modules and len(modules) > 30
+  assert modules <= names, "missing from the wheel: {}".format(
+      sorted(modules - names))
+  # Nothing but the package and its metadata: no tests, benchmarks, examples.
+  assert {name.split("/")[0] for name in names} == {"replicate",
+                                                    info.rstrip("/")}
+  assert info + "LICENSE" in names
+  assert "Name: replicate-model-fn" in metadata
+  assert "License: Apache-2.0" in metadata
+  assert ("Classifier: License :: OSI Approved :: Apache Software License"
+          in metadata)
+
+
+def test_every_module_imports_from_the_unpacked_wheel(wheel, tmp_path):
+  site = tmp_path / "site"
+  with zipfile.ZipFile(wheel) as archive:
+    archive.extractall(site)
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  env = {key: value for key, value in os.environ.items()
+         if key != "PYTHONPATH"}
+  result = subprocess.run(
+      [sys.executable, "-c", IMPORT_ALL], cwd=elsewhere, capture_output=True,
+      text=True, timeout=TIMEOUT,
+      env={**env, "PYTHONPATH": str(site), "TF_CPP_MIN_LOG_LEVEL": "2"})
+  assert result.returncode == 0, result.stderr[-3000:]
+  found = json.loads(result.stdout.splitlines()[-1])
+
+  assert found["name"] == "replicate-model-fn"
+  assert found["license"] == "Apache-2.0"
+  expected = {path[:-len(".py")].replace("/", ".").replace(".__init__", "")
+              for path in source_modules()}
+  assert set(found["modules"]) == expected
+  for module, path in found["modules"].items():
+    assert pathlib.Path(path).is_relative_to(site), (module, path)
 
 
 def write_distribution(folder, metadata):
