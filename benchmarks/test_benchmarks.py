@@ -1,4 +1,5 @@
-"""Tests of `benchmarks/`: configurations, arithmetic, pipelines, the README.
+"""Tests of `benchmarks/`: configurations, arithmetic, pipelines, the README,
+the command lines.
 
 Fast: nothing here trains or times a model. The README test is the check
 that the Performance section's figures are RESULTS.md's.
@@ -11,8 +12,8 @@ import pytest
 import tensorflow as tf
 
 from benchmarks import __main__ as main
-from benchmarks import (configs, harness, pipelines, profile, readme, report,
-                        split_cost)
+from benchmarks import (allreduce_cost, cluster, configs, harness, pipelines,
+                        profile, readme, report, split_cost)
 from benchmarks.models import MODELS
 
 
@@ -282,13 +283,88 @@ def test_split_cost_times_the_same_products_on_slices():
 
 
 @pytest.mark.parametrize("module, argv, message", [
-    (profile, ["--traced", "0"], "--traced and --top must be at least 1"),
-    (split_cost, ["--towers", "2,4"], "must include 1 (the reference)"),
+    (profile, ["--traced", "0"], "argument --traced: must be a whole number "
+     "of at least 1; received '0'"),
+    (split_cost, ["--towers", "2,4"], "argument --towers: must include 1 "
+     "(the reference)"),
     (split_cost, ["--towers", "1,3"], "divide --batch (256) evenly; got 1,3"),
-    (split_cost, ["--rounds", "0"], "--rounds must be at least 1"),
+    (split_cost, ["--rounds", "0"], "argument --rounds: must be a whole "
+     "number of at least 1; received '0'"),
 ])
 def test_profile_and_split_cost_refuse_bad_arguments(module, argv, message,
                                                       capsys):
-  with pytest.raises(SystemExit):
+  with pytest.raises(SystemExit) as exit_info:
     module.main(argv)
+  assert exit_info.value.code == 2
   assert message in capsys.readouterr().err
+
+
+PARSERS = {"benchmarks": main.make_parser,
+           "allreduce_cost": allreduce_cost.make_parser,
+           "split_cost": split_cost.make_parser,
+           "profile": profile.make_parser, "cluster": cluster.make_parser}
+
+
+@pytest.mark.parametrize("name, argv, flag, message", [
+    ("benchmarks", ["--towers", "two"], "--towers",
+     "must be a whole number of at least 1; received 'two'"),
+    ("benchmarks", ["--towers", "1,0"], "--towers", "received '0'"),
+    ("benchmarks", ["--towers", "2,2"], "--towers", "names '2' twice"),
+    ("benchmarks", ["--towers", ","], "--towers", "at least one value"),
+    ("benchmarks", ["--models", "mlp,resnet"], "--models",
+     "Unknown model 'resnet'; the models are: mlp, wide"),
+    ("benchmarks", ["--configs", "single,replicate-2"], "--configs",
+     "Unknown configuration 'replicate-2'; the forms are"),
+    ("benchmarks", ["--configs", "single,single"], "--configs",
+     "names 'single' twice; to measure one twice, add it again with -again"),
+    ("benchmarks", ["--repeats", "0"], "--repeats", "at least 1"),
+    ("benchmarks", ["--seconds", "-1"], "--seconds",
+     "must be a number above 0; received '-1'"),
+    ("benchmarks", ["--seconds", "nan"], "--seconds", "above 0"),
+    ("benchmarks", ["--warmup", "2.5"], "--warmup", "received '2.5'"),
+    ("allreduce_cost", ["--towers", "1,2"], "--towers",
+     "must be a whole number of at least 2; received '1'"),
+    ("allreduce_cost", ["--tensors", "1k,2k"], "--tensors",
+     "unknown '2k'; choose from 1k, 100k, 1m, 4m, mlp"),
+    ("allreduce_cost", ["--rounds", "many"], "--rounds", "received 'many'"),
+    ("split_cost", ["--batch", "0"], "--batch", "at least 1"),
+    ("split_cost", ["--towers", "1,2,2"], "--towers", "names '2' twice"),
+    ("profile", ["--configs", "single,mirrored-2"], "--configs",
+     "Unknown configuration 'mirrored-2'"),
+    ("profile", ["--top", "-3"], "--top", "received '-3'"),
+    ("cluster", ["--steps", "-5"], "--steps", "received '-5'"),
+])
+def test_a_bad_value_is_a_usage_error_naming_its_flag(name, argv, flag,
+                                                       message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    PARSERS[name]().parse_args(argv)
+  assert exit_info.value.code == 2
+  error = " ".join(capsys.readouterr().err.split())
+  assert error.startswith("usage: ")
+  assert "error: argument {}: ".format(flag) in error
+  assert message in error
+
+
+@pytest.mark.parametrize("name", list(PARSERS))
+def test_every_flag_has_help_that_gives_its_default(name):
+  parser = PARSERS[name]()
+  formatter = parser.formatter_class(parser.prog)
+  options = [action for action in parser._actions  # pylint: disable=protected-access
+             if action.dest != "help"]
+  assert options
+  for action in options:
+    assert action.help and action.help.strip(), action.dest
+    shown = " ".join(formatter._format_action(action).split())  # pylint: disable=protected-access
+    if action.nargs != 0:  # a flag's default is its absence
+      assert "(default: " in shown, shown
+
+
+def test_lists_parse_to_their_values():
+  args = main._parse_args(["--towers", "1,2", "--models", "mlp,,wide",
+                           "--seconds", "0.25"])
+  assert args.models == ["mlp", "wide"] and args.seconds == 0.25
+  assert "replicate-2-ps" in args.configs and not any(
+      "-4-" in name for name in args.configs)
+  assert allreduce_cost.make_parser().parse_args([]).towers == [2, 4, 8]
+  assert [c.name for c in profile.make_parser().parse_args([]).configs] == [
+      "single", "replicate-2-ps", "replicate-4-ps"]
