@@ -23,7 +23,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 
 import replicate  # noqa: E402
-from digits_demo import _dataset, _digits, model_fn  # noqa: E402
+from digits_demo import _dataset, _digits, model_fn, positive  # noqa: E402
 
 
 class GlobalStepsPerSecondHook(tf.estimator.SessionRunHook):
@@ -81,15 +81,22 @@ def main():
         metrics["accuracy"], metrics["global_step"]), flush=True)
 
 
-def _parse_args():
+def _parse_args(argv=None):
+  return make_parser().parse_args(argv)
+
+
+def make_parser():
+  """The command line; a bad value is a usage error naming its flag."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--model-dir", required=True,
-                      help="shared by every task: checkpoints go here")
-  parser.add_argument("--steps", type=int, default=3000,
-                      help="global steps to train (default 3000)")
-  parser.add_argument("--batch-size", type=int, default=128,
-                      help="each worker's batch (default 128)")
-  return parser.parse_args()
+  parser.add_argument("--model-dir", metavar="DIR", required=True,
+                      help="shared by every task: checkpoints go here "
+                      "(required)")
+  parser.add_argument("--steps", metavar="N", type=positive, default=3000,
+                      help="global steps to train (default: %(default)s)")
+  parser.add_argument("--batch-size", metavar="ROWS", type=positive,
+                      default=128,
+                      help="each worker's batch (default: %(default)s)")
+  return parser
 
 
 if __name__ == "__main__":

@@ -125,22 +125,8 @@ def main():
   print("  SavedModel         {}".format(export_dir))
 
 
-def _parse_args():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument(
-      "--towers", type=_positive, default=2,
-      help="towers on a machine without GPUs: this many virtual CPU devices "
-      "(default 2); with GPUs every GPU is used")
-  parser.add_argument("--steps", type=_positive, default=600,
-                      help="training steps (default 600)")
-  parser.add_argument("--batch-size", type=_positive, default=128,
-                      help="global batch size, split across towers "
-                      "(default 128)")
-  parser.add_argument(
-      "--model-dir", default=None,
-      help="where checkpoints and the SavedModel go (default: a new folder "
-      "under examples/output/)")
-  args = parser.parse_args()
+def _parse_args(argv=None):
+  args = make_parser().parse_args(argv)
   if args.model_dir is None:
     output = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                           "output")
@@ -149,11 +135,37 @@ def _parse_args():
   return args
 
 
-def _positive(text):
-  value = int(text)
+def make_parser():
+  """The command line; a bad value is a usage error naming its flag."""
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument(
+      "--towers", metavar="N", type=positive, default=2,
+      help="towers on a machine without GPUs: this many virtual CPU devices "
+      "(default: %(default)s); with GPUs every GPU is used")
+  parser.add_argument("--steps", metavar="N", type=positive, default=600,
+                      help="training steps (default: %(default)s)")
+  parser.add_argument("--batch-size", metavar="ROWS", type=positive,
+                      default=128, help="global batch size, split across "
+                      "towers (default: %(default)s)")
+  parser.add_argument(
+      "--model-dir", metavar="DIR", default=None,
+      help="where checkpoints and the SavedModel go (default: a new folder "
+      "under examples/output/)")
+  return parser
+
+
+def positive(text):
+  """An argparse type: a whole number of at least 1.
+
+  It raises ArgumentTypeError, which argparse reports naming the flag.
+  """
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
   if value < 1:
     raise argparse.ArgumentTypeError(
-        "must be a whole number of at least 1, got {}".format(text))
+        "must be a whole number of at least 1; received {!r}".format(text))
   return value
 
 

@@ -36,6 +36,7 @@ the level of processes are `replicate.processes`; this module is the cluster.
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -241,25 +242,46 @@ def _parse_arguments(argv):
   parser = argparse.ArgumentParser(
       prog="python -m replicate.launch",
       description="Run one command as every task of a local TF cluster.")
-  parser.add_argument("--ps", type=int, default=1,
-                      help="parameter-server tasks (default 1)")
-  parser.add_argument("--workers", type=int, default=2,
-                      help="training workers, the chief included (default 2)")
+  parser.add_argument("--ps", metavar="N", type=_at_least(0, int), default=1,
+                      help="parameter-server tasks (default: %(default)s)")
+  parser.add_argument("--workers", metavar="N", type=_at_least(1, int),
+                      default=2, help="training workers, the chief included "
+                      "(default: %(default)s)")
   parser.add_argument("--evaluator", action="store_true",
-                      help="also run one evaluator task")
-  parser.add_argument("--grace", type=float, default=30.0,
-                      help="seconds the workers get after the chief exits")
+                      help="also run one evaluator task (default: no evaluator)")
+  parser.add_argument("--grace", metavar="SECONDS", type=_at_least(0, float),
+                      default=30.0, help="how long the workers and the "
+                      "evaluator may run on after the chief exits, before "
+                      "they are stopped (default: %(default)s)")
   parser.add_argument("command", nargs="*",
-                      help="the command every task runs, after '--'")
+                      help="the command every task runs, after '--' "
+                      "(required)")
   arguments = parser.parse_args(argv)
   if not arguments.command:
     parser.error("argument command: missing. Put the command every task runs "
                  "after '--', e.g. -- python train.py")
-  for name, minimum in (("ps", 0), ("workers", 1), ("grace", 0)):
-    if getattr(arguments, name) < minimum:
-      parser.error("argument --{}: must be at least {}; received {}".format(
-          name, minimum, getattr(arguments, name)))
   return arguments
+
+
+def _at_least(minimum, kind):
+  """An argparse type: a finite `kind` of at least `minimum`.
+
+  It raises ArgumentTypeError, which argparse reports naming the flag.
+  """
+  noun = "a whole number" if kind is int else "a number"
+
+  def parse(text):
+    try:
+      value = kind(text)
+    except ValueError:
+      value = None
+    if value is None or not (math.isfinite(value) and value >= minimum):
+      raise argparse.ArgumentTypeError(
+          "must be {} of at least {}; received {!r}".format(
+              noun, minimum, text))
+    return value
+
+  return parse
 
 
 if __name__ == "__main__":

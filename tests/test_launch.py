@@ -248,11 +248,19 @@ def test_unknown_or_unstarted_task_is_refused():
 
 @pytest.mark.parametrize("argv, message", [
     (["--workers", "0", "--", "python"],
-     "argument --workers: must be at least 1; received 0"),
+     "argument --workers: must be a whole number of at least 1; received "
+     "'0'"),
+    (["--workers", "two", "--", "python"],
+     "argument --workers: must be a whole number of at least 1; received "
+     "'two'"),
     (["--ps", "-1", "--", "python"],
-     "argument --ps: must be at least 0; received -1"),
+     "argument --ps: must be a whole number of at least 0; received '-1'"),
+    (["--ps", "1.5", "--", "python"],
+     "argument --ps: must be a whole number of at least 0; received '1.5'"),
     (["--grace", "-2", "--", "python"],
-     "argument --grace: must be at least 0; received -2.0"),
+     "argument --grace: must be a number of at least 0; received '-2'"),
+    (["--grace", "nan", "--", "python"],
+     "argument --grace: must be a number of at least 0; received 'nan'"),
     (["--ps", "1", "--"], "argument command: missing"),
     (["--workers", "2"], "argument command: missing"),
 ])
@@ -260,7 +268,24 @@ def test_bad_command_lines_exit_2_naming_the_argument(argv, message, capsys):
   with pytest.raises(SystemExit) as exit_info:
     launch.main(argv)
   assert exit_info.value.code == 2
-  assert message in capsys.readouterr().err
+  error = capsys.readouterr().err
+  assert error.startswith("usage: python -m replicate.launch")
+  assert "python -m replicate.launch: error: " + message in error
+
+
+def test_every_argument_has_help_and_its_default(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    launch.main(["--help"])
+  assert exit_info.value.code == 0
+  help_text = " ".join(capsys.readouterr().out.split())
+  for expected in ("--ps N parameter-server tasks (default: 1)",
+                   "--workers N training workers, the chief included "
+                   "(default: 2)",
+                   "--evaluator also run one evaluator task (default: no "
+                   "evaluator)",
+                   "(default: 30.0)",
+                   "the command every task runs, after '--' (required)"):
+    assert expected in help_text
 
 
 def launcher(*arguments, env=None):
