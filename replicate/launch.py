@@ -38,6 +38,7 @@ import contextlib
 import json
 import math
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -98,11 +99,35 @@ class LocalCluster:
     self.stop()
 
   def start(self) -> None:
-    """Starts every task, ps first; does nothing if already started."""
+    """Starts every task, ps first; does nothing if already started.
+
+    Logs one `[launch]` line first: the tasks, their ports and the command.
+    """
     if self._processes:
       return
+    self._log.line("launch", self.describe())
     for task in sorted(self._tasks, key=lambda task: task[0] != "ps"):
       self._start_task(task)
+
+  def describe(self) -> str:
+    """One line: how many tasks of each kind, their ports, the command.
+
+    The command is quoted as a shell would need it, a newline shown as \\n.
+    """
+    counts = {job: sum(task[0] == job for task in self._tasks)
+              for job in ("chief", "worker", "ps", "evaluator")}
+    words = ["{} {}{}".format(count, job, "s" if job == "worker" and
+                              count > 1 else "")
+             for job, count in counts.items() if count]
+    ports = ", ".join(
+        "{}:{} port {}".format(job, index, address.rsplit(":", 1)[1])
+        for job, addresses in self._cluster.items()
+        for index, address in enumerate(addresses))
+    return ("Starting {} on 127.0.0.1 ({}{}); every task runs: {}".format(
+        _and(words), ports,
+        "; the evaluator is outside the cluster spec" if counts["evaluator"]
+        else "",
+        shlex.join(self._command).replace("\n", "\\n")))
 
   def tf_config(self, task_type: str, index: int) -> dict:
     """The TF_CONFIG dict that task `task_type:index` runs with."""
@@ -221,6 +246,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       return 128 + interrupted.args[0]
   # A shell reports death by signal N as 128 + N; a negative code would wrap.
   return chief_code if chief_code >= 0 else 128 - chief_code
+
+
+def _and(words):
+  """"a", "a and b", "a, b and c"."""
+  return " and ".join(filter(None, [", ".join(words[:-1]), words[-1]]))
 
 
 def _cluster_spec(num_ps, num_workers):
