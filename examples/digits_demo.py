@@ -191,9 +191,20 @@ def _dataset(pixels, labels, batch_size, shuffle=False):
   return dataset.batch(batch_size)
 
 
-if __name__ == "__main__":
-  # TensorFlow 2.15 marks the whole Estimator stack deprecated; keep the
-  # demo's own progress and summary readable.
-  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+def quiet_tensorflow():
+  """Only TensorFlow's errors, so the demo's own lines can be read.
+
+  TensorFlow 2.15 marks the whole Estimator stack deprecated: without this,
+  each first use of a class prints a three-line notice through TensorFlow's
+  logger (over a hundred lines in the cluster demo), `tf.compat.v1.layers`
+  a UserWarning, and a cluster's chief a warning whenever the global step
+  seems not to move (another worker's step may not be visible yet). C++
+  lines are `TF_CPP_MIN_LOG_LEVEL`'s, set before TensorFlow is imported.
+  """
+  tf.get_logger().setLevel("ERROR")
   warnings.filterwarnings("ignore", message=r".*tf\.layers\..* is deprecated")
+
+
+if __name__ == "__main__":
+  quiet_tensorflow()
   main()
