@@ -278,7 +278,8 @@ def _parse_arguments(argv):
                       default=2, help="training workers, the chief included "
                       "(default: %(default)s)")
   parser.add_argument("--evaluator", action="store_true",
-                      help="also run one evaluator task (default: no evaluator)")
+                      help="also run one evaluator task (default: no "
+                      "evaluator)")
   parser.add_argument("--grace", metavar="SECONDS", type=_at_least(0, float),
                       default=30.0, help="how long the workers and the "
                       "evaluator may run on after the chief exits, before "
