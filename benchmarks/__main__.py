@@ -99,7 +99,8 @@ def main(argv=None):
   report.write_json(os.path.join(args.output, "results.json"), cells,
                     failures, command, machine)
   report.plot(os.path.join(args.output, "examples_per_sec.png"),
-              os.path.join(args.output, "scaling.png"), cells, configs)
+              os.path.join(args.output, "scaling.png"), cells, failures,
+              configs, machine)
   if args.record:
     with open(args.record, "w") as results:
       results.write(table)
