@@ -67,8 +67,17 @@ $(STAMP): requirements-test.txt setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -r requirements-test.txt
+	@# A .venv made before the rename to replicate-model-fn has this checkout as
+	@# `replicate`, whose import hook would stay beside replicate-model-fn's;
+	@# under that name it can otherwise only be the unrelated API client.
+	@if $(VENV)/bin/python -m pip show --quiet replicate >/dev/null 2>&1; then \
+		$(VENV)/bin/python -m pip uninstall --quiet --yes replicate; fi
 	$(VENV)/bin/python -m pip install --quiet -e .
 	touch $(STAMP)
 
+# Build artifacts too: pip wheel / pip install . leave build/ and
+# replicate_model_fn.egg-info/ here, and build/lib would ship a stale copy
+# of a module since deleted.
 clean:
-	rm -rf $(VENV) examples/output .pytest_cache *.egg-info build dist
+	rm -rf $(VENV) examples/output .pytest_cache *.egg-info .eggs build dist
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,4 +1,10 @@
-"""Packaging for replicate: pip install 'replicate[cpu]' (or '[gpu]')."""
+"""Packaging: the distribution `replicate-model-fn`, the import package `replicate`.
+
+Install from a checkout with `pip install '.[cpu]'` (or `'.[gpu]'`). The
+distribution is not called `replicate`: on PyPI that name is the unrelated
+Replicate.com API client, which also provides a module `replicate` (the
+package warns at import if it finds it; see replicate/_identity.py).
+"""
 
 import pathlib
 import re
@@ -9,14 +15,27 @@ _HERE = pathlib.Path(__file__).parent
 _VERSION = re.search(r'^__version__ = "([^"]+)"',
                      (_HERE / "replicate" / "__init__.py").read_text(),
                      re.MULTILINE).group(1)
+_URL = "https://github.com/replicate-model-fn/replicate-model-fn"
 
 setuptools.setup(
-    name="replicate",
+    name="replicate-model-fn",
     version=_VERSION,
     description=("Train one tf.estimator model_fn on every device of a "
                  "machine: towers, one update per step."),
     long_description=(_HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
+    author="The replicate authors",
+    license="Apache-2.0",
+    url=_URL,
+    project_urls={
+        "Source": _URL,
+        "Issues": _URL + "/issues",
+        "Changelog": _URL + "/blob/main/CHANGELOG.md",
+    },
+    keywords=["tensorflow", "estimator", "model_fn", "multi-gpu",
+              "data-parallel", "towers", "distributed-training",
+              "parameter-server"],
+    # Every package under replicate/, so a sub-package added later ships too.
     packages=setuptools.find_packages(include=["replicate", "replicate.*"]),
     python_requires=">=3.11,<3.12",
     install_requires=["tensorflow-estimator==2.15.*", "six"],
@@ -28,7 +47,14 @@ setuptools.setup(
         "demo": ["scikit-learn"],
     },
     classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "License :: OSI Approved :: Apache Software License",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
         "Programming Language :: Python :: 3.11",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Topic :: Software Development :: Libraries :: Python Modules",
     ],
 )

@@ -26,7 +26,6 @@ different length on each replica (with the same column as an indicator, or
 on the static pipeline where the replicas' rows are the same, it runs).
 """
 
-import argparse
 import os
 import platform
 import sys
@@ -36,6 +35,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
+from benchmarks import cli  # noqa: E402
 from benchmarks import configs as configurations  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks import report  # noqa: E402
@@ -44,12 +44,7 @@ from benchmarks.models import DEFAULT_MODELS, MODELS  # noqa: E402
 
 def main(argv=None):
   args = _parse_args(argv)
-  try:
-    configs = [configurations.parse_config(name) for name in args.configs]
-    for model in args.models:
-      harness.check_model(model)
-  except ValueError as error:
-    sys.exit("python -m benchmarks: error: {}".format(error))
+  configs = [configurations.parse_config(name) for name in args.configs]
   total = args.repeats * len(args.models) * len(configs)
   estimate = args.repeats * sum(
       harness.estimate_seconds(model, config, args.seconds)
@@ -104,7 +99,8 @@ def main(argv=None):
   report.write_json(os.path.join(args.output, "results.json"), cells,
                     failures, command, machine)
   report.plot(os.path.join(args.output, "examples_per_sec.png"),
-              os.path.join(args.output, "scaling.png"), cells, configs)
+              os.path.join(args.output, "scaling.png"), cells, failures,
+              configs, machine)
   if args.record:
     with open(args.record, "w") as results:
       results.write(table)
@@ -113,50 +109,50 @@ def main(argv=None):
 
 
 def _parse_args(argv):
-  parser = argparse.ArgumentParser(prog="python -m benchmarks",
-                                   description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="N up to 4, fewer configurations, 3 repeats of "
-                      "0.5 s: about 6 minutes on 2 cores")
-  parser.add_argument("--estimate", action="store_true",
-                      help="print how long the run would take, and stop")
-  parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                      help="comma-separated, from: " + ", ".join(MODELS) +
-                      " (default: " + ", ".join(DEFAULT_MODELS) + ")")
-  parser.add_argument("--towers", default=None,
-                      help="comma-separated tower counts (default 1,2,4,8; "
-                      "quick: 1,2,4)")
-  parser.add_argument("--configs", default=None,
-                      help="comma-separated configurations, overriding "
-                      "--towers; forms: " + configurations.CONFIG_FORMS)
-  parser.add_argument("--repeats", type=int, default=None,
-                      help="repeats of the grid (default 5; quick: 3)")
-  parser.add_argument("--seconds", type=float, default=None,
-                      help="measured seconds per cell (default 1; quick: "
-                      "0.5)")
-  parser.add_argument("--warmup", type=int, default=5,
-                      help="untimed steps per cell (default 5)")
-  parser.add_argument("--output", default=os.path.join("benchmarks",
-                                                       "results"),
-                      help="folder for results.json and the plots")
-  parser.add_argument("--record", default=None,
-                      help="also write the table to this file, e.g. "
-                      "benchmarks/RESULTS.md")
-  args = parser.parse_args(argv)
-  args.models = [m for m in args.models.split(",") if m]
-  towers = [int(n) for n in (args.towers or (
-      "1,2,4" if args.quick else "1,2,4,8")).split(",")]
-  args.configs = (args.configs.split(",") if args.configs else
-                  _default_configs(towers, args.quick))
+  args = make_parser().parse_args(argv)
+  towers = args.towers or ([1, 2, 4] if args.quick else [1, 2, 4, 8])
+  args.configs = args.configs or _default_configs(towers, args.quick)
   args.repeats = args.repeats or (3 if args.quick else 5)
   args.seconds = args.seconds or (0.5 if args.quick else 1.0)
-  if args.repeats < 1 or args.warmup < 1 or args.seconds <= 0:
-    parser.error("--repeats and --warmup must be at least 1, --seconds "
-                 "above 0")
-  if len(set(args.configs)) != len(args.configs):
-    parser.error("--configs names a configuration twice; to measure one "
-                 "twice, add it again with -again (single-again)")
   return args
+
+
+def make_parser():
+  """The command line; a bad value is a usage error naming its flag."""
+  parser = cli.parser("python -m benchmarks", __doc__.splitlines()[0])
+  add = parser.add_argument
+  add("--quick", action="store_true",
+      help="N up to 4, fewer configurations, 3 repeats of 0.5 s: about 6 "
+      "minutes on 2 cores")
+  add("--estimate", action="store_true",
+      help="print how long the run would take, and stop")
+  add("--models", metavar="NAMES", default=",".join(DEFAULT_MODELS),
+      type=cli.comma_list(cli.checked(harness.check_model),
+                          twice=cli.ONCE),
+      help="comma-separated, from: " + ", ".join(MODELS))
+  add("--towers", metavar="N,...", default=None,
+      type=cli.comma_list(cli.whole_number(1), twice=cli.ONCE),
+      help="comma-separated tower counts (default: 1,2,4,8; with --quick "
+      "1,2,4)")
+  add("--configs", metavar="NAMES", default=None,
+      type=cli.comma_list(cli.checked(configurations.parse_config),
+                          twice="to measure one twice, add it again with "
+                          "-again (single-again)"),
+      help="comma-separated configurations, overriding --towers (default: "
+      "the grid of --towers); forms: " + configurations.CONFIG_FORMS)
+  add("--repeats", metavar="N", type=cli.whole_number(1), default=None,
+      help="repeats of the grid (default: 5; with --quick 3)")
+  add("--seconds", metavar="S", type=cli.positive_number, default=None,
+      help="measured seconds per cell (default: 1; with --quick 0.5)")
+  add("--warmup", metavar="STEPS", type=cli.whole_number(1), default=5,
+      help="untimed steps per cell")
+  add("--output", metavar="DIR", default=os.path.join("benchmarks",
+                                                      "results"),
+      help="folder for results.json and the plots")
+  add("--record", metavar="FILE", default=None,
+      help="also write the table to this file, e.g. benchmarks/RESULTS.md "
+      "(default: none)")
+  return parser
 
 
 def _default_configs(towers, is_quick):

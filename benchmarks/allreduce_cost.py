@@ -9,7 +9,6 @@ configurations interleaved in one process and the ratios paired within a
 round. Writes a markdown table to stdout (and to --record).
 """
 
-import argparse
 import datetime
 import os
 import statistics
@@ -20,6 +19,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
+from benchmarks import cli  # noqa: E402
 from replicate.communication import allreduce  # noqa: E402
 
 ALGORITHMS = {"gather": allreduce.GATHER, "ring": allreduce.RING,
@@ -35,19 +35,13 @@ TENSORS = {
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.allreduce_cost",
-                                   description=__doc__.splitlines()[0])
-  parser.add_argument("--towers", default="2,4,8")
-  parser.add_argument("--tensors", default=",".join(TENSORS))
-  parser.add_argument("--rounds", type=int, default=15)
-  parser.add_argument("--record", default=None)
-  args = parser.parse_args(argv)
+  args = make_parser().parse_args(argv)
   tf.compat.v1.disable_eager_execution()
   lines = [
       "| tensors | N | gather ms | ring ms | handring ms | ring x gather "
       "| ring x handring |", "|---|---|---|---|---|---|---|"]
-  for name in args.tensors.split(","):
-    for towers in [int(n) for n in args.towers.split(",")]:
+  for name in args.tensors:
+    for towers in args.towers:
       ms = _time_algorithms(TENSORS[name], towers, args.rounds)
       lines.append("| {} | {} | {} | {:.2f} | {:.2f} |".format(
           name, towers, " | ".join("{:.2f}".format(statistics.median(
@@ -60,7 +54,8 @@ def main(argv=None):
       "Command: `python -m benchmarks.allreduce_cost {}`  ".format(
           " ".join(argv if argv is not None else sys.argv[1:])),
       "Date: {}; {} virtual CPU devices over {} cores".format(
-          datetime.date.today().isoformat(), args.towers, os.cpu_count()),
+          datetime.date.today().isoformat(),
+          ",".join(str(n) for n in args.towers), os.cpu_count()),
       "",
       "Milliseconds per all-reduce (median over {} rounds of 5). ring x "
       "gather: ring's speed against gather's (gather's time / ring's), "
@@ -70,6 +65,30 @@ def main(argv=None):
   if args.record:
     with open(args.record, "w") as output:
       output.write(table + "\n")
+
+
+def make_parser():
+  """The command line; a bad value is a usage error naming its flag."""
+  parser = cli.parser("python -m benchmarks.allreduce_cost",
+                      __doc__.splitlines()[0])
+  parser.add_argument("--towers", metavar="N,...", default="2,4,8",
+                      type=cli.comma_list(cli.whole_number(2),
+                                          twice=cli.ONCE),
+                      help="comma-separated numbers of devices, 2 or more")
+  parser.add_argument("--tensors", metavar="NAMES",
+                      default=",".join(TENSORS),
+                      type=cli.comma_list(cli.one_of(TENSORS),
+                                          twice=cli.ONCE),
+                      help="comma-separated gradient sets: a single tensor "
+                      "of 1k to 4m float32 elements, or the MLP's gradients")
+  parser.add_argument("--rounds", metavar="N", type=cli.whole_number(1),
+                      default=15,
+                      help="rounds of 5 all-reduces per algorithm, "
+                      "interleaved")
+  parser.add_argument("--record", metavar="FILE", default=None,
+                      help="also write the table to this file, e.g. "
+                      "benchmarks/ALLREDUCE_COST.md (default: none)")
+  return parser
 
 
 def _time_algorithms(shapes, towers, rounds):

@@ -10,7 +10,6 @@ repeat. All tasks share this machine's cores, so the ratio measures how
 much a second worker adds here, not on separate machines.
 """
 
-import argparse
 import io
 import json
 import os
@@ -18,6 +17,7 @@ import statistics
 import sys
 import tempfile
 
+from benchmarks import cli
 from replicate.launch import LocalCluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,10 +25,7 @@ DEMO = os.path.join(ROOT, "examples", "cluster_demo.py")
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=3000)
-  parser.add_argument("--repeats", type=int, default=2)
-  args = parser.parse_args(argv)
+  args = make_parser().parse_args(argv)
   rates = {1: [], 2: []}
   for repeat in range(args.repeats):
     order = (1, 2) if repeat % 2 == 0 else (2, 1)
@@ -44,6 +41,17 @@ def main(argv=None):
   print("\n2 workers / 1 worker, per repeat: {}".format(
       ", ".join("{:.2f}".format(r) for r in ratios)))
   return 0
+
+
+def make_parser():
+  """The command line; a bad value is a usage error naming its flag."""
+  parser = cli.parser("python -m benchmarks.cluster", __doc__.splitlines()[0])
+  parser.add_argument("--steps", metavar="N", type=cli.whole_number(1),
+                      default=3000, help="global steps each cluster trains")
+  parser.add_argument("--repeats", metavar="N", type=cli.whole_number(1),
+                      default=2,
+                      help="runs of each cluster, 1 and 2 workers alternating")
+  return parser
 
 
 def _run(workers, steps):

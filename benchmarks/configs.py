@@ -78,6 +78,14 @@ class Config(NamedTuple):
     return self.name[:-len("-again")] if self.is_again else self.name
 
   @property
+  def family(self) -> str:
+    """The name without N, pipeline and -again: replicate-ps, mirrored-r1d."""
+    if self.kind == "single":
+      return "single"
+    return "{}-{}{}".format(self.kind, self.variant,
+                            "-sync" if self.sync_batch_norm else "")
+
+  @property
   def replicate_arguments(self) -> dict:
     """replicate_model_fn's keyword arguments, for a replicate variant."""
     arguments = dict(_REPLICATE_ARGUMENTS[self.variant])

@@ -18,7 +18,6 @@ Op types are the kernels that ran (after grappler's rewrites, e.g.
 `_MklNativeFusedMatMul`), read from the trace's labels.
 """
 
-import argparse
 import collections
 import datetime
 import os
@@ -32,8 +31,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
+from benchmarks import cli  # noqa: E402
 from benchmarks import configs as configurations  # noqa: E402
 from benchmarks import harness  # noqa: E402
+from benchmarks.models import MODELS  # noqa: E402
 
 # "node = OpType(inputs)", after a "[mklcpu 1.0MB 1.0MB] " for oneDNN kernels
 _LABEL = re.compile(r"^(?:\[[^]]*\] )?\S+ = (\w+)\(")
@@ -47,30 +48,8 @@ class Profile(NamedTuple):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.profile",
-                                   description=__doc__.splitlines()[0])
-  parser.add_argument("--models", default="mlp,convnet,dnn_classifier",
-                      help="comma-separated")
-  parser.add_argument("--configs",
-                      default="single,replicate-2-ps,replicate-4-ps",
-                      help="comma-separated; the first is the reference")
-  parser.add_argument("--warmup", type=int, default=10)
-  parser.add_argument("--timed", type=int, default=50,
-                      help="untraced steps timed, after the warm-up")
-  parser.add_argument("--traced", type=int, default=20)
-  parser.add_argument("--top", type=int, default=12)
-  parser.add_argument("--record", default=None)
-  args = parser.parse_args(argv)
-  if min(args.warmup, args.timed, args.traced, args.top) < 1:
-    parser.error("--warmup, --timed, --traced and --top must be at least 1")
-  models = [m for m in args.models.split(",") if m]
-  try:
-    for model in models:
-      harness.check_model(model)
-    configs = [configurations.parse_config(c)
-               for c in args.configs.split(",")]
-  except ValueError as error:
-    sys.exit("python -m benchmarks.profile: error: {}".format(error))
+  args = make_parser().parse_args(argv)
+  models, configs = args.models, args.configs
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
   harness.prepare()
   sections = []
@@ -93,6 +72,33 @@ def main(argv=None):
   if args.record:
     with open(args.record, "w") as output:
       output.write(text + "\n")
+
+
+def make_parser():
+  """The command line; a bad value is a usage error naming its flag."""
+  parser = cli.parser("python -m benchmarks.profile", __doc__.splitlines()[0])
+  add = parser.add_argument
+  add("--models", metavar="NAMES", default="mlp,convnet,dnn_classifier",
+      type=cli.comma_list(cli.checked(harness.check_model),
+                          twice=cli.ONCE),
+      help="comma-separated, from: " + ", ".join(MODELS))
+  add("--configs", metavar="NAMES",
+      default="single,replicate-2-ps,replicate-4-ps",
+      type=cli.comma_list(configurations.parse_config, twice=cli.ONCE),
+      help="comma-separated configurations (as python -m benchmarks names "
+      "them); the first is the reference")
+  add("--warmup", metavar="STEPS", type=cli.whole_number(1), default=10,
+      help="untimed, untraced steps first")
+  add("--timed", metavar="STEPS", type=cli.whole_number(1), default=50,
+      help="untraced steps timed, after the warm-up")
+  add("--traced", metavar="STEPS", type=cli.whole_number(1), default=20,
+      help="steps traced (FULL_TRACE) after the timed ones")
+  add("--top", metavar="N", type=cli.whole_number(1), default=12,
+      help="op types shown per table, the most time first")
+  add("--record", metavar="FILE", default=None,
+      help="also write the text to this file, e.g. benchmarks/PROFILE.md "
+      "(default: none)")
+  return parser
 
 
 def profile(model: str, config: configurations.Config, warmup: int,

@@ -14,6 +14,7 @@ import datetime
 import json
 import statistics
 
+from benchmarks import plot as plotting
 from benchmarks.models import MODELS
 
 AA_TWIN, AA_REFERENCE = "single-again", "single"
@@ -131,69 +132,31 @@ def write_json(path, cells, failures, command, machine):
     }, output, indent=1)
 
 
-_COLORS = {"replicate-ps": "tab:green", "replicate-rr": "tab:red",
-           "replicate-gather": "tab:purple", "replicate-ring": "tab:brown",
-           "replicate-handring": "tab:olive",
-           "replicate-nccl": "tab:pink", "replicate-ps-sync": "tab:cyan",
-           "replicate-rr-sync": "tab:gray", "mirrored-default": "tab:blue",
-           "mirrored-r1d": "tab:orange"}
-_METRICS = {  # name: (label, value of a cell)
-    "examples/sec": ("examples/sec", lambda c: c.examples_per_second),
-    "build": ("graph build, seconds", lambda c: c.build_seconds),
-    "step": ("step time, ms", lambda c: 1000 * c.step_seconds),
-}
+def plot(rates_path, scaling_path, cells, failures, configs, machine):
+  """The run's figures, as `python -m benchmarks.plot` draws RESULTS.md's.
+
+  A point is the median over repeats of the table's column of that name.
+  """
+  panels = {}
+  for model, by_config in cells.items():
+    spec = MODELS[model]
+    panels[model] = plotting.Panel(
+        "{}: {}, global batch {}".format(model, spec.description,
+                                         spec.global_batch),
+        {name: _medians(runs) for name, runs in by_config.items() if runs},
+        [c.name for c in configs if c.name in failures[model]])
+  repeats = max((len(runs) for by_config in cells.values()
+                 for runs in by_config.values()), default=0)
+  plotting.draw(rates_path, scaling_path, panels, plotting.subtitle_of(
+      machine, datetime.date.today().isoformat(), repeats))
 
 
-def plot(rates_path, scaling_path, cells, configs):
-  """examples/sec against N (a panel per model); build and step time vs N."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  from matplotlib import pyplot  # pylint: disable=import-outside-toplevel
-
-  for path, metrics in ((rates_path, ["examples/sec"]),
-                        (scaling_path, ["build", "step"])):
-    figure, axes = pyplot.subplots(
-        len(metrics), len(cells), figsize=(4.2 * len(cells),
-                                           3.4 * len(metrics)), squeeze=False)
-    for row, metric in enumerate(metrics):
-      for axis, (model, by_config) in zip(axes[row], cells.items()):
-        _panel(axis, by_config, configs, metric)
-        axis.set_title("{}: {}".format(model, _METRICS[metric][0]),
-                       fontsize=9)
-    axes[0][0].legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    pyplot.close(figure)
-
-
-def _panel(axis, by_config, configs, metric):
-  """A line per configuration family against N; dashed: static pipeline."""
-  value = _METRICS[metric][1]
-  measured = [c for c in configs if not c.is_again]
-  for pipeline, style, suffix in (("dynamic", "-", ""),
-                                  ("static", "--", " (static)")):
-    for family, color in _COLORS.items():
-      points = sorted((c.towers, statistics.median(
-          value(r) for r in by_config[c.name])) for c in measured
-                      if _family(c) == family and c.pipeline == pipeline
-                      and c.name in by_config)
-      if points:
-        axis.plot(*zip(*points), marker="o", color=color, linestyle=style,
-                  label=family + suffix)
-  for name, style in (("single", "-."), ("single-static", ":")):
-    if name in by_config:
-      axis.axhline(statistics.median(value(r) for r in by_config[name]),
-                   color="black", linestyle=style, label=name)
-  axis.set_xticks(sorted({c.towers for c in configs}))
-  axis.set_xlabel("towers (N)")
-  axis.set_ylim(bottom=0)
-
-
-def _family(config):
-  """replicate-ps, mirrored-r1d, ...: a configuration without its N."""
-  return config.kind if config.kind == "single" else "{}-{}{}".format(
-      config.kind, config.variant,
-      "-sync" if config.sync_batch_norm else "")
+def _medians(runs):
+  """{column: median} for the plotted columns of the table."""
+  return {"examples/sec": statistics.median(c.examples_per_second
+                                            for c in runs),
+          "step ms": 1000 * statistics.median(c.step_seconds for c in runs),
+          "build s": statistics.median(c.build_seconds for c in runs)}
 
 
 def _single(by_config, config):

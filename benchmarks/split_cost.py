@@ -13,7 +13,6 @@ interleaved in rounds; the ratios are paired within a round. Writes a
 markdown table to stdout (and to --record).
 """
 
-import argparse
 import datetime
 import os
 import statistics
@@ -24,23 +23,17 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
+from benchmarks import cli  # noqa: E402
+
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.split_cost",
-                                   description=__doc__.splitlines()[0])
-  parser.add_argument("--towers", default="1,2,4,8")
-  parser.add_argument("--batch", type=int, default=256)
-  parser.add_argument("--inputs", type=int, default=1024)
-  parser.add_argument("--units", type=int, default=1024)
-  parser.add_argument("--rounds", type=int, default=15)
-  parser.add_argument("--record", default=None)
+  parser = make_parser()
   args = parser.parse_args(argv)
-  towers = [int(n) for n in args.towers.split(",")]
-  if 1 not in towers or min(towers) < 1 or any(args.batch % n for n in towers):
-    parser.error("--towers must include 1 (the reference) and divide --batch "
-                 "({}) evenly; got {}".format(args.batch, args.towers))
-  if args.rounds < 1:
-    parser.error("--rounds must be at least 1")
+  towers = args.towers
+  if 1 not in towers or any(args.batch % n for n in towers):
+    parser.error("argument --towers: must include 1 (the reference) and "
+                 "divide --batch ({}) evenly; got {}".format(
+                     args.batch, ",".join(str(n) for n in towers)))
   tf.compat.v1.disable_eager_execution()
   session, fetches = _graph(towers, args.batch, args.inputs, args.units)
   ms = _time(session, fetches, args.rounds)
@@ -68,6 +61,30 @@ def main(argv=None):
   if args.record:
     with open(args.record, "w") as output:
       output.write(table + "\n")
+
+
+def make_parser():
+  """The command line; a bad value is a usage error naming its flag."""
+  parser = cli.parser("python -m benchmarks.split_cost",
+                      __doc__.splitlines()[0])
+  parser.add_argument("--towers", metavar="N,...", default="1,2,4,8",
+                      type=cli.comma_list(cli.whole_number(1),
+                                          twice=cli.ONCE),
+                      help="comma-separated numbers of slices; must include "
+                      "1 (the whole batch, the reference) and divide --batch")
+  parser.add_argument("--batch", metavar="ROWS", type=cli.whole_number(1),
+                      default=256, help="rows of the whole batch")
+  parser.add_argument("--inputs", metavar="N", type=cli.whole_number(1),
+                      default=1024, help="the layer's inputs")
+  parser.add_argument("--units", metavar="N", type=cli.whole_number(1),
+                      default=1024, help="the layer's outputs")
+  parser.add_argument("--rounds", metavar="N", type=cli.whole_number(1),
+                      default=15,
+                      help="rounds of 20 steps per variant, interleaved")
+  parser.add_argument("--record", metavar="FILE", default=None,
+                      help="also write the table to this file, e.g. "
+                      "benchmarks/SPLIT_COST.md (default: none)")
+  return parser
 
 
 def _graph(towers, batch, inputs, units):

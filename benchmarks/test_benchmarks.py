@@ -1,9 +1,12 @@
-"""Tests of `benchmarks/`: configurations, arithmetic, pipelines, the README.
+"""Tests of `benchmarks/`: configurations, arithmetic, pipelines, the README,
+the command lines.
 
 Fast: nothing here trains or times a model. The README test is the check
 that the Performance section's figures are RESULTS.md's.
 """
 
+import re
+import struct
 from typing import NamedTuple
 
 import numpy as np
@@ -11,8 +14,8 @@ import pytest
 import tensorflow as tf
 
 from benchmarks import __main__ as main
-from benchmarks import (configs, harness, pipelines, profile, readme, report,
-                        split_cost)
+from benchmarks import (allreduce_cost, cluster, configs, harness, pipelines,
+                        plot, profile, readme, report, split_cost)
 from benchmarks.models import MODELS
 
 
@@ -128,8 +131,10 @@ def test_a_sync_configuration_is_compared_with_per_tower_batch_norm():
   assert reference("replicate-2-ps-sync") is by_config["replicate-2-ps"]
   assert reference("replicate-2-rr-sync") is by_config["replicate-2-rr"]
   assert reference("replicate-2-ps") is None
-  assert report._family(configs.parse_config("replicate-2-ps-sync")) == (  # pylint: disable=protected-access
+  assert configs.parse_config("replicate-2-ps-sync-static-again").family == (
       "replicate-ps-sync")
+  assert configs.parse_config("mirrored-4-r1d").family == "mirrored-r1d"
+  assert configs.parse_config("single-static").family == "single"
 
 
 def test_the_default_models_are_results_mds():
@@ -282,13 +287,158 @@ def test_split_cost_times_the_same_products_on_slices():
 
 
 @pytest.mark.parametrize("module, argv, message", [
-    (profile, ["--traced", "0"], "--traced and --top must be at least 1"),
-    (split_cost, ["--towers", "2,4"], "must include 1 (the reference)"),
+    (profile, ["--traced", "0"], "argument --traced: must be a whole number "
+     "of at least 1; received '0'"),
+    (split_cost, ["--towers", "2,4"], "argument --towers: must include 1 "
+     "(the reference)"),
     (split_cost, ["--towers", "1,3"], "divide --batch (256) evenly; got 1,3"),
-    (split_cost, ["--rounds", "0"], "--rounds must be at least 1"),
+    (split_cost, ["--rounds", "0"], "argument --rounds: must be a whole "
+     "number of at least 1; received '0'"),
 ])
 def test_profile_and_split_cost_refuse_bad_arguments(module, argv, message,
                                                       capsys):
-  with pytest.raises(SystemExit):
+  with pytest.raises(SystemExit) as exit_info:
     module.main(argv)
+  assert exit_info.value.code == 2
   assert message in capsys.readouterr().err
+
+
+PARSERS = {"benchmarks": main.make_parser,
+           "allreduce_cost": allreduce_cost.make_parser,
+           "split_cost": split_cost.make_parser,
+           "profile": profile.make_parser, "cluster": cluster.make_parser,
+           "plot": plot.make_parser}
+
+
+@pytest.mark.parametrize("name, argv, flag, message", [
+    ("benchmarks", ["--towers", "two"], "--towers",
+     "must be a whole number of at least 1; received 'two'"),
+    ("benchmarks", ["--towers", "1,0"], "--towers", "received '0'"),
+    ("benchmarks", ["--towers", "2,2"], "--towers", "names '2' twice"),
+    ("benchmarks", ["--towers", ","], "--towers", "at least one value"),
+    ("benchmarks", ["--models", "mlp,resnet"], "--models",
+     "Unknown model 'resnet'; the models are: mlp, wide"),
+    ("benchmarks", ["--configs", "single,replicate-2"], "--configs",
+     "Unknown configuration 'replicate-2'; the forms are"),
+    ("benchmarks", ["--configs", "single,single"], "--configs",
+     "names 'single' twice; to measure one twice, add it again with -again"),
+    ("benchmarks", ["--repeats", "0"], "--repeats", "at least 1"),
+    ("benchmarks", ["--seconds", "-1"], "--seconds",
+     "must be a number above 0; received '-1'"),
+    ("benchmarks", ["--seconds", "nan"], "--seconds", "above 0"),
+    ("benchmarks", ["--warmup", "2.5"], "--warmup", "received '2.5'"),
+    ("allreduce_cost", ["--towers", "1,2"], "--towers",
+     "must be a whole number of at least 2; received '1'"),
+    ("allreduce_cost", ["--tensors", "1k,2k"], "--tensors",
+     "unknown '2k'; choose from 1k, 100k, 1m, 4m, mlp"),
+    ("allreduce_cost", ["--rounds", "many"], "--rounds", "received 'many'"),
+    ("split_cost", ["--batch", "0"], "--batch", "at least 1"),
+    ("split_cost", ["--towers", "1,2,2"], "--towers", "names '2' twice"),
+    ("profile", ["--configs", "single,mirrored-2"], "--configs",
+     "Unknown configuration 'mirrored-2'"),
+    ("profile", ["--top", "-3"], "--top", "received '-3'"),
+    ("cluster", ["--steps", "-5"], "--steps", "received '-5'"),
+])
+def test_a_bad_value_is_a_usage_error_naming_its_flag(name, argv, flag,
+                                                       message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    PARSERS[name]().parse_args(argv)
+  assert exit_info.value.code == 2
+  error = " ".join(capsys.readouterr().err.split())
+  assert error.startswith("usage: ")
+  assert "error: argument {}: ".format(flag) in error
+  assert message in error
+
+
+@pytest.mark.parametrize("name", list(PARSERS))
+def test_every_flag_has_help_that_gives_its_default(name):
+  parser = PARSERS[name]()
+  formatter = parser.formatter_class(parser.prog)
+  options = [action for action in parser._actions  # pylint: disable=protected-access
+             if action.dest != "help"]
+  assert options
+  for action in options:
+    assert action.help and action.help.strip(), action.dest
+    shown = " ".join(formatter._format_action(action).split())  # pylint: disable=protected-access
+    if action.nargs != 0:  # a flag's default is its absence
+      assert "(default: " in shown, shown
+
+
+def test_lists_parse_to_their_values():
+  args = main._parse_args(["--towers", "1,2", "--models", "mlp,,wide",
+                           "--seconds", "0.25"])
+  assert args.models == ["mlp", "wide"] and args.seconds == 0.25
+  assert "replicate-2-ps" in args.configs and not any(
+      "-4-" in name for name in args.configs)
+  assert allreduce_cost.make_parser().parse_args([]).towers == [2, 4, 8]
+  assert [c.name for c in profile.make_parser().parse_args([]).configs] == [
+      "single", "replicate-2-ps", "replicate-4-ps"]
+
+
+def png_size(path):
+  """(width, height) from a PNG's IHDR chunk."""
+  with open(path, "rb") as image:
+    header = image.read(24)
+  assert header[:8] == b"\x89PNG\r\n\x1a\n" and header[12:16] == b"IHDR"
+  return struct.unpack(">II", header[16:24])
+
+
+def test_plot_redraws_both_figures_from_results_md_alone(tmp_path, capsys):
+  assert plot.main(["--results", readme.RESULTS, "--output",
+                    str(tmp_path)]) == 0
+  assert "(4 models)" in capsys.readouterr().out
+  for kind in ("examples_per_sec", "scaling"):
+    width, height = png_size(tmp_path / "RESULTS_{}.png".format(kind))
+    assert 1000 <= width <= 1600 and 0.8 <= width / height <= 1.8, (
+        kind, width, height)  # a 2 x 2 grid, not a strip
+
+
+def test_plot_reads_every_model_and_configuration_of_results_md():
+  with open(readme.RESULTS) as results:
+    text = results.read()
+  panels, subtitle = plot.read_results(text)
+  # Counted here without the parser: each `## model` section's table rows.
+  expected, model = {}, None
+  for line in text.splitlines():
+    heading = re.match(r"^## (\w+): ", line)
+    if heading:
+      model = heading.group(1)
+      expected[model] = set()
+    elif model and re.match(r"^\| [a-z]", line) and not line.startswith(
+        "| config |"):
+      expected[model].add(line.split("|")[1].strip())
+  assert list(panels) == ["mlp", "wide", "convnet", "dnn_classifier"]
+  assert {m: set(p.medians) | set(p.failed) for m, p in panels.items()} == (
+      expected)
+  assert all(len(names) == 29 for names in expected.values())
+  mlp = panels["mlp"]
+  assert mlp.title == "mlp: MLP 784-1024-1024-10, global batch 256"
+  assert mlp.medians["replicate-2-ps"] == {
+      "examples/sec": 26152.0, "step ms": 9.55, "build s": 0.16}
+  assert panels["wide"].title.startswith("wide: 100,000 x 16 embedding")
+  assert panels["dnn_classifier"].failed == ["mirrored-2-default",
+                                             "mirrored-4-default"]
+  assert subtitle == (
+      "2 cores, x86_64, Python 3.11.7, TensorFlow 2.15.1, virtual CPU "
+      "devices (no GPU); 2026-11-24, medians of 5 repeats")
+
+
+def test_a_run_plots_the_medians_its_table_gives(monkeypatch):
+  drawn = {}
+  monkeypatch.setattr(plot, "draw", lambda *args: drawn.update(
+      zip(("rates", "scaling", "panels", "subtitle"), args)))
+  runs = [harness.Cell(rate, rate, build, step, 1.5, 100, 2.0)
+          for rate, build, step in ((100.0, 0.5, 0.010), (300.0, 0.7, 0.030),
+                                    (200.0, 0.6, 0.020))]
+  report.plot("a.png", "b.png", {"mlp": {"single": runs}},
+              {"mlp": {"mirrored-2-default": "Shape mismatch"}},
+              [configs.parse_config("single"),
+               configs.parse_config("mirrored-2-default")], "2 cores")
+  panel = drawn["panels"]["mlp"]
+  # The medians of 100/300/200, 10/30/20 ms and 0.5/0.7/0.6 s.
+  assert panel.medians == {"single": {"examples/sec": 200.0, "step ms": 20.0,
+                                      "build s": 0.6}}
+  assert panel.failed == ["mirrored-2-default"]
+  assert panel.title == "mlp: MLP 784-1024-1024-10, global batch 256"
+  assert drawn["subtitle"].startswith("2 cores; ")
+  assert drawn["subtitle"].endswith(", medians of 3 repeats")

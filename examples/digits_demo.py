@@ -125,22 +125,8 @@ def main():
   print("  SavedModel         {}".format(export_dir))
 
 
-def _parse_args():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument(
-      "--towers", type=_positive, default=2,
-      help="towers on a machine without GPUs: this many virtual CPU devices "
-      "(default 2); with GPUs every GPU is used")
-  parser.add_argument("--steps", type=_positive, default=600,
-                      help="training steps (default 600)")
-  parser.add_argument("--batch-size", type=_positive, default=128,
-                      help="global batch size, split across towers "
-                      "(default 128)")
-  parser.add_argument(
-      "--model-dir", default=None,
-      help="where checkpoints and the SavedModel go (default: a new folder "
-      "under examples/output/)")
-  args = parser.parse_args()
+def _parse_args(argv=None):
+  args = make_parser().parse_args(argv)
   if args.model_dir is None:
     output = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                           "output")
@@ -149,11 +135,37 @@ def _parse_args():
   return args
 
 
-def _positive(text):
-  value = int(text)
+def make_parser():
+  """The command line; a bad value is a usage error naming its flag."""
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument(
+      "--towers", metavar="N", type=positive, default=2,
+      help="towers on a machine without GPUs: this many virtual CPU devices "
+      "(default: %(default)s); with GPUs every GPU is used")
+  parser.add_argument("--steps", metavar="N", type=positive, default=600,
+                      help="training steps (default: %(default)s)")
+  parser.add_argument("--batch-size", metavar="ROWS", type=positive,
+                      default=128, help="global batch size, split across "
+                      "towers (default: %(default)s)")
+  parser.add_argument(
+      "--model-dir", metavar="DIR", default=None,
+      help="where checkpoints and the SavedModel go (default: a new folder "
+      "under examples/output/)")
+  return parser
+
+
+def positive(text):
+  """An argparse type: a whole number of at least 1.
+
+  It raises ArgumentTypeError, which argparse reports naming the flag.
+  """
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
   if value < 1:
     raise argparse.ArgumentTypeError(
-        "must be a whole number of at least 1, got {}".format(text))
+        "must be a whole number of at least 1; received {!r}".format(text))
   return value
 
 
@@ -179,9 +191,20 @@ def _dataset(pixels, labels, batch_size, shuffle=False):
   return dataset.batch(batch_size)
 
 
-if __name__ == "__main__":
-  # TensorFlow 2.15 marks the whole Estimator stack deprecated; keep the
-  # demo's own progress and summary readable.
-  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+def quiet_tensorflow():
+  """Only TensorFlow's errors, so the demo's own lines can be read.
+
+  TensorFlow 2.15 marks the whole Estimator stack deprecated: without this,
+  each first use of a class prints a three-line notice through TensorFlow's
+  logger (over a hundred lines in the cluster demo), `tf.compat.v1.layers`
+  a UserWarning, and a cluster's chief a warning whenever the global step
+  seems not to move (another worker's step may not be visible yet). C++
+  lines are `TF_CPP_MIN_LOG_LEVEL`'s, set before TensorFlow is imported.
+  """
+  tf.get_logger().setLevel("ERROR")
   warnings.filterwarnings("ignore", message=r".*tf\.layers\..* is deprecated")
+
+
+if __name__ == "__main__":
+  quiet_tensorflow()
   main()

@@ -5,12 +5,20 @@ estimator = tf.estimator.Estimator(
     model_fn=replicate.replicate_model_fn(model_fn), ...)
 ```
 with the `model_fn`'s optimizer wrapped in `replicate.TowerOptimizer`.
+
+The distribution is `replicate-model-fn`; `pip install replicate` is the
+unrelated Replicate.com API client (see `replicate._identity`).
 """
 
-from replicate.model_fn import replicate_model_fn
-from replicate.gradients.optimizer import TowerOptimizer
-from replicate.variables.tower_local import tower_local_scope
-from replicate.gradients.weighting import loss_denominator
+from replicate import _identity
+
+# First, so that a mix of the two `replicate`s says so before it breaks.
+_identity.warn_if_api_client()
+
+from replicate.model_fn import replicate_model_fn  # noqa: E402
+from replicate.gradients.optimizer import TowerOptimizer  # noqa: E402
+from replicate.variables.tower_local import tower_local_scope  # noqa: E402
+from replicate.gradients.weighting import loss_denominator  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -36,7 +36,9 @@ the level of processes are `replicate.cluster.processes`; this module is the clu
 import argparse
 import contextlib
 import json
+import math
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -97,11 +99,35 @@ class LocalCluster:
     self.stop()
 
   def start(self) -> None:
-    """Starts every task, ps first; does nothing if already started."""
+    """Starts every task, ps first; does nothing if already started.
+
+    Logs one `[launch]` line first: the tasks, their ports and the command.
+    """
     if self._processes:
       return
+    self._log.line("launch", self.describe())
     for task in sorted(self._tasks, key=lambda task: task[0] != "ps"):
       self._start_task(task)
+
+  def describe(self) -> str:
+    """One line: how many tasks of each kind, their ports, the command.
+
+    The command is quoted as a shell would need it, a newline shown as \\n.
+    """
+    counts = {job: sum(task[0] == job for task in self._tasks)
+              for job in ("chief", "worker", "ps", "evaluator")}
+    words = ["{} {}{}".format(count, job, "s" if job == "worker" and
+                              count > 1 else "")
+             for job, count in counts.items() if count]
+    ports = ", ".join(
+        "{}:{} port {}".format(job, index, address.rsplit(":", 1)[1])
+        for job, addresses in self._cluster.items()
+        for index, address in enumerate(addresses))
+    return ("Starting {} on 127.0.0.1 ({}{}); every task runs: {}".format(
+        _and(words), ports,
+        "; the evaluator is outside the cluster spec" if counts["evaluator"]
+        else "",
+        shlex.join(self._command).replace("\n", "\\n")))
 
   def tf_config(self, task_type: str, index: int) -> dict:
     """The TF_CONFIG dict that task `task_type:index` runs with."""
@@ -222,6 +248,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   return chief_code if chief_code >= 0 else 128 - chief_code
 
 
+def _and(words):
+  """"a", "a and b", "a, b and c"."""
+  return " and ".join(filter(None, [", ".join(words[:-1]), words[-1]]))
+
+
 def _cluster_spec(num_ps, num_workers):
   # All sockets stay bound until every port is known, so no port repeats.
   with contextlib.ExitStack() as stack:
@@ -241,25 +272,47 @@ def _parse_arguments(argv):
   parser = argparse.ArgumentParser(
       prog="python -m replicate.launch",
       description="Run one command as every task of a local TF cluster.")
-  parser.add_argument("--ps", type=int, default=1,
-                      help="parameter-server tasks (default 1)")
-  parser.add_argument("--workers", type=int, default=2,
-                      help="training workers, the chief included (default 2)")
+  parser.add_argument("--ps", metavar="N", type=_at_least(0, int), default=1,
+                      help="parameter-server tasks (default: %(default)s)")
+  parser.add_argument("--workers", metavar="N", type=_at_least(1, int),
+                      default=2, help="training workers, the chief included "
+                      "(default: %(default)s)")
   parser.add_argument("--evaluator", action="store_true",
-                      help="also run one evaluator task")
-  parser.add_argument("--grace", type=float, default=30.0,
-                      help="seconds the workers get after the chief exits")
+                      help="also run one evaluator task (default: no "
+                      "evaluator)")
+  parser.add_argument("--grace", metavar="SECONDS", type=_at_least(0, float),
+                      default=30.0, help="how long the workers and the "
+                      "evaluator may run on after the chief exits, before "
+                      "they are stopped (default: %(default)s)")
   parser.add_argument("command", nargs="*",
-                      help="the command every task runs, after '--'")
+                      help="the command every task runs, after '--' "
+                      "(required)")
   arguments = parser.parse_args(argv)
   if not arguments.command:
     parser.error("argument command: missing. Put the command every task runs "
                  "after '--', e.g. -- python train.py")
-  for name, minimum in (("ps", 0), ("workers", 1), ("grace", 0)):
-    if getattr(arguments, name) < minimum:
-      parser.error("argument --{}: must be at least {}; received {}".format(
-          name, minimum, getattr(arguments, name)))
   return arguments
+
+
+def _at_least(minimum, kind):
+  """An argparse type: a finite `kind` of at least `minimum`.
+
+  It raises ArgumentTypeError, which argparse reports naming the flag.
+  """
+  noun = "a whole number" if kind is int else "a number"
+
+  def parse(text):
+    try:
+      value = kind(text)
+    except ValueError:
+      value = None
+    if value is None or not (math.isfinite(value) and value >= minimum):
+      raise argparse.ArgumentTypeError(
+          "must be {} of at least {}; received {!r}".format(
+              noun, minimum, text))
+    return value
+
+  return parse
 
 
 if __name__ == "__main__":

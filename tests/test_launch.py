@@ -4,6 +4,7 @@ import json
 import os
 import pathlib
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -117,6 +118,21 @@ def test_stdout_and_stderr_lines_are_prefixed_with_the_task():
     assert "[{}] {{\"cluster\"".format(task) in "\n".join(lines)
 
 
+def test_describe_counts_the_tasks_and_gives_every_port():
+  cluster = LocalCluster(["python", "train.py", "--model-dir", "/tmp/a b"],
+                         num_ps=2, num_workers=3, evaluator=True)
+  spec = cluster.tf_config("chief", 0)["cluster"]
+  ports = [address.split(":")[1] for job in ("chief", "worker", "ps")
+           for address in spec[job]]
+  assert cluster.describe() == (
+      "Starting 1 chief, 2 workers, 2 ps and 1 evaluator on 127.0.0.1 "
+      "(chief:0 port {}, worker:0 port {}, worker:1 port {}, ps:0 port {}, "
+      "ps:1 port {}; the evaluator is outside the cluster spec); every task "
+      "runs: python train.py --model-dir '/tmp/a b'".format(*ports))
+  assert LocalCluster(COMMAND, num_ps=0, num_workers=1).describe().startswith(
+      "Starting 1 chief on 127.0.0.1 (chief:0 port ")
+
+
 def test_no_worker_or_ps_job_when_there_are_none():
   cluster = LocalCluster(COMMAND, num_ps=0, num_workers=1)
   assert list(cluster.tf_config("chief", 0)["cluster"]) == ["chief"]
@@ -130,9 +146,17 @@ def test_main_returns_the_chief_exit_code_and_stops_the_ps(capsys,
   output = capsys.readouterr().out.splitlines()
 
   assert code == 3
-  assert [line for line in output if line.startswith("[launch]")] == [
+  [started, ended] = [line for line in output if line.startswith("[launch]")]
+  spec = configs_by_task(output)["chief:0"][0]["cluster"]
+  port = {job: addresses[0].split(":")[1] for job, addresses in spec.items()}
+  assert started == (
+      "[launch] Starting 1 chief, 1 worker and 1 ps on 127.0.0.1 (chief:0 "
+      "port {}, worker:0 port {}, ps:0 port {}); every task runs: {}".format(
+          port["chief"], port["worker"], port["ps"],
+          shlex.join(COMMAND).replace("\n", "\\n")))
+  assert ended == (
       "[launch] chief:0 exited with code 3; waiting up to 5.0 s for the "
-      "workers and evaluator."]
+      "workers and evaluator.")
   ps_pid = int(next(line for line in output
                     if line.startswith("[ps:0] ready")).split()[-1])
   with pytest.raises(ProcessLookupError):
@@ -248,11 +272,19 @@ def test_unknown_or_unstarted_task_is_refused():
 
 @pytest.mark.parametrize("argv, message", [
     (["--workers", "0", "--", "python"],
-     "argument --workers: must be at least 1; received 0"),
+     "argument --workers: must be a whole number of at least 1; received "
+     "'0'"),
+    (["--workers", "two", "--", "python"],
+     "argument --workers: must be a whole number of at least 1; received "
+     "'two'"),
     (["--ps", "-1", "--", "python"],
-     "argument --ps: must be at least 0; received -1"),
+     "argument --ps: must be a whole number of at least 0; received '-1'"),
+    (["--ps", "1.5", "--", "python"],
+     "argument --ps: must be a whole number of at least 0; received '1.5'"),
     (["--grace", "-2", "--", "python"],
-     "argument --grace: must be at least 0; received -2.0"),
+     "argument --grace: must be a number of at least 0; received '-2'"),
+    (["--grace", "nan", "--", "python"],
+     "argument --grace: must be a number of at least 0; received 'nan'"),
     (["--ps", "1", "--"], "argument command: missing"),
     (["--workers", "2"], "argument command: missing"),
 ])
@@ -260,7 +292,24 @@ def test_bad_command_lines_exit_2_naming_the_argument(argv, message, capsys):
   with pytest.raises(SystemExit) as exit_info:
     launch.main(argv)
   assert exit_info.value.code == 2
-  assert message in capsys.readouterr().err
+  error = capsys.readouterr().err
+  assert error.startswith("usage: python -m replicate.launch")
+  assert "python -m replicate.launch: error: " + message in error
+
+
+def test_every_argument_has_help_and_its_default(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    launch.main(["--help"])
+  assert exit_info.value.code == 0
+  help_text = " ".join(capsys.readouterr().out.split())
+  for expected in ("--ps N parameter-server tasks (default: 1)",
+                   "--workers N training workers, the chief included "
+                   "(default: 2)",
+                   "--evaluator also run one evaluator task (default: no "
+                   "evaluator)",
+                   "(default: 30.0)",
+                   "the command every task runs, after '--' (required)"):
+    assert expected in help_text
 
 
 def launcher(*arguments, env=None):
@@ -281,6 +330,8 @@ def test_command_line_end_to_end():
   lines = output.splitlines()
   for task in ("chief:0", "worker:0", "ps:0"):
     assert "[{}] stderr of {}".format(task, task.split(":")[0]) in lines
+  assert lines[0].startswith("[launch] Starting 1 chief, 1 worker and 1 ps "
+                             "on 127.0.0.1 (chief:0 port ")
   assert "[launch] chief:0 exited with code 4; waiting up to 30.0 s for the " \
          "workers and evaluator." in lines
 

@@ -1,0 +1,123 @@
+"""The examples: command lines (help with defaults, bad values refused) and
+the cluster demo's output (progress, no deprecation notices).
+
+examples/ is not a package: a script finds its neighbours by its own folder
+on sys.path (cluster_demo.py imports digits_demo), so the tests put it there.
+"""
+
+import importlib
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+TIMEOUT = 120
+
+
+@pytest.fixture
+def examples(monkeypatch):
+  """{name: module} of the two example scripts, imported as modules."""
+  monkeypatch.syspath_prepend(str(EXAMPLES))
+  return {name: importlib.import_module(name)
+          for name in ("digits_demo", "cluster_demo")}
+
+
+@pytest.mark.parametrize("name, argv, flag, received", [
+    ("digits_demo", ["--towers", "two"], "--towers", "'two'"),
+    ("digits_demo", ["--towers", "0"], "--towers", "'0'"),
+    ("digits_demo", ["--steps", "1.5"], "--steps", "'1.5'"),
+    ("digits_demo", ["--batch-size", "-128"], "--batch-size", "'-128'"),
+    ("cluster_demo", ["--model-dir", "m", "--steps", "-5"], "--steps",
+     "'-5'"),
+    ("cluster_demo", ["--model-dir", "m", "--batch-size", "x"],
+     "--batch-size", "'x'"),
+])
+def test_a_bad_value_is_a_usage_error_naming_its_flag(examples, name, argv,
+                                                       flag, received,
+                                                       capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    examples[name].make_parser().parse_args(argv)
+  assert exit_info.value.code == 2
+  error = capsys.readouterr().err
+  assert error.startswith("usage: ")
+  assert ("error: argument {}: must be a whole number of at least 1; "
+          "received {}".format(flag, received)) in error
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("digits_demo", ["--towers N towers on a machine without GPUs: this many "
+                     "virtual CPU devices (default: 2)",
+                     "--steps N training steps (default: 600)",
+                     "--batch-size ROWS global batch size, split across "
+                     "towers (default: 128)",
+                     "--model-dir DIR where checkpoints and the SavedModel "
+                     "go (default: a new folder under examples/output/)"]),
+    ("cluster_demo", ["--model-dir DIR shared by every task: checkpoints go "
+                      "here (required)",
+                      "--steps N global steps to train (default: 3000)",
+                      "--batch-size ROWS each worker's batch (default: 128)",
+                      "--progress-every STEPS global steps between the "
+                      "chief's progress lines (default: 500)"]),
+])
+def test_every_flag_has_help_that_gives_its_default(examples, name,
+                                                     expected):
+  parser = examples[name].make_parser()
+  options = [action for action in parser._actions  # pylint: disable=protected-access
+             if action.dest != "help"]
+  assert len(options) == len(expected)
+  assert all(action.help for action in options)
+  text = " ".join(parser.format_help().split())
+  for line in expected:
+    assert line in text
+
+
+def test_the_cluster_demo_script_refuses_negative_steps_before_training(
+    tmp_path):
+  # As run by hand: the script, not the module, and no model dir made.
+  result = subprocess.run(
+      [sys.executable, str(EXAMPLES / "cluster_demo.py"), "--model-dir",
+       str(tmp_path / "model"), "--steps", "-5"], capture_output=True,
+      text=True, timeout=TIMEOUT, cwd=tmp_path)
+  assert result.returncode == 2
+  assert result.stderr.splitlines()[-1] == (
+      "cluster_demo.py: error: argument --steps: must be a whole number of "
+      "at least 1; received '-5'")
+  assert "Traceback" not in result.stderr
+  assert not (tmp_path / "model").exists()
+
+
+def test_the_cluster_demo_prints_progress_and_no_deprecation_notices(
+    tmp_path):
+  # The chief alone with one ps task: the smallest cluster, a few seconds.
+  result = subprocess.run(
+      [sys.executable, "-m", "replicate.launch", "--ps", "1", "--workers",
+       "1", "--", sys.executable, str(EXAMPLES / "cluster_demo.py"),
+       "--model-dir", str(tmp_path / "model"), "--steps", "200",
+       "--progress-every", "50"],
+      capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path,
+      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+           "PYTHONPATH": str(EXAMPLES.parent)})
+  lines = result.stdout.splitlines()
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+  assert lines[0].startswith("[launch] Starting 1 chief and 1 ps on ")
+  chief = [line[len("[chief:0] "):] for line in lines
+           if line.startswith("[chief:0] ")]
+  assert chief[0] == (
+      "Training 200 global steps of 128 rows on 1 worker (the chief "
+      "included) and 1 ps task; checkpoints in {}".format(tmp_path / "model"))
+  progress = [line for line in chief if line.startswith("global step")]
+  assert len(progress) >= 2
+  for line in progress:
+    assert re.fullmatch(r"global step +\d+/200  loss [0-9.e-]+ +[0-9,]+ "
+                        r"examples/sec \(\d+ global steps/sec\)", line), line
+  assert re.fullmatch(r"test accuracy 0\.\d{4} at global step 20\d",
+                      chief[-1])
+  # Everything else: the JSON rate line and the launcher's two lines.
+  assert len(lines) == len(chief) + 2
+  assert not [line for line in lines
+              if "deprecat" in line.lower() or "WARNING" in line]
