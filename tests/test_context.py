@@ -20,9 +20,9 @@ def test_context_exists_only_while_towers_are_built(graph):
     with tf.Graph().as_default():  # another graph does not see it
       assert current.current_context() is None
   assert current.current_context() is None
-  assert not graph.get_collection(context_lib._CONTEXT_COLLECTION)
+  assert not graph.get_collection(current._COLLECTION)
   assert set(graph.get_all_collection_keys()) <= keys_before | {
-      context_lib._CONTEXT_COLLECTION
+      current._COLLECTION
   }
 
 
