@@ -15,12 +15,12 @@ Beside them: `variables` (where variables live, what a tower sees),
 `cluster` (a ps cluster from `TF_CONFIG`).
 """
 
-import inspect
 from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
-from tensorflow.python.util import function_utils
 
+# First: it refuses a TensorFlow other than 2.15 with the fix.
+from replicate import _tf
 from replicate.communication import allreduce
 from replicate import arguments
 from replicate import canned
@@ -148,7 +148,7 @@ def replicate_model_fn(
   arguments.check_variable_strategy(variable_strategy)
   arguments.check_all_reduce(all_reduce, compact_gradients, variable_strategy)
   canned.check_canned_model_fn(model_fn, loss_reduction)
-  model_fn_args = function_utils.fn_args(model_fn)
+  model_fn_args = _tf.fn_args(model_fn)
   arguments.check_takes_features(model_fn, model_fn_args)
   arguments.check_sync_batch_norm(sync_batch_norm)
 
@@ -274,13 +274,7 @@ def _is_export_graph(mode, features):
   """
   if mode == tf.estimator.ModeKeys.PREDICT and _is_serving_input(features):
     return True
-  exporting = tf.estimator.Estimator._add_meta_graph_for_mode.__code__  # pylint: disable=protected-access
-  frame = inspect.currentframe()
-  while frame is not None:
-    if frame.f_code is exporting:
-      return True
-    frame = frame.f_back
-  return False
+  return _tf.in_saved_model_export()
 
 
 def _is_serving_input(features):

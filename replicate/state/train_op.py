@@ -31,6 +31,7 @@ import collections
 
 import tensorflow as tf
 
+from replicate import _tf
 from replicate import graph_walk
 from replicate.state import op_kinds
 from replicate.shard import sharding
@@ -132,7 +133,7 @@ def _combine_statistics(writes, context) -> None:
       for tower_writes in writes[1:]:
         if tower_writes:
           _change_nothing(tower_writes[position].op, after=[tower0_write])
-      tower0_write._update_input(1, combined)  # pylint: disable=protected-access
+      _tf.update_input(tower0_write, 1, combined)
 
 
 def _wait_for_every_tower(classes, context) -> None:
@@ -169,7 +170,7 @@ def _wait_for_every_tower(classes, context) -> None:
                 "read cannot see every tower's addition. Make the additions "
                 "independent of the reads.".format(
                     index, read.name, variable_op.name, write.name))
-          read._add_control_input(write)  # pylint: disable=protected-access
+          _tf.add_control_input(read, write)
 
 
 def _reads_after(variable_op, own_writes, tower_ops):
@@ -213,7 +214,7 @@ def _check_optimizer_calls(context):
 
 
 def _check_rewritable(op):
-  if op._control_flow_context is not None or op.graph.building_function:  # pylint: disable=protected-access
+  if _tf.built_in_control_flow(op) or op.graph.building_function:
     raise ValueError(
         "The write {!r} is built inside control flow (a tf.cond, a while "
         "loop or a tf.function), where replicate_model_fn cannot combine "
@@ -231,9 +232,9 @@ def _change_nothing(op, after):
       value = _read(op)
   else:
     value = tf.zeros_like(op.inputs[1])
-  op._update_input(1, value)  # pylint: disable=protected-access
+  _tf.update_input(op, 1, value)
   for other in after:
-    op._add_control_input(other)  # pylint: disable=protected-access
+    _tf.add_control_input(op, other)
 
 
 def _change_nothing_unless_rows(op, has_rows, index):
@@ -253,7 +254,7 @@ def _change_nothing_unless_rows(op, has_rows, index):
     unchanged = _read(op)
   else:
     unchanged = tf.zeros_like(value)
-  op._update_input(1, tf.where(has_rows, value, unchanged))  # pylint: disable=protected-access
+  _tf.update_input(op, 1, tf.where(has_rows, value, unchanged))
 
 
 def _read(write_op):
