@@ -195,7 +195,8 @@ def replicate_model_fn(
 
 
 def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
-                  loss_reduction, strategy, batch_norm_sync):
+                  loss_reduction, strategy: strategies.VariableStrategy,
+                  batch_norm_sync):
   """Builds one tower per device and combines their specs.
 
   `strategy` (see `replicate.variables.strategies`) places the variables, says

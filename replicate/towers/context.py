@@ -24,6 +24,7 @@ from replicate.gradients import optimizer_calls
 from replicate.shard import rows
 from replicate.towers import scaffolds
 from replicate.shard import sharding
+from replicate.variables import strategies
 from replicate.towers import current
 from replicate.towers import tower_collections
 from replicate.gradients import weighting
@@ -36,7 +37,8 @@ class TowerLayout(NamedTuple):
   shards: sharding.Shards  # the batch split into one shard per tower
   shares: List[Any]  # per tower, its share of the batch n_i / n
   has_rows: List[Any]  # per tower, bool or scalar bool tensor
-  strategy: Any  # where variables live, how gradients combine (`strategies`)
+  strategy: strategies.VariableStrategy  # where variables live, how
+  # gradients combine
 
   @classmethod
   def of(cls, devices, device_functions, shards, strategy) -> "TowerLayout":
