@@ -220,17 +220,17 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
       batch_norm=batch_norm_sync(layout)) as context, \
       sync_batch_norm_lib.swapped(context):
     tower_specs = []
-    for index in range(num_towers):
+    for tower in layout.towers:
       tower_kwargs = dict(kwargs)
       if "labels" in tower_kwargs:
-        tower_kwargs["labels"] = shards.labels[index]
-      with context.tower_scope(index):
-        spec = model_fn(features=shards.features[index], **tower_kwargs)
+        tower_kwargs["labels"] = tower.labels
+      with context.tower_scope(tower.index):
+        spec = model_fn(features=tower.features, **tower_kwargs)
       if not isinstance(spec, tf.estimator.EstimatorSpec):
         raise ValueError(
             "replicate_model_fn needs the model_fn to return a "
             "tf.estimator.EstimatorSpec; tower {} returned a {}.".format(
-                index, type(spec).__name__))
+                tower.index, type(spec).__name__))
       tower_specs.append(spec)
     context.finish_towers()
     return specs_lib.combine_specs(mode, tower_specs, context)

@@ -66,7 +66,7 @@ def combine_train_op(tower_specs, context) -> tf.Operation:
 
 def _keep(change, context, runs):
   """Tower i's change runs too; returns it if the step would not run it."""
-  has_rows = context.layout.has_rows[change.tower]
+  has_rows = context.layout.towers[change.tower].has_rows
   op = change.op
   if has_rows is False:
     if op in runs:
@@ -103,7 +103,7 @@ def _combine_statistics(writes, context) -> None:
     _check_rewritable(change.op)
   names = lambda changes: [c.variable.op.name for c in changes]
   for index, tower_writes in enumerate(writes[1:], start=1):
-    if context.layout.has_rows[index] is False:
+    if context.layout.towers[index].has_rows is False:
       # A tower on a stand-in row: its loss and gradients are dropped, so
       # the step may run none of its writes; any it runs change nothing.
       for change in tower_writes:
@@ -121,13 +121,13 @@ def _combine_statistics(writes, context) -> None:
     for position, tower0_write in enumerate(c.op for c in writes[0]):
       terms = []
       for index, tower_writes in enumerate(writes):
-        rows = context.layout.has_rows[index]
+        rows = context.layout.towers[index].has_rows
         if rows is False:
           continue
         value = tower_writes[position].op.inputs[1]
         if not value.dtype.is_floating:  # a count: weighed in float
           value = tf.cast(value, tf.float64)
-        share = sharding.weight_as(context.layout.shares[index], value.dtype)
+        share = sharding.weight_as(context.layout.towers[index].share, value.dtype)
         terms.append(sharding.zero_unless_rows(value * share, rows))
       combined = _as_dtype_of(tf.math.add_n(terms), tower0_write.inputs[1])
       for tower_writes in writes[1:]:
