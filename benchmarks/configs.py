@@ -78,7 +78,7 @@ class Config(NamedTuple):
 
   @property
   def uses_hand_ring(self) -> bool:
-    """Whether the replicated model_fn goes through `hand_ring.with_hand_ring`."""
+    """Whether the model_fn goes through `hand_ring.with_hand_ring`."""
     return self.kind == "replicate" and self.variant == "handring"
 
   @property

@@ -1,4 +1,4 @@
-"""The package's layout: no import cycle, and TensorFlow's private parts in _tf.py.
+"""The package's layout: no import cycle; TensorFlow's private parts in _tf.py.
 
 Imports are read from the source (module level and inside functions), so a
 cycle hidden behind a function-level import is found too.

@@ -445,7 +445,7 @@ def test_a_keras_optimizers_name():
   assert _tf.keras_optimizer_name(lambda: None) is None
 
 
-# Dropped for a public check ----------------------------------------------------
+# Dropped for a public check ----------------------------------------------
 
 
 def test_the_public_resource_check_agrees_with_tensorflows(graph):

@@ -127,7 +127,8 @@ def _combine_statistics(writes, context) -> None:
         value = tower_writes[position].op.inputs[1]
         if not value.dtype.is_floating:  # a count: weighed in float
           value = tf.cast(value, tf.float64)
-        share = sharding.weight_as(context.layout.towers[index].share, value.dtype)
+        share = sharding.weight_as(context.layout.towers[index].share,
+                                   value.dtype)
         terms.append(sharding.zero_unless_rows(value * share, rows))
       combined = _as_dtype_of(tf.math.add_n(terms), tower0_write.inputs[1])
       for tower_writes in writes[1:]:
