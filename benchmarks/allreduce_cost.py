@@ -9,6 +9,7 @@ configurations interleaved in one process and the ratios paired within a
 round. Writes a markdown table to stdout (and to --record).
 """
 
+import contextlib
 import datetime
 import os
 import statistics
@@ -20,10 +21,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 
 from benchmarks import cli  # noqa: E402
+from benchmarks import hand_ring  # noqa: E402
 from replicate.communication import allreduce  # noqa: E402
 
-ALGORITHMS = {"gather": allreduce.GATHER, "ring": allreduce.RING,
-              "handring": allreduce.HAND_RING}
+# name: (the all_reduce algorithm, whether the hand ring replaces its sums)
+ALGORITHMS = {"gather": (allreduce.GATHER, False),
+              "ring": (allreduce.RING, False),
+              "handring": (allreduce.GATHER, True)}
 # name: the shapes of one tower's gradients
 TENSORS = {
     "1k": [[1000]],
@@ -93,7 +97,7 @@ def make_parser():
 
 def _time_algorithms(shapes, towers, rounds):
   """{algorithm: [ms per all-reduce, one per round]}, interleaved."""
-  sessions = {name: _session(shapes, towers, algorithm)
+  sessions = {name: _session(shapes, towers, *algorithm)
               for name, algorithm in ALGORITHMS.items()}
   times = {name: [] for name in sessions}
   for _ in range(rounds):
@@ -107,7 +111,7 @@ def _time_algorithms(shapes, towers, rounds):
   return times
 
 
-def _session(shapes, towers, algorithm):
+def _session(shapes, towers, algorithm, by_hand_ring):
   """A session running one all-reduce of `shapes` per tower; warmed up."""
   graph = tf.Graph()
   devices = ["/device:CPU:{}".format(i) for i in range(towers)]
@@ -118,7 +122,9 @@ def _session(shapes, towers, algorithm):
         per_tower.append([
             tf.compat.v1.get_variable("t{}_{}".format(tower, index), shape)
             .read_value() for index, shape in enumerate(shapes)])
-    summed = allreduce.all_reduce_grads(per_tower, devices, algorithm)
+    with (allreduce.gather_reduce_replaced(hand_ring.reduce)
+          if by_hand_ring else contextlib.nullcontext()):
+      summed = allreduce.all_reduce_grads(per_tower, devices, algorithm)
     # One element of each sum, added: a data dependency on every sum (a
     # `tf.group` of them would let grappler turn the unused sums into
     # no-ops), and a fetch of negligible cost.

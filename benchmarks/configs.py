@@ -11,7 +11,7 @@ On configurations:
 | `replicate-N-ring`      | N towers, `replicated`, `all_reduce="ring"` (collective, |
 |                         | TensorFlow's `CollectiveReduceV2`)                       |
 | `replicate-N-handring`  | N towers, `replicated`, the ring built from graph ops    |
-|                         | that `ring` was before (`allreduce.HAND_RING`, internal) |
+|                         | that `ring` was before (`benchmarks.hand_ring`)          |
 | `replicate-N-nccl`      | N towers, `replicated`, `all_reduce="nccl"` (GPUs only)  |
 | `replicate-N-V-sync`    | any replicate configuration above with                   |
 |                         | `sync_batch_norm=True` (e.g. `replicate-2-ps-sync`)      |
@@ -36,7 +36,7 @@ twins is what the measurement alone moves a ratio by.
 import re
 from typing import NamedTuple
 
-from replicate.communication import allreduce
+from benchmarks import hand_ring
 
 _CONFIG = re.compile(r"^(?:single|replicate-(\d+)-"
                      r"(ps|rr|gather|ring|handring|nccl)(-sync)?|"
@@ -55,10 +55,9 @@ _REPLICATE_ARGUMENTS = {
     "rr": {"variable_strategy": "round_robin"},
     "gather": {"variable_strategy": "replicated", "all_reduce": "gather"},
     "ring": {"variable_strategy": "replicated", "all_reduce": "ring"},
-    # Not a public all_reduce value: the internal hook kept for this
-    # comparison (see replicate.communication.allreduce).
-    "handring": {"variable_strategy": "replicated",
-                 "all_reduce": allreduce.HAND_RING},
+    # "gather" with its dense sums built by the hand ring: see
+    # `Config.uses_hand_ring`.
+    "handring": hand_ring.ARGUMENTS,
     "nccl": {"variable_strategy": "replicated", "all_reduce": "nccl"},
 }
 
@@ -84,6 +83,11 @@ class Config(NamedTuple):
       return "single"
     return "{}-{}{}".format(self.kind, self.variant,
                             "-sync" if self.sync_batch_norm else "")
+
+  @property
+  def uses_hand_ring(self) -> bool:
+    """Whether the model_fn goes through `hand_ring.with_hand_ring`."""
+    return self.kind == "replicate" and self.variant == "handring"
 
   @property
   def replicate_arguments(self) -> dict:

@@ -51,6 +51,7 @@ from typing import Callable, List, NamedTuple
 import tensorflow as tf
 
 import replicate
+from benchmarks import hand_ring
 from benchmarks import pipelines
 from benchmarks.configs import Config
 from benchmarks.models import MODELS
@@ -162,6 +163,8 @@ def build(model_name: str, config: Config) -> Run:
   if config.kind == "replicate":
     model_fn = replicate.replicate_model_fn(
         model_fn, devices=devices, **config.replicate_arguments)
+    if config.uses_hand_ring:
+      model_fn = hand_ring.with_hand_ring(model_fn)
   rows = functools.partial(
       pipelines.rows_per_step, config.pipeline,
       pipelines.dataset_rows(model.global_batch), batch, batches_per_step)

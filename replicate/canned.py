@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import tensorflow as tf
 
+from replicate import _tf
+
 Reduction = tf.compat.v1.losses.Reduction
 
 _NOT_GRADIENT_BASED = ("BoostedTrees", "KMeans")
@@ -48,11 +50,10 @@ def check_canned_model_fn(model_fn: Callable, loss_reduction: str) -> None:
         "{} is not trained by gradients through an optimizer, so "
         "replicate_model_fn cannot split its batches across towers. Train "
         "it with its own model_fn, unwrapped.".format(name))
-  head = _closure_value(getattr(estimator, "_model_fn", None), _is_head)
+  head = _closure_value(_tf.estimator_model_fn(estimator), _tf.is_head)
   if head is None:
     return
-  head_reduction = getattr(head, "loss_reduction", None) or getattr(
-      head, "_loss_reduction")
+  head_reduction = _tf.head_loss_reduction(head)
   if (head_reduction in _SUM_REDUCTIONS) != (loss_reduction == Reduction.SUM):
     wanted = ("tf.compat.v1.losses.Reduction.SUM"
               if head_reduction in _SUM_REDUCTIONS else
@@ -63,7 +64,7 @@ def check_canned_model_fn(model_fn: Callable, loss_reduction: str) -> None:
         "given loss_reduction={!r}, which would weight each tower's loss "
         "wrongly. Pass loss_reduction={}.".format(name, head_reduction,
                                                   loss_reduction, wanted))
-  weight_column = getattr(head, "_weight_column", None)
+  weight_column = _tf.head_weight_column(head)
   if weight_column is not None and head_reduction in _WEIGHT_DIVIDED:
     raise ValueError(
         "The {} head has weight_column={!r} and loss_reduction={!r}: it "
@@ -131,6 +132,3 @@ def _is_estimator(value) -> bool:
   return isinstance(value, (tf.estimator.Estimator,
                             tf.compat.v1.estimator.Estimator))
 
-
-def _is_head(value) -> bool:
-  return hasattr(value, "loss_reduction") or hasattr(value, "_loss_reduction")

@@ -15,12 +15,12 @@ Beside them: `variables` (where variables live, what a tower sees),
 `cluster` (a ps cluster from `TF_CONFIG`).
 """
 
-import inspect
 from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
-from tensorflow.python.util import function_utils
 
+# First: it refuses a TensorFlow other than 2.15 with the fix.
+from replicate import _tf
 from replicate.communication import allreduce
 from replicate import arguments
 from replicate import canned
@@ -148,7 +148,7 @@ def replicate_model_fn(
   arguments.check_variable_strategy(variable_strategy)
   arguments.check_all_reduce(all_reduce, compact_gradients, variable_strategy)
   canned.check_canned_model_fn(model_fn, loss_reduction)
-  model_fn_args = function_utils.fn_args(model_fn)
+  model_fn_args = _tf.fn_args(model_fn)
   arguments.check_takes_features(model_fn, model_fn_args)
   arguments.check_sync_batch_norm(sync_batch_norm)
 
@@ -195,7 +195,8 @@ def replicate_model_fn(
 
 
 def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
-                  loss_reduction, strategy, batch_norm_sync):
+                  loss_reduction, strategy: strategies.VariableStrategy,
+                  batch_norm_sync):
   """Builds one tower per device and combines their specs.
 
   `strategy` (see `replicate.variables.strategies`) places the variables, says
@@ -219,17 +220,17 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
       batch_norm=batch_norm_sync(layout)) as context, \
       sync_batch_norm_lib.swapped(context):
     tower_specs = []
-    for index in range(num_towers):
+    for tower in layout.towers:
       tower_kwargs = dict(kwargs)
       if "labels" in tower_kwargs:
-        tower_kwargs["labels"] = shards.labels[index]
-      with context.tower_scope(index):
-        spec = model_fn(features=shards.features[index], **tower_kwargs)
+        tower_kwargs["labels"] = tower.labels
+      with context.tower_scope(tower.index):
+        spec = model_fn(features=tower.features, **tower_kwargs)
       if not isinstance(spec, tf.estimator.EstimatorSpec):
         raise ValueError(
             "replicate_model_fn needs the model_fn to return a "
             "tf.estimator.EstimatorSpec; tower {} returned a {}.".format(
-                index, type(spec).__name__))
+                tower.index, type(spec).__name__))
       tower_specs.append(spec)
     context.finish_towers()
     return specs_lib.combine_specs(mode, tower_specs, context)
@@ -274,13 +275,7 @@ def _is_export_graph(mode, features):
   """
   if mode == tf.estimator.ModeKeys.PREDICT and _is_serving_input(features):
     return True
-  exporting = tf.estimator.Estimator._add_meta_graph_for_mode.__code__  # pylint: disable=protected-access
-  frame = inspect.currentframe()
-  while frame is not None:
-    if frame.f_code is exporting:
-      return True
-    frame = frame.f_back
-  return False
+  return _tf.in_saved_model_export()
 
 
 def _is_serving_input(features):

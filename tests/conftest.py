@@ -79,13 +79,14 @@ def replication_context(graph, count=2,
                         reduction=tf.compat.v1.losses.Reduction.MEAN):
   """A replication context for `count` towers on a batch of `count` rows."""
   from replicate.towers import context as context_lib  # pylint: disable=import-outside-toplevel
-  from replicate import sharding, strategies, variables  # pylint: disable=import-outside-toplevel
+  from replicate.shard import sharding  # pylint: disable=import-outside-toplevel
+  from replicate.variables import strategies, tower_variables  # pylint: disable=import-outside-toplevel
   layout = context_lib.TowerLayout.of(
       cpus(count), [lambda op, d=d: d for d in cpus(count)],
       sharding.split_batch(tf.ones([count, 1]), None, count),
       strategies.ParameterServer(cpus(count)))
   return context_lib.replication_context(
-      layout, reduction, variables.TowerVariables(graph, cpus(count),
+      layout, reduction, tower_variables.TowerVariables(graph, cpus(count),
                                                   is_replicated=False))
 
 

@@ -104,13 +104,45 @@ def test_ring_builds_one_collective_reduce_per_tower_device(compact):
               if op.type in ("AddN", "AddV2") and "all_reduce" in op.name]
 
 
-def test_the_hand_ring_is_internal_and_not_offered():
-  assert allreduce.HAND_RING not in allreduce.ALGORITHMS
-  allreduce.check_algorithm(allreduce.HAND_RING)  # the benchmarks' hook
-  with pytest.raises(ValueError, match=(
-      r"all_reduce must be one of 'auto', 'gather', 'ring', 'nccl'\. "
-      r"Received: 'hand_ring'\.")):
-    allreduce.check_algorithm("hand_ring")
+def test_all_reduce_accepts_the_four_algorithms_only():
+  assert allreduce.ALGORITHMS == ("auto", "gather", "ring", "nccl")
+  for algorithm in allreduce.ALGORITHMS:
+    allreduce.check_algorithm(algorithm)
+  for other in ("_hand_ring", "hand_ring", "handring"):
+    with pytest.raises(ValueError, match=(
+        r"all_reduce must be one of 'auto', 'gather', 'ring', 'nccl'\. "
+        r"Received: '{}'\.".format(other))):
+      allreduce.check_algorithm(other)
+  with pytest.raises(ValueError, match="all_reduce must be one of"):
+    replicate.replicate_model_fn(lambda features: None,
+                                 variable_strategy="replicated",
+                                 all_reduce="_hand_ring")
+
+
+def test_gathers_dense_sum_is_replaced_only_inside_the_seam(graph):
+  # The benchmarks' seam (benchmarks/hand_ring.py builds its ring there).
+  calls = []
+
+  def doubled_sum(tensors, devices):
+    calls.append(list(devices))
+    return [tf.math.add_n(tensors) * 2.0 for _ in devices]
+
+  def summed(algorithm):
+    per_tower = [[tf.constant([1.0, 2.0]), tf.constant(3.0)],
+                 [tf.constant([10.0, 20.0]), tf.constant(30.0)]]
+    return allreduce.all_reduce_grads(per_tower, cpus(2), algorithm)
+
+  with allreduce.gather_reduce_replaced(doubled_sum):
+    replaced = summed(allreduce.GATHER)
+    summed(allreduce.RING)  # collective: not gather's sum
+  assert calls == [cpus(2)]  # one packed buffer, gather only
+  plain = summed(allreduce.GATHER)
+  assert calls == [cpus(2)]
+  with tf.compat.v1.Session(config=session_config(2)) as session:
+    assert [[v.tolist() for v in tower] for tower in session.run(replaced)] \
+        == [[[22.0, 44.0], 66.0]] * 2
+    assert [[v.tolist() for v in tower] for tower in session.run(plain)] \
+        == [[[11.0, 22.0], 33.0]] * 2
 
 
 @pytest.mark.parametrize("towers", [2, 3])

@@ -1,11 +1,15 @@
 """The replication context: scoped, per graph, and gone afterwards."""
 
+import dataclasses
+
 import pytest
 import tensorflow as tf
 
 from conftest import cpus, replication_context, run_initialized
+from replicate.shard import sharding
 from replicate.towers import context as context_lib
 from replicate.towers import current
+from replicate.variables import strategies
 
 
 def _context(graph, count=2):
@@ -20,9 +24,9 @@ def test_context_exists_only_while_towers_are_built(graph):
     with tf.Graph().as_default():  # another graph does not see it
       assert current.current_context() is None
   assert current.current_context() is None
-  assert not graph.get_collection(context_lib._CONTEXT_COLLECTION)
+  assert not graph.get_collection(current._COLLECTION)
   assert set(graph.get_all_collection_keys()) <= keys_before | {
-      context_lib._CONTEXT_COLLECTION
+      current._COLLECTION
   }
 
 
@@ -85,3 +89,38 @@ def test_tower0_name_strips_only_the_tower_prefix(graph):
     assert context.to_tower0_name("tower_2/dnn/tower_2/input_layer/w", 2) == (
         "dnn/input_layer/w")
     assert context.to_tower0_name("accuracy/total", 0) == "accuracy/total"
+
+
+def test_the_layout_holds_one_record_per_tower(graph):
+  features = {"x": tf.constant([[1.0], [2.0]])}
+  labels = tf.constant([10, 20])
+  shards = sharding.split_batch(features, labels, 3)  # 1, 1 and 0 rows
+  functions = [lambda op, d=d: d for d in cpus(3)]
+  strategy = strategies.ParameterServer(cpus(3))
+  layout = context_lib.TowerLayout.of(cpus(3), functions, shards, strategy)
+  assert [t.index for t in layout.towers] == [0, 1, 2]
+  assert [t.device for t in layout.towers] == cpus(3)
+  assert [t.device_function for t in layout.towers] == functions
+  assert [t.features for t in layout.towers] == shards.features
+  assert [t.labels for t in layout.towers] == shards.labels
+  assert [t.share for t in layout.towers] == [0.5, 0.5, 0.0]
+  assert [t.has_rows for t in layout.towers] == [True, True, False]
+  assert layout.has_rows == [True, True, False]
+  assert layout.devices == cpus(3) and layout.num_towers == 3
+  assert layout.shards is shards and layout.strategy is strategy
+  with tf.compat.v1.Session() as session:
+    assert session.run([t.features["x"] for t in layout.towers[:2]] +
+                       [layout.towers[1].labels]) == [[[1.0]], [[2.0]], [20]]
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    layout.towers[0].device = "/cpu:3"
+
+
+def test_a_batch_known_at_run_time_gives_tensor_shares_and_rows(graph):
+  batch = tf.compat.v1.placeholder(tf.float32, [None, 1])
+  shards = sharding.split_batch(batch, None, 2)
+  layout = context_lib.TowerLayout.of(
+      cpus(2), [lambda op: None] * 2, shards,
+      strategies.ParameterServer(cpus(2)))
+  with tf.compat.v1.Session() as session:
+    assert session.run([(t.share, t.has_rows) for t in layout.towers],
+                       {batch: [[1.0]]}) == [(1.0, True), (0.0, False)]

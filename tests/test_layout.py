@@ -1,4 +1,4 @@
-"""The package's layout: every module imports cleanly, and no import cycle.
+"""The package's layout: no import cycle; TensorFlow's private parts in _tf.py.
 
 Imports are read from the source (module level and inside functions), so a
 cycle hidden behind a function-level import is found too.
@@ -6,6 +6,7 @@ cycle hidden behind a function-level import is found too.
 
 import ast
 import pathlib
+import re
 
 import replicate
 
@@ -85,3 +86,65 @@ def test_the_cycle_finder_finds_a_cycle():
   assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [
       "a", "b", "c", "a"]
   assert find_cycle({"a": {"b"}, "b": set()}) == []
+
+
+# What reaching into TensorFlow looks like in a source: its private modules,
+# Keras's, and the pylint switch for a private attribute.
+_PRIVATE_TF = re.compile(r"tensorflow\.python|keras\.src|protected-access")
+# The public API of namedtuples, spelled with an underscore.
+_NAMEDTUPLE_API = frozenset(["_replace", "_asdict", "_fields", "_make"])
+
+
+def _private_names_defined(trees):
+  """Every single-underscore name the package defines itself (functions,
+  classes, attributes it assigns)."""
+  names = set()
+  for tree in trees:
+    for node in ast.walk(tree):
+      if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+        names.add(node.name)
+      elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+        names.add(node.attr)
+      elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+        names.add(node.id)
+  return {name for name in names if name.startswith("_")}
+
+
+def _private_reads(tree):
+  """(line, name) of each `x._name` (x not self or cls) and each
+  getattr/hasattr/setattr of a "_name" in `tree`, dunders left out."""
+  found = []
+  for node in ast.walk(tree):
+    name = None
+    if isinstance(node, ast.Attribute) and not (
+        isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+      name = node.attr
+    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and
+          node.func.id in ("getattr", "hasattr", "setattr") and
+          len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and
+          isinstance(node.args[1].value, str)):
+      name = node.args[1].value
+    if name and name.startswith("_") and not name.startswith("__"):
+      found.append((node.lineno, name))
+  return found
+
+
+def test_tensorflow_private_parts_are_reached_from_tf_py_only():
+  sources = {name: path.read_text() for name, path in _modules().items()}
+  reaching = sorted(name for name, text in sources.items()
+                    if _PRIVATE_TF.search(text))
+  assert reaching == ["replicate._tf"]
+  trees = {name: ast.parse(text) for name, text in sources.items()}
+  own = _private_names_defined(trees.values()) | _NAMEDTUPLE_API
+  foreign = {name: [(line, attr) for line, attr in _private_reads(tree)
+                    if attr not in own]
+             for name, tree in trees.items() if name != "replicate._tf"}
+  assert {name: reads for name, reads in foreign.items() if reads} == {}
+
+
+def test_the_private_read_finder_finds_them():
+  tree = ast.parse("op._update_input(0, x)\nself._mine = 1\n"
+                   "getattr(head, '_weight_column', None)\nx.__class__\n")
+  assert sorted(_private_reads(tree)) == [(1, "_update_input"),
+                                  (3, "_weight_column")]
+  assert _private_names_defined([tree]) == {"_mine"}

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import replicate
 from conftest import TRAIN, checkpoint_values, cpus, session_config
-from replicate.towers import context as context_lib
+from replicate.towers import current
 
 
 def _mixed_precision_model_fn(features, labels, mode):
@@ -184,7 +184,7 @@ def test_building_in_many_graphs_leaves_nothing_behind():
     with tf.Graph().as_default() as graph:
       tf.compat.v1.train.get_or_create_global_step()
       wrapped(tf.ones([5, 3]), tf.ones([5, 1]), TRAIN)
-      assert not graph.get_collection(context_lib._CONTEXT_COLLECTION)
+      assert not graph.get_collection(current._COLLECTION)
       assert "replicate" not in " ".join(
           str(k) for k in graph.get_all_collection_keys())
 

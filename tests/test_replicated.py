@@ -40,8 +40,7 @@ def _assert_copies_equal_tower0(training, towers):
                                rtol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("algorithm", [allreduce.GATHER, allreduce.RING,
-                                       allreduce.HAND_RING])
+@pytest.mark.parametrize("algorithm", [allreduce.GATHER, allreduce.RING])
 @pytest.mark.parametrize("rows", [7, 2], ids=["uneven", "small"])
 @pytest.mark.parametrize("optimizer_name", ["adam", "sgd"])
 def test_replicated_trains_like_one_device(algorithm, rows, optimizer_name):
@@ -120,23 +119,6 @@ def test_compact_gradients_reduce_in_float16(graph):
   assert [op.outputs[0].dtype for op in sums] == [tf.float16]
 
 
-def test_hand_ring_passes_chunks_between_neighbours(graph):
-  # The benchmarks' internal comparison point, built from graph ops.
-  _build_replicated_train(_make_model_fn(Reduction.MEAN, "sgd"), 3,
-                          allreduce.HAND_RING)
-  # 37 floats in 3 chunks (13, 12, 12); each chunk is added on the 2
-  # devices after the one it starts on: 3 x 2 additions.
-  adds = [op for op in graph.get_operations()
-          if op.type in ("AddV2", "Add") and "packed_all_reduce" in op.name]
-  assert len(adds) == 6
-  assert sorted(op.outputs[0].shape.as_list()[0] for op in adds) == [
-      12, 12, 12, 12, 13, 13]
-  assert {op.device for op in adds} == {
-      "/device:CPU:0", "/device:CPU:1", "/device:CPU:2"}
-  assert not [op for op in graph.get_operations() if op.type == "AddN" and
-              "all_reduce" in op.name]
-
-
 # A large embedding: its IndexedSlices are all-gathered, not densified.
 
 VOCABULARY = 40000
@@ -177,8 +159,7 @@ def _train_embedding(model_fn, steps=3):
   return values, graph, ids
 
 
-@pytest.mark.parametrize("algorithm", [allreduce.GATHER, allreduce.RING,
-                                       allreduce.HAND_RING])
+@pytest.mark.parametrize("algorithm", [allreduce.GATHER, allreduce.RING])
 def test_large_embedding_gradients_are_gathered_and_train_alike(algorithm):
   expected, _, ids = _train_embedding(_embedding_model_fn)
   got, graph, _ = _train_embedding(_replicated(_embedding_model_fn, 3,

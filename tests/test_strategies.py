@@ -1,5 +1,7 @@
 """One object per variable_strategy, chosen per call of the wrapped model_fn."""
 
+import inspect
+
 import pytest
 import tensorflow as tf
 
@@ -59,3 +61,56 @@ def test_ps_cluster_places_variables_on_ps_tasks_and_sums_on_the_worker():
 class _WorkerConfig:
   task_type = "worker"
   task_id = 1
+
+
+# Every strategy has what the build asks of it: `VariableStrategy`.
+
+_STRATEGY_CLASSES = [strategies.ParameterServer, strategies.RoundRobin,
+                     strategies.Replicated, strategies.PsCluster,
+                     strategies._SharedVariables]
+
+
+def _protocol_members():
+  protocol = strategies.VariableStrategy
+  methods = {name for name, value in vars(protocol).items()
+             if callable(value) and not name.startswith("_")}
+  return set(protocol.__annotations__) | methods, methods
+
+
+def test_the_protocol_lists_what_the_build_asks():
+  members, methods = _protocol_members()
+  assert members == {"copies_variables", "variable_device", "combine"}
+  assert methods == {"variable_device", "combine"}
+
+
+@pytest.mark.parametrize("cls", _STRATEGY_CLASSES,
+                         ids=lambda cls: cls.__name__)
+def test_every_strategy_class_has_every_member_of_the_protocol(cls):
+  members, methods = _protocol_members()
+  for name in members:
+    assert hasattr(cls, name), name  # on the class, not set per instance
+  assert isinstance(cls.copies_variables, bool)
+  for name in methods:
+    expected = inspect.signature(getattr(strategies.VariableStrategy, name))
+    assert list(inspect.signature(getattr(cls, name)).parameters) == list(
+        expected.parameters), name
+
+
+@pytest.mark.parametrize("name", strategies.NAMES)
+@pytest.mark.parametrize("mode", [TRAIN, EVAL])
+def test_for_call_gives_a_variable_strategy(name, mode):
+  _, strategy = _for_call(name, mode)
+  assert isinstance(strategy, strategies.VariableStrategy)
+  assert isinstance(strategies.PsCluster(2, _WorkerConfig()),
+                    strategies.VariableStrategy)
+
+
+def test_an_object_without_combine_is_no_variable_strategy():
+
+  class Incomplete:
+    copies_variables = False
+
+    def variable_device(self, op):
+      del op
+
+  assert not isinstance(Incomplete(), strategies.VariableStrategy)

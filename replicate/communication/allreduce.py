@@ -17,13 +17,13 @@ On algorithms (the `all_reduce` argument of `replicate_model_fn`):
 |          | TensorFlow with CUDA)                                        |
 | `auto`   | `nccl` on GPUs when TensorFlow has it, else `gather`         |
 
-`HAND_RING` (`"_hand_ring"`) is not part of the API: the ring this module
-built before `ring` used collective ops, one graph op per hop (split into
-N chunks, each summed round the ring of devices, then passed round so every
-device has every summed chunk). `replicate_model_fn` accepts it so that the
-benchmarks (`replicate-N-handring`) can compare it with `ring` and `gather`.
-See `replicate.communication.collectives` for keys and sessions: a session needs no
-configuration for `ring`.
+See `replicate.communication.collectives` for keys and sessions: a session
+needs no configuration for `ring`.
+
+On the benchmarks' seam: `gather_reduce_replaced(reduce)` swaps the dense
+sum of `gather` while inside, which is how `benchmarks/hand_ring.py` builds
+the ring this module built before `ring` used collective ops
+(`replicate-N-handring`). It is no API and no `all_reduce` value.
 
 On sparse gradients (`IndexedSlices`, from embedding lookups): every tower
 gets every tower's slices, concatenated (an all-gather), never a dense sum,
@@ -51,6 +51,7 @@ loss-scale optimizer turns into a skipped step). Gathered sparse slices
 travel as they are.
 """
 
+import contextlib
 import functools
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
@@ -63,15 +64,13 @@ GATHER = "gather"
 RING = "ring"
 NCCL = "nccl"
 ALGORITHMS = (AUTO, GATHER, RING, NCCL)
-# Internal, for the benchmarks only: the ring built from graph ops.
-HAND_RING = "_hand_ring"
 
 PACK_MAX_ELEMENTS = 32768
 
 
 def check_algorithm(all_reduce: str):
   """Raises a ValueError for an unknown `all_reduce` name."""
-  if all_reduce not in ALGORITHMS + (HAND_RING,):
+  if all_reduce not in ALGORITHMS:
     raise ValueError(
         "all_reduce must be one of {}. Received: {!r}.".format(
             ", ".join(repr(a) for a in ALGORITHMS), all_reduce))
@@ -149,9 +148,33 @@ class _Reducer(NamedTuple):
   gather_slices: Callable  # per-tower IndexedSlices -> per-tower all-gathers
 
 
+# (per-tower tensors, devices) -> per-tower sums: `gather`'s dense sum while
+# inside `gather_reduce_replaced`, else None.
+_replaced_gather_reduce: Optional[Callable] = None
+
+
+@contextlib.contextmanager
+def gather_reduce_replaced(reduce: Callable):
+  """Inside, `gather` sums dense gradients with `reduce(tensors, devices)`.
+
+  Not an API: the benchmarks' seam (`benchmarks/hand_ring.py`), to time
+  another all-reduce built from graph ops against `gather` and `ring`.
+  `reduce` gets one tensor per tower (`tensors[i]` on `devices[i]`) and
+  returns, per tower, the sum on that tower's device; `gather_reduce` is
+  the one it replaces. Process-wide while inside; sparse gradients are
+  gathered as with `gather`.
+  """
+  global _replaced_gather_reduce  # pylint: disable=global-statement
+  previous, _replaced_gather_reduce = _replaced_gather_reduce, reduce
+  try:
+    yield
+  finally:
+    _replaced_gather_reduce = previous
+
+
 def _reducer(algorithm, devices) -> _Reducer:
   if algorithm not in (RING, NCCL):
-    reduce = _hand_ring_reduce if algorithm == HAND_RING else _gather_reduce
+    reduce = _replaced_gather_reduce or gather_reduce
     return _Reducer(functools.partial(reduce, devices=devices),
                     functools.partial(_concat_slices, devices=devices))
   # One object per call: it reads the keys still free from the graph.
@@ -163,7 +186,7 @@ def _reducer(algorithm, devices) -> _Reducer:
     if collectives.supports(tensors[0].dtype) and all(
         t.shape.is_fully_defined() for t in tensors):
       return launcher.all_reduce(tensors)
-    return _gather_reduce(tensors, devices)
+    return gather_reduce(tensors, devices)
 
   def gather_collectively(grads):
     with tf.name_scope("all_gather"):
@@ -231,7 +254,9 @@ def _compacted(reduce, tensors, devices, compact):
   return restored
 
 
-def _gather_reduce(tensors, devices):
+def gather_reduce(tensors: Sequence[tf.Tensor],
+                  devices: Sequence[str]) -> List[tf.Tensor]:
+  """`gather`'s dense sum: on tower 0's device, copied to every tower's."""
   with tf.device(devices[0]):
     total = tf.math.add_n(tensors)
   copies = [total]
@@ -239,39 +264,3 @@ def _gather_reduce(tensors, devices):
     with tf.device(device):
       copies.append(tf.identity(total))
   return copies
-
-
-def _hand_ring_reduce(tensors, devices):
-  """Reduce-scatter round the ring, then all-gather round it."""
-  count = len(devices)
-  shape = tensors[0].shape
-  if not shape.is_fully_defined():
-    return _gather_reduce(tensors, devices)  # chunks need a static size
-  elements = shape.num_elements()
-  sizes = [elements // count + (1 if c < elements % count else 0)
-           for c in range(count)]
-  chunks = []
-  for tensor, device in zip(tensors, devices):
-    with tf.device(device):
-      chunks.append(tf.split(tf.reshape(tensor, [-1]), sizes))
-  owned = []  # chunk c, summed, ends on device c
-  for c in range(count):
-    start = (c + 1) % count
-    summed = chunks[start][c]
-    for step in range(1, count):
-      device = (start + step) % count
-      with tf.device(devices[device]):
-        summed = summed + chunks[device][c]
-    owned.append(summed)
-  on_device = [[None] * count for _ in range(count)]  # [device][chunk]
-  for c in range(count):
-    on_device[c][c] = owned[c]
-    for step in range(1, count):
-      device = (c + step) % count
-      with tf.device(devices[device]):
-        on_device[device][c] = tf.identity(on_device[device - 1][c])
-  reduced = []
-  for device, pieces in enumerate(on_device):
-    with tf.device(devices[device]):
-      reduced.append(tf.reshape(tf.concat(pieces, axis=0), shape))
-  return reduced

@@ -24,6 +24,7 @@ from typing import Callable, List, Optional, Sequence
 
 import tensorflow as tf
 
+from replicate import _tf
 from replicate.gradients import aggregation
 from replicate.towers import current
 from replicate.gradients import optimizer_calls
@@ -261,8 +262,7 @@ def _check_not_in_control_flow(context):
   reach.
   """
   graph = tf.compat.v1.get_default_graph()
-  in_v1_cond = tf.compat.v1.get_default_graph()._get_control_flow_context()  # pylint: disable=protected-access
-  if graph.building_function or in_v1_cond is not None:
+  if graph.building_function or _tf.in_control_flow(graph):
     raise ValueError(
         "Tower {} calls TowerOptimizer.apply_gradients (or minimize) inside "
         "a tf.cond, a tf.while_loop or a tf.function. The step's one update "

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import tensorflow as tf
 
+from replicate import _tf
 from replicate.cluster import session_hooks
 from replicate.gradients import apply_once
 
@@ -139,7 +140,7 @@ class KerasTowerOptimizer(apply_once.Wrapping, _KerasOptimizer):
 
   def __init__(self, optimizer_or_optimizer_fn, gradient_transformers=None):
     self._init_wrapping(optimizer_or_optimizer_fn, gradient_transformers)
-    name = getattr(optimizer_or_optimizer_fn, "_name", None)
+    name = _tf.keras_optimizer_name(optimizer_or_optimizer_fn)
     super().__init__(name=name or "TowerOptimizer")
 
   def get_gradients(self, loss, params):
@@ -154,8 +155,8 @@ class KerasTowerOptimizer(apply_once.Wrapping, _KerasOptimizer):
 
   def minimize(self, loss, var_list, grad_loss=None, name=None, tape=None):
     with apply_once.backward_pass():
-      grads_and_vars = self.optimizer._compute_gradients(  # pylint: disable=protected-access
-          self._weighted_loss(loss),
+      grads_and_vars = _tf.keras_compute_gradients(
+          self.optimizer, self._weighted_loss(loss),
           var_list=apply_once.tower_variables(var_list), grad_loss=grad_loss,
           tape=tape)
     return self.apply_gradients(grads_and_vars, name=name)
@@ -174,7 +175,7 @@ class KerasTowerOptimizer(apply_once.Wrapping, _KerasOptimizer):
   @iterations.setter
   def iterations(self, variable):
     wrapped = self.optimizer
-    if wrapped._iterations is not variable:  # pylint: disable=protected-access
+    if _tf.keras_iterations(wrapped) is not variable:
       wrapped.iterations = variable
 
   @property

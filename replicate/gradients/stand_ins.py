@@ -22,6 +22,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from replicate import _tf
 from replicate.gradients import aggregation
 
 
@@ -65,4 +66,4 @@ def _open_dim0(tensor, name):
 
 def _pass_on(stand_in: tf.Tensor, value: tf.Tensor) -> None:
   """The stand-in (a `PlaceholderWithDefault`) now defaults to `value`."""
-  stand_in.op._update_input(0, value)  # pylint: disable=protected-access
+  _tf.update_input(stand_in.op, 0, value)

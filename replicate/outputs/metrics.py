@@ -145,7 +145,7 @@ def _move_into(target, sources, context):
   """
   kept = []
   for index, source in sources:
-    rows = context.layout.has_rows[index]
+    rows = context.layout.towers[index].has_rows
     if rows is False:
       continue
     kept.append(sharding.zero_unless_rows(tf.convert_to_tensor(source),

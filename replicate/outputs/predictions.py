@@ -42,12 +42,14 @@ class _CannotCombineError(ValueError):
 def combine_outputs(tower_specs, layout, tower0_ops):
   """(predictions, export_outputs) over every tower, from one spec per tower.
 
-  `layout` is the call's `replicate.towers.context.TowerLayout`: the shards;
+  `layout` is the call's `replicate.towers.context.TowerLayout`: the towers'
+  shards and the batch's split;
   `tower0_ops` the ops tower 0 built, within which `replicate.shard.rows` looks
   for what its values are computed from.
   """
-  rows_of_tower0 = rows.TowerRows(
-      (layout.shards.features[0], layout.shards.labels[0]), tower0_ops)
+  tower0 = layout.towers[0]
+  rows_of_tower0 = rows.TowerRows((tower0.features, tower0.labels),
+                                  tower0_ops)
   combiner = _Combiner(layout.shards, rows_of_tower0)
   predictions = combiner.structure(
       "predictions", [spec.predictions for spec in tower_specs])

@@ -81,9 +81,8 @@ class _Classifier:
     self._index = index
     self._tower_ops = tower_ops
     self._variables = variables
-    shards = context.layout.shards
-    self.rows = rows_lib.TowerRows(
-        (shards.features[index], shards.labels[index]), tower_ops)
+    tower = context.layout.towers[index]
+    self.rows = rows_lib.TowerRows((tower.features, tower.labels), tower_ops)
     self._update_ops = set()
     for update in context.collections.update_ops(index):
       self._update_ops.update(graph_walk.ops_behind([update], within=tower_ops,

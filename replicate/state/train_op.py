@@ -31,6 +31,7 @@ import collections
 
 import tensorflow as tf
 
+from replicate import _tf
 from replicate import graph_walk
 from replicate.state import op_kinds
 from replicate.shard import sharding
@@ -65,7 +66,7 @@ def combine_train_op(tower_specs, context) -> tf.Operation:
 
 def _keep(change, context, runs):
   """Tower i's change runs too; returns it if the step would not run it."""
-  has_rows = context.layout.has_rows[change.tower]
+  has_rows = context.layout.towers[change.tower].has_rows
   op = change.op
   if has_rows is False:
     if op in runs:
@@ -102,7 +103,7 @@ def _combine_statistics(writes, context) -> None:
     _check_rewritable(change.op)
   names = lambda changes: [c.variable.op.name for c in changes]
   for index, tower_writes in enumerate(writes[1:], start=1):
-    if context.layout.has_rows[index] is False:
+    if context.layout.towers[index].has_rows is False:
       # A tower on a stand-in row: its loss and gradients are dropped, so
       # the step may run none of its writes; any it runs change nothing.
       for change in tower_writes:
@@ -120,19 +121,20 @@ def _combine_statistics(writes, context) -> None:
     for position, tower0_write in enumerate(c.op for c in writes[0]):
       terms = []
       for index, tower_writes in enumerate(writes):
-        rows = context.layout.has_rows[index]
+        rows = context.layout.towers[index].has_rows
         if rows is False:
           continue
         value = tower_writes[position].op.inputs[1]
         if not value.dtype.is_floating:  # a count: weighed in float
           value = tf.cast(value, tf.float64)
-        share = sharding.weight_as(context.layout.shares[index], value.dtype)
+        share = sharding.weight_as(context.layout.towers[index].share,
+                                   value.dtype)
         terms.append(sharding.zero_unless_rows(value * share, rows))
       combined = _as_dtype_of(tf.math.add_n(terms), tower0_write.inputs[1])
       for tower_writes in writes[1:]:
         if tower_writes:
           _change_nothing(tower_writes[position].op, after=[tower0_write])
-      tower0_write._update_input(1, combined)  # pylint: disable=protected-access
+      _tf.update_input(tower0_write, 1, combined)
 
 
 def _wait_for_every_tower(classes, context) -> None:
@@ -169,7 +171,7 @@ def _wait_for_every_tower(classes, context) -> None:
                 "read cannot see every tower's addition. Make the additions "
                 "independent of the reads.".format(
                     index, read.name, variable_op.name, write.name))
-          read._add_control_input(write)  # pylint: disable=protected-access
+          _tf.add_control_input(read, write)
 
 
 def _reads_after(variable_op, own_writes, tower_ops):
@@ -213,7 +215,7 @@ def _check_optimizer_calls(context):
 
 
 def _check_rewritable(op):
-  if op._control_flow_context is not None or op.graph.building_function:  # pylint: disable=protected-access
+  if _tf.built_in_control_flow(op) or op.graph.building_function:
     raise ValueError(
         "The write {!r} is built inside control flow (a tf.cond, a while "
         "loop or a tf.function), where replicate_model_fn cannot combine "
@@ -231,9 +233,9 @@ def _change_nothing(op, after):
       value = _read(op)
   else:
     value = tf.zeros_like(op.inputs[1])
-  op._update_input(1, value)  # pylint: disable=protected-access
+  _tf.update_input(op, 1, value)
   for other in after:
-    op._add_control_input(other)  # pylint: disable=protected-access
+    _tf.add_control_input(op, other)
 
 
 def _change_nothing_unless_rows(op, has_rows, index):
@@ -253,7 +255,7 @@ def _change_nothing_unless_rows(op, has_rows, index):
     unchanged = _read(op)
   else:
     unchanged = tf.zeros_like(value)
-  op._update_input(1, tf.where(has_rows, value, unchanged))  # pylint: disable=protected-access
+  _tf.update_input(op, 1, tf.where(has_rows, value, unchanged))
 
 
 def _read(write_op):

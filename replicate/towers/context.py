@@ -14,7 +14,8 @@ variable creator and getter of `replicate.variables.matching`).
 """
 
 import contextlib
-from typing import Any, Callable, List, NamedTuple, Optional
+import dataclasses
+from typing import Any, Callable, List, NamedTuple, Sequence
 
 import tensorflow as tf
 
@@ -24,29 +25,57 @@ from replicate.gradients import optimizer_calls
 from replicate.shard import rows
 from replicate.towers import scaffolds
 from replicate.shard import sharding
+from replicate.variables import strategies
 from replicate.towers import current
 from replicate.towers import tower_collections
 from replicate.gradients import weighting
 
 
+@dataclasses.dataclass(frozen=True, eq=False)  # eq: it holds tensors
+class Tower:
+  """What is fixed for tower `index` in one call, built once per call."""
+  index: int
+  device: str
+  device_function: Callable  # places the tower's ops (`towers.devices`)
+  features: Any  # the tower's shard of the features
+  labels: Any  # the tower's shard of the labels (None when labels are)
+  share: Any  # its share of the batch n_i / n: a float or a scalar tensor
+  has_rows: Any  # whether its outputs count: a bool or a scalar bool tensor
+
+
 class TowerLayout(NamedTuple):
-  """What is fixed for one call: the towers' devices, the batch, the strategy."""
-  devices: List[str]
-  device_functions: List[Callable]  # per tower, placing its ops
-  shards: sharding.Shards  # the batch split into one shard per tower
-  shares: List[Any]  # per tower, its share of the batch n_i / n
-  has_rows: List[Any]  # per tower, bool or scalar bool tensor
-  strategy: Any  # where variables live, how gradients combine (`strategies`)
+  """What is fixed for one call: the towers, the batch, the strategy."""
+  towers: List[Tower]
+  shards: sharding.Shards  # the batch's split (sizes, batch size, ...)
+  strategy: strategies.VariableStrategy  # where variables live, how
+  # gradients combine
 
   @classmethod
-  def of(cls, devices, device_functions, shards, strategy) -> "TowerLayout":
-    return cls(devices, device_functions, shards,
-               sharding.shard_shares(shards.sizes, shards.batch_size),
-               sharding.shard_has_rows(shards.sizes), strategy)
+  def of(cls, devices: Sequence[str], device_functions: Sequence[Callable],
+         shards: sharding.Shards,
+         strategy: strategies.VariableStrategy) -> "TowerLayout":
+    shares = sharding.shard_shares(shards.sizes, shards.batch_size)
+    has_rows = sharding.shard_has_rows(shards.sizes)
+    towers = [
+        Tower(index, device, device_function, shards.features[index],
+              shards.labels[index], shares[index], has_rows[index])
+        for index, (device, device_function) in enumerate(
+            zip(devices, device_functions))]
+    return cls(towers, shards, strategy)
 
   @property
   def num_towers(self) -> int:
-    return len(self.devices)
+    return len(self.towers)
+
+  @property
+  def devices(self) -> List[str]:
+    """Each tower's device, in tower order."""
+    return [tower.device for tower in self.towers]
+
+  @property
+  def has_rows(self) -> List[Any]:
+    """Whether each tower's outputs count, in tower order."""
+    return [tower.has_rows for tower in self.towers]
 
 
 class ReplicationContext:
@@ -135,7 +164,7 @@ class ReplicationContext:
     first_op = len(self.graph.get_operations())
     self._first_op[index] = first_op
     try:
-      with self.graph.device(self.layout.device_functions[index]), \
+      with self.graph.device(self.layout.towers[index].device_function), \
           tf.compat.v1.variable_creator_scope(
               matching.variable_creator(self, index)):
         if index == 0:
@@ -203,8 +232,8 @@ class ReplicationContext:
 
   def rows_of(self, index: int) -> rows.TowerRows:
     """`replicate.shard.rows`'s rule for what tower `index` built so far."""
-    shards = self.layout.shards
-    return rows.TowerRows((shards.features[index], shards.labels[index]),
+    tower = self.layout.towers[index]
+    return rows.TowerRows((tower.features, tower.labels),
                           self.ops_so_far(index))
 
   @contextlib.contextmanager
@@ -233,7 +262,7 @@ class ReplicationContext:
     exist, but feed tower 0's update.
     """
     name_scope = call.name_scope + "/" if call.name_scope else ""
-    with self.graph.device(self.layout.device_functions[0]), \
+    with self.graph.device(self.layout.towers[0].device_function), \
         self.graph.name_scope(name_scope), self.building_own_ops():
       yield
 

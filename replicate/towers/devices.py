@@ -18,7 +18,8 @@ import os
 from typing import Callable, List, Optional, Sequence
 
 import tensorflow as tf
-from tensorflow.python.client import device_lib
+
+from replicate import _tf
 
 # Op types that create a variable's storage; these are the ops a variable
 # strategy places, everything else follows its tower.
@@ -98,7 +99,7 @@ def local_devices(session_config=None, every_kind=False) -> List[str]:
   The devices are counted with the session config the Estimator will use, so
   `ConfigProto(device_count={'CPU': N})` gives N CPU devices.
   """
-  found = device_lib.list_local_devices(session_config)
+  found = _tf.list_local_devices(session_config)
   if every_kind:
     return [d.name for d in found]
   gpus = [d.name for d in found if d.device_type == "GPU"]
@@ -216,7 +217,7 @@ def _pin_reads(op) -> None:
     device = _resource_device(source)
     if device is not None:
       # The one way to place an op its device functions never saw.
-      source._set_device(device)  # pylint: disable=protected-access
+      _tf.set_device(source, device)
 
 
 def _resource_device(op) -> Optional[str]:

@@ -19,12 +19,15 @@ once.
 On the end: after the towers are built every collection holds what it held
 before plus what tower 0 added, as the unwrapped `model_fn` leaves it.
 
-This module is the only code that swaps a graph collection's list.
+This module is the only code that swaps a graph collection's list
+(through `replicate._tf.replace_collection`).
 """
 
 from typing import Dict, List
 
 import tensorflow as tf
+
+from replicate import _tf
 
 GraphKeys = tf.compat.v1.GraphKeys
 LOSSES = GraphKeys.LOSSES
@@ -78,10 +81,9 @@ class TowerCollections:
   def _set(self, key, values):
     if not values and key not in self._graph.collections:
       return
-    if isinstance(values, _ClosedList):
-      self._graph._collections[key] = values  # pylint: disable=protected-access
-      return
-    self._graph._collections[key] = list(values)  # pylint: disable=protected-access
+    if not isinstance(values, _ClosedList):
+      values = list(values)
+    _tf.replace_collection(self._graph, key, values)
 
 
 class _ClosedList(list):

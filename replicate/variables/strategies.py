@@ -10,11 +10,13 @@ tower sees of them, and how the towers' gradients become the update.
 
 `for_call` picks the object for one call of the wrapped `model_fn`, from
 the `variable_strategy` name, the mode and the `RunConfig`; everything else
-asks the object, never the name. `"replicated"` copies variables in TRAIN
+asks the object, never the name, through `VariableStrategy`, what every
+one of them has. `"replicated"` copies variables in TRAIN
 with several towers only: evaluation and prediction read tower 0's.
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Protocol, Sequence, Tuple
+from typing import runtime_checkable
 
 import tensorflow as tf
 
@@ -28,9 +30,48 @@ ROUND_ROBIN = "round_robin"
 REPLICATED = "replicated"
 NAMES = (PARAMETER_SERVER, ROUND_ROBIN, REPLICATED)
 
+# A tower's (gradient, variable) pairs, gradients Tensors, IndexedSlices or
+# None.
+GradsAndVars = List[Tuple[Any, tf.Variable]]
+
+
+@runtime_checkable
+class VariableStrategy(Protocol):
+  """What the build asks a strategy object; every strategy has these.
+
+  Read by: `replicate.model_fn` (`variable_device`, for each tower's
+  device function; `copies_variables`, for the towers' variables),
+  `replicate.towers.context` (`copies_variables`) and
+  `replicate.gradients.optimizer_calls` (`combine`, once per optimizer
+  call, in the last tower).
+  """
+
+  # Whether towers 1..N-1 train their own copies of the trainable variables
+  # (True) or tower 0's (False).
+  copies_variables: bool
+
+  def variable_device(self, op: tf.Operation) -> Optional[str]:
+    """Where the variable `op` creates lives; None: with the tower building
+    it. Called once per variable-creating op, in creation order."""
+
+  def combine(self, per_tower: Sequence[GradsAndVars],
+              has_rows: Sequence[Any],
+              tower_devices: Sequence[str]) -> GradsAndVars:
+    """The (gradient, variable) pairs of the one update, from every tower's.
+
+    `per_tower[i]` is tower i's pairs, the same variables in the same order
+    in every tower (its own copies with `copies_variables`); `has_rows[i]`
+    says whether tower i counts (a bool or a scalar bool tensor);
+    `tower_devices[i]` is where tower i runs.
+    """
+
 
 class _SharedVariables:
-  """Every tower trains tower 0's variables; their gradients are summed."""
+  """Every tower trains tower 0's variables; their gradients are summed.
+
+  Also `"replicated"` outside TRAIN or with one tower, which reads tower
+  0's variables as they are.
+  """
 
   copies_variables = False  # tower i sees tower 0's variables
   sum_device: Optional[str] = None  # where sums run (None: with the variable)
@@ -40,7 +81,7 @@ class _SharedVariables:
     del op
     return None
 
-  def combine(self, per_tower, has_rows, tower_devices):
+  def combine(self, per_tower, has_rows, tower_devices) -> GradsAndVars:
     """The update's (gradient, variable) pairs from every tower's pairs."""
     del tower_devices
     return aggregation.sum_grads_and_vars(per_tower, has_rows,
@@ -54,7 +95,7 @@ class ParameterServer(_SharedVariables):
     self._device = (tower_devices[0] if len(tower_devices) == 1 else
                     devices_lib.cpu_of(tower_devices[0]))
 
-  def variable_device(self, op):
+  def variable_device(self, op: tf.Operation) -> str:
     return self._device
 
 
@@ -65,7 +106,7 @@ class RoundRobin(_SharedVariables):
     self._devices = list(tower_devices)
     self._order = {}  # variable op name -> its place in creation order
 
-  def variable_device(self, op):
+  def variable_device(self, op: tf.Operation) -> str:
     position = self._order.setdefault(op.name, len(self._order))
     return self._devices[position % len(self._devices)]
 
@@ -80,7 +121,7 @@ class PsCluster(_SharedVariables):
     # update to the ps tasks, not one per tower.
     self.sum_device = ps_cluster.gradient_sum_device(config)
 
-  def variable_device(self, op):
+  def variable_device(self, op: tf.Operation) -> str:
     position = self._order.setdefault(op.name, len(self._order))
     return "/job:ps/task:{}/device:CPU:0".format(position % self._num_ps)
 
@@ -94,18 +135,18 @@ class Replicated:
     self.algorithm = algorithm
     self.compact = compact
 
-  def variable_device(self, op):
+  def variable_device(self, op: tf.Operation) -> Optional[str]:
     del op
     return None  # tower 0's variables with tower 0, copies with their tower
 
-  def combine(self, per_tower, has_rows, tower_devices):
+  def combine(self, per_tower, has_rows, tower_devices) -> GradsAndVars:
     return aggregation.all_reduce_grads_and_vars(
         per_tower, has_rows, tower_devices, self.algorithm, self.compact)
 
 
 def for_call(variable_strategy: str, fixed_devices: Optional[List[str]],
              config, mode: str, all_reduce: str, compact: bool
-            ) -> Tuple[List[str], object]:
+            ) -> Tuple[List[str], VariableStrategy]:
   """The towers' devices and the strategy object for one model_fn call."""
   num_ps = ps_cluster.num_ps_tasks(config, mode)
   if num_ps:

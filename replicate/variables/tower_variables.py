@@ -23,7 +23,6 @@ import contextlib
 from typing import List, Optional
 
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops
 
 from replicate.towers import name_counters
 from replicate.variables import tower_local
@@ -202,7 +201,7 @@ class TowerVariables:
 
   def _local_variable(self, index, variable, name=None):
     """A local variable on tower `index`'s device, starting as `variable`."""
-    if not resource_variable_ops.is_resource_variable(variable):
+    if not is_resource_variable(variable):
       # TensorFlow rebuilds a ref variable's initial value inside the new
       # variable's colocation, where tower 0's variable cannot be read.
       raise ValueError(
@@ -218,6 +217,16 @@ class TowerVariables:
           collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
           name=name or "tower_{}/{}".format(index, variable.op.name),
           dtype=variable.dtype.base_dtype, use_resource=True)
+
+
+def is_resource_variable(variable) -> bool:
+  """Whether `variable` is a resource variable (or wraps one), not a ref one.
+
+  What `resource_variable_ops.is_resource_variable` says for the variables
+  a graph holds (resource, ref, Keras's `AutoCastVariable`), from public
+  parts: a resource variable's op makes its handle, a `tf.resource`.
+  """
+  return variable.op.outputs[0].dtype == tf.resource
 
 
 def _value_of(variable):
