@@ -73,6 +73,12 @@ EXPECTED_REFUSALS: Dict[Tuple[str, str], str] = {
     **{(model, "mode=train&towers=" + towers): _IN_TF_COND
        for model in ("nan_guard", "gradient_accumulation")
        for towers in _ON_TOWERS},
+    # BERT's own tf.gradients(loss, tvars) differentiates with respect to
+    # tower 0's variables, where "replicated" trains each tower's copies:
+    # the message says to take compute_gradients' gradients and variables.
+    **{("bert_adamw", "mode=train&strategy=replicated&towers=" + towers):
+       "variable_strategy='replicated': tower 1 applies a gradient for tower "
+       "0's variable" for towers in _ON_TOWERS},
 }
 
 
