@@ -45,8 +45,9 @@ test: $(STAMP)
 
 # The oracle's whole cross (tests/oracle: every zoo model x pipeline x towers
 # x variable_strategy x mode against the unwrapped model_fn; `make test`
-# runs a pairwise-covering sample of it), in two processes at once, half the
-# zoo each (graph building is one Python thread; the machines have 2 cores).
+# runs a pairwise-covering sample of it), in two processes at once, each
+# half the (model, pipeline) pairs (graph building is one Python thread; the
+# machines have 2 cores).
 # The second shows progress; the first's report follows it.
 ORACLE_TMP ?= /tmp/replicate-oracle
 ORACLE_RUN := REPLICATE_ORACLE=full $(VENV)/bin/python -m pytest -q \

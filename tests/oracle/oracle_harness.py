@@ -129,18 +129,20 @@ def cells(full: bool) -> List[Cell]:
 
 
 def shard(all_cells: List[Cell], spec: str) -> List[Cell]:
-  """The cells of shard "i/n": those of the zoo's models i, i + n, ...
+  """The cells of shard "i/n": those of the (model, pipeline) pairs i,
+  i + n, ... in the cross's order.
 
-  By model, so that each shard computes only its own models' oracles.
+  By pair, so that each shard computes only its own oracles (they are kept
+  per model and pipeline) and the heavy models spread over the shards.
   """
   match = re.fullmatch(r"(\d+)/(\d+)", spec)
   if not match or int(match.group(1)) >= int(match.group(2)):
     raise ValueError("REPLICATE_ORACLE_SHARD must be 'i/n' with 0 <= i < n "
                      "(e.g. '0/2'); received {!r}".format(spec))
   index, count = int(match.group(1)), int(match.group(2))
-  models = list(ZOO)
+  pairs = list(itertools.product(ZOO, pipelines.PIPELINES))
   return [cell for cell in all_cells
-          if models.index(cell.model) % count == index]
+          if pairs.index((cell.model, cell.pipeline)) % count == index]
 
 
 def expected_refusal(cell: Cell):

@@ -43,11 +43,14 @@ def test_the_sample_covers_every_pair_of_factor_values():
           if cell["mode"] == "train" and cell["towers"] != "1"} == set(ZOO)
 
 
-def test_shards_split_the_cells_by_model_and_lose_none():
+def test_shards_split_the_cells_by_model_and_pipeline_and_lose_none():
   everything = harness.cells(full=True)
   first, second = (harness.shard(everything, spec) for spec in ("0/2", "1/2"))
   assert len(first) + len(second) == len(everything)
-  assert not {cell.model for cell in first} & {cell.model for cell in second}
+  pairs = lambda cells: {(cell.model, cell.pipeline) for cell in cells}
+  assert not pairs(first) & pairs(second)
+  # Every model in both halves: the heavy ones spread over the two.
+  assert {cell.model for cell in first} == {cell.model for cell in second}
   with pytest.raises(ValueError, match="REPLICATE_ORACLE_SHARD must be"):
     harness.shard(everything, "2/2")
 
