@@ -76,20 +76,22 @@ class Wrapping:
   def _weighted_loss(self, loss):
     """The loss weighted by the current tower's weight.
 
-    The weight is held by an op of its own, recorded in the context, so
-    that `weighting.weighed_once` knows a gradient computed through it is weighted.
+    The weight is held by an op of its own, recorded in the tower weights,
+    so that `weighting.weighed_once` knows a gradient computed through it
+    is weighted.
     """
     context = _active_context()
     if context is None:
       return loss
-    weight = context.weights.of(context.tower_index)
+    index = context.tower_index
+    weight = context.weights.of(index)
     if isinstance(weight, float) and weight == 1.0:
       return loss
 
     def weighted(value):
       marker = tf.identity(sharding.weight_as(weight, value.dtype),
                            name="tower_weight")
-      context.weight_ops[context.tower_index].add(marker.op)
+      context.weights.add_weight_op(index, marker.op)
       return value * marker
 
     if callable(loss):

@@ -18,7 +18,7 @@ whether its loss and gradients count; what a tower without rows has is
 chosen away with `sharding.zero_unless_rows`, never multiplied by 0.
 """
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Set
 
 import tensorflow as tf
 
@@ -72,7 +72,7 @@ def weighed_once(context, grads_and_vars: list) -> list:
   """
   index = context.tower_index
   weight = context.weights.of(index)
-  weighted = _downstream_of(context.weight_ops[index])
+  weighted = _downstream_of(context.weights.weight_ops(index))
   rows = context.rows_of(index)
   result = []
   for grad, variable in grads_and_vars:
@@ -137,11 +137,22 @@ class TowerWeights:
     self._denominators: List[Optional[tf.Tensor]] = [None] * len(weights)
     self._counts = list(has_rows)  # see `counts`
     self._total = None  # stand-in for sum_j d_j, connected by `finish`
+    # Per tower, the ops holding its loss weight: a gradient computed
+    # through one of them is already weighted (see `weighed_once`).
+    self._weight_ops = [set() for _ in weights]
 
   def of(self, index: int):
     """Tower `index`'s weight (float or scalar tensor), now fixed."""
     self._is_read[index] = True
     return self._weights[index]
+
+  def add_weight_op(self, index: int, op: tf.Operation) -> None:
+    """`op` holds tower `index`'s weight, multiplied into its loss."""
+    self._weight_ops[index].add(op)
+
+  def weight_ops(self, index: int) -> Set[tf.Operation]:
+    """The ops holding tower `index`'s weight (`add_weight_op`)."""
+    return set(self._weight_ops[index])
 
   def all(self) -> List[Any]:
     return list(self._weights)

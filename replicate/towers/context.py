@@ -97,9 +97,6 @@ class ReplicationContext:
     # Ops replicate builds among a tower's (the gradient sums, the sum of
     # the loss denominators): not the user's, so not classified as state.
     self.own_ops = set()
-    # Per tower, the ops holding its loss weight (see `replicate.gradients.weighting`):
-    # a gradient computed through one of them is already weighted.
-    self.weight_ops = [set() for _ in range(self.num_towers)]
     self._outer_name_scope = graph.get_name_scope()
     self._outer_variable_scope = tf.compat.v1.get_variable_scope()
     self._counters = name_counters.NameCounters(graph)
