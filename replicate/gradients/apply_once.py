@@ -119,9 +119,10 @@ class Wrapping:
     _check_not_in_control_flow(context)
     _check_own_copies(context, grads_and_vars)
     grads_and_vars = weighting.weighed_once(context, grads_and_vars)
-    if context.tower_index == 0:
+    index = context.tower_index
+    if index == 0:
       return self._build_update(context, grads_and_vars, apply)
-    position = context.record_optimizer_call(self, grads_and_vars, None)
+    position = context.records.record(index, self, grads_and_vars, None)
     tower0_call = optimizer_calls.tower0_call(context, position)
     if context.is_last_tower:
       optimizer_calls.connect_sums(context, position)
@@ -146,8 +147,8 @@ class Wrapping:
     with context.applying():
       update = apply(self.optimizer, [
           pair for tower in per_tower for pair in self._transformed(tower)])
-    context.record_optimizer_call(
-        self, grads_and_vars, update,
+    context.records.record(
+        0, self, grads_and_vars, update,
         pending=[pair for tower in per_tower for pair in tower])
     return update
 

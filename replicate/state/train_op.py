@@ -42,7 +42,7 @@ _KEEP, _ONCE, _STATISTIC = rule.KEEP, rule.ONCE, rule.STATISTIC
 
 def combine_train_op(tower_specs, context) -> tf.Operation:
   """Tower 0's train_op, the other towers' changes per class, the fold."""
-  _check_optimizer_calls(context)
+  _check_optimizer_calls(context.records)
   classes = rule.classify(context, tower_specs)
   runs = set(graph_walk.ops_behind(
       [tower_specs[0].train_op] +
@@ -196,15 +196,15 @@ def _as_dtype_of(value, like):
   return tf.cast(tf.math.round(value), like.dtype)
 
 
-def _check_optimizer_calls(context):
-  counts = [len(calls) for calls in context.optimizer_calls]
+def _check_optimizer_calls(records):
+  counts = records.counts()
   if not any(counts):
     raise ValueError(
         "The model_fn built a train_op on {} towers without a "
         "TowerOptimizer, so each tower would update the variables with its "
         "own gradients. Please wrap optimizers with TowerOptimizer: "
         "replicate.TowerOptimizer(tf.compat.v1.train.AdamOptimizer(...)).".
-        format(context.num_towers))
+        format(len(counts)))
   if len(set(counts)) > 1:
     raise ValueError(
         "The towers made different numbers of TowerOptimizer.apply_gradients "

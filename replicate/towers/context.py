@@ -91,7 +91,8 @@ class ReplicationContext:
     self.layout = layout
     self.num_towers = layout.num_towers
     self.tower_index = None  # the tower being built, or None
-    self.optimizer_calls = [[] for _ in range(self.num_towers)]  # per tower
+    # Each tower's optimizer calls, in order.
+    self.records = optimizer_calls.OptimizerRecords(graph, self.num_towers)
     self.tower_ops = [[] for _ in range(self.num_towers)]  # ops each built
     self._first_op = [None] * self.num_towers  # where each tower's ops start
     # Ops replicate builds among a tower's (the gradient sums, the sum of
@@ -213,14 +214,6 @@ class ReplicationContext:
     if self.batch_norm is not None:
       self.batch_norm.finish()
 
-  def record_optimizer_call(self, optimizer, grads_and_vars, result,
-                            pending=None) -> int:
-    """Records the current tower's call; returns its position in the tower."""
-    calls = self.optimizer_calls[self.tower_index]
-    calls.append(optimizer_calls.OptimizerCall(optimizer, list(grads_and_vars),
-                               self.graph.get_name_scope(), result, pending))
-    return len(calls) - 1
-
   def ops_so_far(self, index: int) -> frozenset:
     """The ops tower `index` has built so far (all of them once it is done)."""
     if self.tower_index != index:
@@ -250,18 +243,6 @@ class ReplicationContext:
       yield
     finally:
       self.is_applying = False
-
-  @contextlib.contextmanager
-  def scopes_of(self, call: optimizer_calls.OptimizerCall):
-    """Tower 0's device and the name scope of its `call`, for the sums.
-
-    The sums are built in the last tower, once every tower's gradients
-    exist, but feed tower 0's update.
-    """
-    name_scope = call.name_scope + "/" if call.name_scope else ""
-    with self.graph.device(self.layout.towers[0].device_function), \
-        self.graph.name_scope(name_scope), self.building_own_ops():
-      yield
 
 
 @contextlib.contextmanager
