@@ -64,7 +64,8 @@ def tower0_call(context, position):
         "Tower {} made {} TowerOptimizer.apply_gradients calls, more than "
         "tower 0's {}: each tower's model_fn was supposed to make the same "
         "optimizer calls in the same order. Make the calls independent of "
-        "the tower's data.".format(context.tower_index, position + 1,
+        "the tower's data.".format(context.progress.tower_index,
+                                   position + 1,
                                    len(first)))
   return first[position]
 
@@ -73,7 +74,7 @@ def connect_sums(context, position):
   """Sums call `position`'s gradients over towers; feeds tower 0's update."""
   per_tower = _same_call_in_every_tower(context, position)
   tower0_call = context.records.calls[0][position]
-  with _scopes_of(tower0_call, context):
+  with _scopes_of(tower0_call, context.layout, context.progress):
     # Whether each tower counts: it has rows and its loss denominator, if
     # stated, is not 0 (else its gradients may be NaN: see `weighting`).
     summed = context.layout.strategy.combine(
@@ -95,16 +96,15 @@ def connect_sums(context, position):
 
 
 @contextlib.contextmanager
-def _scopes_of(call: OptimizerCall, context):
+def _scopes_of(call: OptimizerCall, layout, progress):
   """Tower 0's device and the name scope of its `call`, for the sums.
 
   The sums are built in the last tower, once every tower's gradients
   exist, but feed tower 0's update; they are replicate's own ops.
   """
   name_scope = call.name_scope + "/" if call.name_scope else ""
-  graph = context.graph
-  with graph.device(context.layout.towers[0].device_function), \
-      graph.name_scope(name_scope), context.building_own_ops():
+  with layout.graph.device(layout.towers[0].device_function), \
+      layout.graph.name_scope(name_scope), progress.building_own_ops():
     yield
 
 

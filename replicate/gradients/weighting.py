@@ -54,9 +54,11 @@ def loss_denominator(denominator: Any) -> tf.Tensor:
   ```
   """
   context = current.current_context()
-  if context is None or context.tower_index is None or context.num_towers < 2:
+  if (context is None or context.progress.tower_index is None or
+      context.layout.num_towers < 2):
     return tf.convert_to_tensor(denominator)
-  return context.weights.set_denominator(context.tower_index, denominator)
+  return context.weights.set_denominator(context.progress.tower_index,
+                                         denominator)
 
 
 def weighed_once(context, grads_and_vars: list) -> list:
@@ -70,10 +72,10 @@ def weighed_once(context, grads_and_vars: list) -> list:
   tower added to, a constant) is the same in every tower: tower 0's
   counts, once. "From the rows" is `replicate.shard.rows`'s rule.
   """
-  index = context.tower_index
+  index = context.progress.tower_index
   weight = context.weights.of(index)
   weighted = _downstream_of(context.weights.weight_ops(index))
-  rows = context.rows_of(index)
+  rows = context.progress.rows_of(index)
   result = []
   for grad, variable in grads_and_vars:
     if grad is None or _ops_of(grad) & weighted:
