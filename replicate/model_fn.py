@@ -27,6 +27,7 @@ from replicate import canned
 from replicate.cluster import ps_cluster
 from replicate.towers import context as context_lib
 from replicate.towers import devices as devices_lib
+from replicate.towers import layout as layout_lib
 from replicate import graph_walk
 from replicate.shard import sharding
 from replicate.outputs import specs as specs_lib
@@ -211,8 +212,8 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
       devices_lib.tower_device_function(device, strategy.variable_device)
       for device in tower_devices
   ]
-  layout = context_lib.TowerLayout.of(tower_devices, device_functions,
-                                      shards, strategy)
+  layout = layout_lib.TowerLayout.of(tower_devices, device_functions,
+                                     shards, strategy)
   with context_lib.replication_context(
       layout, loss_reduction, tower_variables=tower_variables_lib.TowerVariables(
           tf.compat.v1.get_default_graph(), tower_devices,
@@ -233,7 +234,10 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
                 tower.index, type(spec).__name__))
       tower_specs.append(spec)
     context.finish_towers()
-    return specs_lib.combine_specs(mode, tower_specs, context)
+    return specs_lib.combine_specs(
+        mode, tower_specs, layout=layout, progress=context.progress,
+        records=context.records, weights=context.weights,
+        variables=context.variables)
 
 
 def _model_fn_kwargs(model_fn, model_fn_args, labels, mode, params, config):

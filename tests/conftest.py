@@ -79,9 +79,10 @@ def replication_context(graph, count=2,
                         reduction=tf.compat.v1.losses.Reduction.MEAN):
   """A replication context for `count` towers on a batch of `count` rows."""
   from replicate.towers import context as context_lib  # pylint: disable=import-outside-toplevel
+  from replicate.towers import layout as layout_lib  # pylint: disable=import-outside-toplevel
   from replicate.shard import sharding  # pylint: disable=import-outside-toplevel
   from replicate.variables import strategies, tower_variables  # pylint: disable=import-outside-toplevel
-  layout = context_lib.TowerLayout.of(
+  layout = layout_lib.TowerLayout.of(
       cpus(count), [lambda op, d=d: d for d in cpus(count)],
       sharding.split_batch(tf.ones([count, 1]), None, count),
       strategies.ParameterServer(cpus(count)))

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from conftest import cpus, replication_context, run_initialized
 from replicate.shard import sharding
-from replicate.towers import context as context_lib
+from replicate.towers import layout as layout_lib
 from replicate.towers import current
 from replicate.variables import strategies
 
@@ -50,7 +50,7 @@ def test_towers_get_name_scopes_devices_and_tower_0s_variables(graph):
   with _context(graph, 3) as context:
     for index in range(3):
       with context.tower_scope(index):
-        assert context.tower_index == index
+        assert context.progress.tower_index == index
         ops.append(tf.identity(1.0, name="x"))
         # Unnamed layers and default-named scopes resolve to tower 0's.
         tf.compat.v1.layers.dense(tf.ones([1, 2]), 1)
@@ -81,14 +81,13 @@ def test_get_total_loss_in_a_tower_sees_that_towers_losses_only(graph):
   assert len(tf.compat.v1.losses.get_losses()) == 1
 
 
-def test_tower0_name_strips_only_the_tower_prefix(graph):
-  with _context(graph, 3) as context:
-    assert context.to_tower0_name("tower_2/accuracy/total", 2) == (
-        "accuracy/total")
-    assert context.to_tower0_name("tower_20/x", 2) == "tower_20/x"
-    assert context.to_tower0_name("tower_2/dnn/tower_2/input_layer/w", 2) == (
-        "dnn/input_layer/w")
-    assert context.to_tower0_name("accuracy/total", 0) == "accuracy/total"
+def test_tower0_name_strips_only_the_tower_prefix():
+  to_tower0_name = layout_lib.to_tower0_name
+  assert to_tower0_name("tower_2/accuracy/total", 2) == "accuracy/total"
+  assert to_tower0_name("tower_20/x", 2) == "tower_20/x"
+  assert to_tower0_name("tower_2/dnn/tower_2/input_layer/w", 2) == (
+      "dnn/input_layer/w")
+  assert to_tower0_name("accuracy/total", 0) == "accuracy/total"
 
 
 def test_the_layout_holds_one_record_per_tower(graph):
@@ -97,7 +96,7 @@ def test_the_layout_holds_one_record_per_tower(graph):
   shards = sharding.split_batch(features, labels, 3)  # 1, 1 and 0 rows
   functions = [lambda op, d=d: d for d in cpus(3)]
   strategy = strategies.ParameterServer(cpus(3))
-  layout = context_lib.TowerLayout.of(cpus(3), functions, shards, strategy)
+  layout = layout_lib.TowerLayout.of(cpus(3), functions, shards, strategy)
   assert [t.index for t in layout.towers] == [0, 1, 2]
   assert [t.device for t in layout.towers] == cpus(3)
   assert [t.device_function for t in layout.towers] == functions
@@ -108,6 +107,7 @@ def test_the_layout_holds_one_record_per_tower(graph):
   assert layout.has_rows == [True, True, False]
   assert layout.devices == cpus(3) and layout.num_towers == 3
   assert layout.shards is shards and layout.strategy is strategy
+  assert layout.graph is graph and not layout.is_replicated
   with tf.compat.v1.Session() as session:
     assert session.run([t.features["x"] for t in layout.towers[:2]] +
                        [layout.towers[1].labels]) == [[[1.0]], [[2.0]], [20]]
@@ -118,7 +118,7 @@ def test_the_layout_holds_one_record_per_tower(graph):
 def test_a_batch_known_at_run_time_gives_tensor_shares_and_rows(graph):
   batch = tf.compat.v1.placeholder(tf.float32, [None, 1])
   shards = sharding.split_batch(batch, None, 2)
-  layout = context_lib.TowerLayout.of(
+  layout = layout_lib.TowerLayout.of(
       cpus(2), [lambda op: None] * 2, shards,
       strategies.ParameterServer(cpus(2)))
   with tf.compat.v1.Session() as session:

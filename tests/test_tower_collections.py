@@ -4,7 +4,6 @@ import pytest
 import tensorflow as tf
 
 from conftest import cpus, replication_context, run_initialized
-from replicate.towers import context as context_lib
 
 Reduction = tf.compat.v1.losses.Reduction
 GraphKeys = tf.compat.v1.GraphKeys

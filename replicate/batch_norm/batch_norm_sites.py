@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from replicate.batch_norm import batch_moments
 from replicate.towers import current
+from replicate.towers import layout as layout_lib
 from replicate.gradients import stand_ins
 from replicate.shard import sharding
 from replicate import _tf
@@ -61,10 +62,10 @@ class BatchNormSync:
     """The whole batch's (count, mean, variance) for tower i's site."""
     if self.refusal:
       raise ValueError(self.refusal.format(label))
-    index = context.tower_index
-    last = context.num_towers - 1
-    site = _Site(index, context.to_tower0_name(
-        context.graph.get_name_scope(), index), label)
+    index = context.progress.tower_index
+    last = context.layout.num_towers - 1
+    site = _Site(index, layout_lib.to_tower0_name(
+        context.layout.graph.get_name_scope(), index), label)
     site.local = (batch_moments.element_count(x, axes, self._has_rows[index]),
                   mean, variance)
     site.position = len(self._sites[index])
@@ -126,7 +127,8 @@ class BatchNormSync:
     """The sum over towers of their gradients at this site's (M, V)."""
     context = outer_context()
     if (context is None or context.batch_norm is not self or
-        context.tower_index != site.tower or self._backward is None):
+        context.progress.tower_index != site.tower or
+        self._backward is None):
       raise ValueError(
           "A gradient through the synchronized batch norm {} is made outside "
           "TowerOptimizer (tf.gradients, a GradientTape, or an optimizer not "
@@ -139,7 +141,7 @@ class BatchNormSync:
               site.label, site.tower))
     if self._backward == "extra":
       return None
-    last = context.num_towers - 1
+    last = context.layout.num_towers - 1
     position = len(site.grads)
     site.grads.append((grad_mean, grad_variance))
     if site.tower < last:

@@ -34,6 +34,7 @@ import tensorflow as tf
 from replicate.batch_norm import batch_moments
 from replicate.batch_norm import batch_norm_sites
 from replicate.cluster import ps_cluster
+from replicate.towers import layout as layout_lib
 from replicate import _tf
 
 
@@ -141,8 +142,8 @@ def fused_batch_norm(original, x, scale, offset, mean=None, variance=None,
 def _active(is_declared):
   """(context, its BatchNormSync) while a site may be made, else None."""
   context = batch_norm_sites.outer_context()
-  if (context is None or context.tower_index is None or
-      context.num_towers < 2 or context.batch_norm is None):
+  if (context is None or context.progress.tower_index is None or
+      context.layout.num_towers < 2 or context.batch_norm is None):
     return None
   if not (context.batch_norm.sync_all or is_declared):
     return None
@@ -158,19 +159,20 @@ def _scope_name(context):
   for graph in _tf.enclosing_graphs(tf.compat.v1.get_default_graph()):
     scope = graph.get_name_scope()
     if scope:
-      return context.to_tower0_name(scope, context.tower_index)
+      return layout_lib.to_tower0_name(scope, context.progress.tower_index)
   return ""
 
 
 def _from_rows(context, tensor):
   """Whether `tensor` is computed from the tower's rows (unknown: yes)."""
-  outer = _tf.outer_tensors(tensor, context.graph)
-  return outer is None or context.rows_of(context.tower_index).depend(outer)
+  outer = _tf.outer_tensors(tensor, context.layout.graph)
+  progress = context.progress
+  return outer is None or progress.rows_of(progress.tower_index).depend(outer)
 
 
 def _check_not_nested(context, label):
   graph = tf.compat.v1.get_default_graph()
-  if graph is context.graph and not _tf.in_control_flow(graph):
+  if graph is context.layout.graph and not _tf.in_control_flow(graph):
     return
   raise _cannot_sync(label, (
       "runs in training mode inside a tf.cond, a while loop or a tf.function "

@@ -76,20 +76,22 @@ class Wrapping:
   def _weighted_loss(self, loss):
     """The loss weighted by the current tower's weight.
 
-    The weight is held by an op of its own, recorded in the context, so
-    that `weighting.weighed_once` knows a gradient computed through it is weighted.
+    The weight is held by an op of its own, recorded in the tower weights,
+    so that `weighting.weighed_once` knows a gradient computed through it
+    is weighted.
     """
     context = _active_context()
     if context is None:
       return loss
-    weight = context.weights.of(context.tower_index)
+    index = context.progress.tower_index
+    weight = context.weights.of(index)
     if isinstance(weight, float) and weight == 1.0:
       return loss
 
     def weighted(value):
       marker = tf.identity(sharding.weight_as(weight, value.dtype),
                            name="tower_weight")
-      context.weight_ops[context.tower_index].add(marker.op)
+      context.weights.add_weight_op(index, marker.op)
       return value * marker
 
     if callable(loss):
@@ -117,11 +119,12 @@ class Wrapping:
     _check_not_in_control_flow(context)
     _check_own_copies(context, grads_and_vars)
     grads_and_vars = weighting.weighed_once(context, grads_and_vars)
-    if context.tower_index == 0:
+    index = context.progress.tower_index
+    if index == 0:
       return self._build_update(context, grads_and_vars, apply)
-    position = context.record_optimizer_call(self, grads_and_vars, None)
+    position = context.records.record(index, self, grads_and_vars, None)
     tower0_call = optimizer_calls.tower0_call(context, position)
-    if context.is_last_tower:
+    if context.progress.is_last_tower:
       optimizer_calls.connect_sums(context, position)
     return tower0_call.result
 
@@ -129,10 +132,10 @@ class Wrapping:
     """Tower 0's update, on stand-ins for the sums over towers."""
     per_tower = [[(stand_ins.stand_in(grad, "pending_gradient"), variable)
                   for grad, variable in grads_and_vars]]
-    if context.is_replicated:
+    if context.layout.is_replicated:
       # Every copy gets the same update in the same apply_gradients, so
       # that the optimizer's own step (Adam's beta powers) moves once.
-      for index in range(1, context.num_towers):
+      for index in range(1, context.layout.num_towers):
         copies = []
         for grad, variable in grads_and_vars:
           if grad is None:
@@ -141,11 +144,11 @@ class Wrapping:
           if copy is not variable:
             copies.append((stand_ins.stand_in(grad, "pending_gradient"), copy))
         per_tower.append(copies)
-    with context.applying():
+    with context.progress.applying():
       update = apply(self.optimizer, [
           pair for tower in per_tower for pair in self._transformed(tower)])
-    context.record_optimizer_call(
-        self, grads_and_vars, update,
+    context.records.record(
+        0, self, grads_and_vars, update,
         pending=[pair for tower in per_tower for pair in tower])
     return update
 
@@ -159,7 +162,7 @@ class Wrapping:
     """
     context = _active_context()
     originals = []
-    if context is not None and context.is_replicated and variables:
+    if context is not None and context.layout.is_replicated and variables:
       originals = [context.variables.tower0_variable(v) for v in variables]
       originals = [v for v, copy in zip(originals, variables) if v is not copy]
     with backward_pass():
@@ -220,7 +223,8 @@ def checked(optimizer, family):
 def _active_context():
   """The replication context, when more than one tower is being built."""
   context = current.current_context()
-  if context is None or context.tower_index is None or context.num_towers < 2:
+  if (context is None or context.progress.tower_index is None or
+      context.layout.num_towers < 2):
     return None
   return context
 
@@ -242,14 +246,16 @@ def tower_variables(var_list):
   which are tower 0's, so they are mapped too.
   """
   context = _active_context()
-  if context is None or not context.is_replicated or context.tower_index == 0:
+  if (context is None or not context.layout.is_replicated or
+      context.progress.tower_index == 0):
     return var_list
   if var_list is None:
     var_list = (tf.compat.v1.trainable_variables() + tf.compat.v1.get_collection(
         tf.compat.v1.GraphKeys.TRAINABLE_RESOURCE_VARIABLES))
   if callable(var_list):
     return var_list
-  return [context.variables.in_tower(context.tower_index, v)
+  index = context.progress.tower_index
+  return [context.variables.in_tower(index, v)
           for v in tf.nest.flatten(var_list)]
 
 
@@ -275,7 +281,7 @@ def _check_not_in_control_flow(context):
         "initial_loss_scale=1, multiplier=1)): it skips the update on every "
         "tower when any tower's gradients are not finite (global_step does "
         "not advance on a skipped step) and leaves the gradients "
-        "unscaled.".format(context.tower_index))
+        "unscaled.".format(context.progress.tower_index))
 
 
 def _check_own_copies(context, grads_and_vars):
@@ -285,8 +291,8 @@ def _check_own_copies(context, grads_and_vars):
   to tower 0's variable (`tf.gradients(loss, tf.trainable_variables())`) is
   None or wrong; training on it would leave the copies behind unnoticed.
   """
-  index = context.tower_index
-  if not context.is_replicated or index == 0:
+  index = context.progress.tower_index
+  if not context.layout.is_replicated or index == 0:
     return
   for _, variable in grads_and_vars:
     copy = context.variables.in_tower(index, variable)

@@ -1,7 +1,8 @@
 """Each tower's optimizer calls: recorded, matched to tower 0's, summed.
 
-On records: `ReplicationContext.record_optimizer_call` keeps an
-`OptimizerCall` per call, in each tower's order.
+On records: `OptimizerRecords.record` keeps an `OptimizerCall` per call,
+in each tower's order; `replicate.state.train_op` checks every tower made
+as many.
 
 On matching: every tower's `model_fn` makes the same optimizer calls in the
 same order, so tower i's call at position k goes with tower 0's call k. It
@@ -16,6 +17,7 @@ built on (see `replicate.gradients.stand_ins`). A stand-in no sum comes back for
 zeros; a gradient that another tower has and tower 0 lacks is refused.
 """
 
+import contextlib
 from typing import Any, List, NamedTuple, Optional
 
 import tensorflow as tf
@@ -34,15 +36,36 @@ class OptimizerCall(NamedTuple):
   pending: Optional[List[Any]] = None
 
 
+class OptimizerRecords:
+  """Every tower's `TowerOptimizer.apply_gradients` calls, in order."""
+
+  def __init__(self, graph, num_towers: int):
+    self._graph = graph
+    self.calls: List[List[OptimizerCall]] = [[] for _ in range(num_towers)]
+
+  def record(self, index: int, optimizer, grads_and_vars, result,
+             pending=None) -> int:
+    """Records tower `index`'s call; returns its position in the tower."""
+    calls = self.calls[index]
+    calls.append(OptimizerCall(optimizer, list(grads_and_vars),
+                               self._graph.get_name_scope(), result, pending))
+    return len(calls) - 1
+
+  def counts(self) -> List[int]:
+    """How many calls each tower made."""
+    return [len(calls) for calls in self.calls]
+
+
 def tower0_call(context, position):
   """Tower 0's call at `position`, which tower i's call must match."""
-  first = context.optimizer_calls[0]
+  first = context.records.calls[0]
   if len(first) <= position:
     raise ValueError(
         "Tower {} made {} TowerOptimizer.apply_gradients calls, more than "
         "tower 0's {}: each tower's model_fn was supposed to make the same "
         "optimizer calls in the same order. Make the calls independent of "
-        "the tower's data.".format(context.tower_index, position + 1,
+        "the tower's data.".format(context.progress.tower_index,
+                                   position + 1,
                                    len(first)))
   return first[position]
 
@@ -50,8 +73,8 @@ def tower0_call(context, position):
 def connect_sums(context, position):
   """Sums call `position`'s gradients over towers; feeds tower 0's update."""
   per_tower = _same_call_in_every_tower(context, position)
-  tower0_call = context.optimizer_calls[0][position]
-  with context.scopes_of(tower0_call):
+  tower0_call = context.records.calls[0][position]
+  with _scopes_of(tower0_call, context.layout, context.progress):
     # Whether each tower counts: it has rows and its loss denominator, if
     # stated, is not 0 (else its gradients may be NaN: see `weighting`).
     summed = context.layout.strategy.combine(
@@ -72,11 +95,24 @@ def connect_sums(context, position):
                           stand_in, tf.IndexedSlices) else stand_in.values))
 
 
+@contextlib.contextmanager
+def _scopes_of(call: OptimizerCall, layout, progress):
+  """Tower 0's device and the name scope of its `call`, for the sums.
+
+  The sums are built in the last tower, once every tower's gradients
+  exist, but feed tower 0's update; they are replicate's own ops.
+  """
+  name_scope = call.name_scope + "/" if call.name_scope else ""
+  with layout.graph.device(layout.towers[0].device_function), \
+      layout.graph.name_scope(name_scope), progress.building_own_ops():
+    yield
+
+
 def _same_call_in_every_tower(context, position):
   """Every tower's gradients for call `position`, checked to be alike."""
-  reference = context.optimizer_calls[0][position]
+  reference = context.records.calls[0][position]
   per_tower = []
-  for index, calls in enumerate(context.optimizer_calls):
+  for index, calls in enumerate(context.records.calls):
     call = calls[position] if position < len(calls) else None
     # Each tower usually builds its own optimizer object; what must match is
     # the kind of optimizer and the variables it updates.

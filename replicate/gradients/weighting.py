@@ -18,7 +18,7 @@ whether its loss and gradients count; what a tower without rows has is
 chosen away with `sharding.zero_unless_rows`, never multiplied by 0.
 """
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Set
 
 import tensorflow as tf
 
@@ -54,9 +54,11 @@ def loss_denominator(denominator: Any) -> tf.Tensor:
   ```
   """
   context = current.current_context()
-  if context is None or context.tower_index is None or context.num_towers < 2:
+  if (context is None or context.progress.tower_index is None or
+      context.layout.num_towers < 2):
     return tf.convert_to_tensor(denominator)
-  return context.weights.set_denominator(context.tower_index, denominator)
+  return context.weights.set_denominator(context.progress.tower_index,
+                                         denominator)
 
 
 def weighed_once(context, grads_and_vars: list) -> list:
@@ -70,10 +72,10 @@ def weighed_once(context, grads_and_vars: list) -> list:
   tower added to, a constant) is the same in every tower: tower 0's
   counts, once. "From the rows" is `replicate.shard.rows`'s rule.
   """
-  index = context.tower_index
+  index = context.progress.tower_index
   weight = context.weights.of(index)
-  weighted = _downstream_of(context.weight_ops[index])
-  rows = context.rows_of(index)
+  weighted = _downstream_of(context.weights.weight_ops(index))
+  rows = context.progress.rows_of(index)
   result = []
   for grad, variable in grads_and_vars:
     if grad is None or _ops_of(grad) & weighted:
@@ -137,11 +139,22 @@ class TowerWeights:
     self._denominators: List[Optional[tf.Tensor]] = [None] * len(weights)
     self._counts = list(has_rows)  # see `counts`
     self._total = None  # stand-in for sum_j d_j, connected by `finish`
+    # Per tower, the ops holding its loss weight: a gradient computed
+    # through one of them is already weighted (see `weighed_once`).
+    self._weight_ops = [set() for _ in weights]
 
   def of(self, index: int):
     """Tower `index`'s weight (float or scalar tensor), now fixed."""
     self._is_read[index] = True
     return self._weights[index]
+
+  def add_weight_op(self, index: int, op: tf.Operation) -> None:
+    """`op` holds tower `index`'s weight, multiplied into its loss."""
+    self._weight_ops[index].add(op)
+
+  def weight_ops(self, index: int) -> Set[tf.Operation]:
+    """The ops holding tower `index`'s weight (`add_weight_op`)."""
+    return set(self._weight_ops[index])
 
   def all(self) -> List[Any]:
     return list(self._weights)

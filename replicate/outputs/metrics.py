@@ -40,8 +40,12 @@ from replicate.shard import sharding
 _VARIABLE_OP_TYPES = frozenset(["VarHandleOp", "VariableV2", "Variable"])
 
 
-def combine_metrics(tower_specs, context) -> Dict[str, tuple]:
-  """`eval_metric_ops` over the whole batch: tower 0's values, one update."""
+def combine_metrics(tower_specs, layout, variables) -> Dict[str, tuple]:
+  """`eval_metric_ops` over the whole batch: tower 0's values, one update.
+
+  `layout` is the call's `replicate.towers.layout.TowerLayout`, `variables`
+  its `replicate.variables.tower_variables.TowerVariables`.
+  """
   keys = sorted(tower_specs[0].eval_metric_ops or {})
   if not keys:
     return {}
@@ -52,7 +56,7 @@ def combine_metrics(tower_specs, context) -> Dict[str, tuple]:
     for index, spec in enumerate(tower_specs[1:], start=1):
       for target, source in _pairs(
           key, index, tower0_variables,
-          variables_of(spec.eval_metric_ops[key][0]), context):
+          variables_of(spec.eval_metric_ops[key][0]), variables):
         earlier = paired.setdefault(source.ref(), (key, index, source, target))
         if earlier[3] is not target:
           raise ValueError(
@@ -70,10 +74,10 @@ def combine_metrics(tower_specs, context) -> Dict[str, tuple]:
              for key in keys]
   with tf.name_scope("metric_over_towers"):
     with tf.control_dependencies(updates):
-      moved = [_move_into(target.deref(), towers, context)
+      moved = [_move_into(target.deref(), towers, layout)
                for target, towers in sources.items()]
     update = tf.group(*moved, *updates)
-  update = context.variables.then_fold(update, context.layout.has_rows)
+  update = variables.then_fold(update, layout.has_rows)
   return {key: (tower_specs[0].eval_metric_ops[key][0], update)
           for key in keys}
 
@@ -101,7 +105,7 @@ class _MetricVariables:
     return [variable for op, variable in self._in_order if op in behind]
 
 
-def _pairs(key, index, tower0_variables, tower_variables, context):
+def _pairs(key, index, tower0_variables, tower_variables, variables):
   """(tower 0's variable, tower `index`'s) to fold, for one key.
 
   A variable tower `index` reads from tower 0 itself (shared under reuse),
@@ -112,7 +116,7 @@ def _pairs(key, index, tower0_variables, tower_variables, context):
   own = []
   tower0_refs = {v.ref() for v in tower0_variables}
   for variable in tower_variables:
-    tower0 = context.variables.tower0_variable(variable)
+    tower0 = variables.tower0_variable(variable)
     if tower0 is not variable or variable.ref() in tower0_refs:
       reached.add(tower0.ref())
     else:
@@ -138,14 +142,14 @@ def _described(variable):
   return "{}: {} {}".format(variable.op.name, *_kind(variable))
 
 
-def _move_into(target, sources, context):
+def _move_into(target, sources, layout):
   """Adds `sources` into `target`, then zeroes them (reads happen first).
 
   `sources` are (tower index, variable); a tower on a stand-in row adds 0.
   """
   kept = []
   for index, source in sources:
-    rows = context.layout.towers[index].has_rows
+    rows = layout.towers[index].has_rows
     if rows is False:
       continue
     kept.append(sharding.zero_unless_rows(tf.convert_to_tensor(source),

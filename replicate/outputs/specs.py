@@ -31,19 +31,35 @@ ModeKeys = tf.estimator.ModeKeys
 
 
 def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
-                  context) -> tf.estimator.EstimatorSpec:
-  """The EstimatorSpec of the whole batch, from one spec per tower."""
+                  *, layout, progress, records, weights,
+                  variables) -> tf.estimator.EstimatorSpec:
+  """The EstimatorSpec of the whole batch, from one spec per tower.
+
+  The pieces of the build it reads: the call's `layout`
+  (`replicate.towers.layout.TowerLayout`), the towers' `progress`, done
+  (`replicate.towers.progress.BuildProgress`), their optimizer `records`
+  (`replicate.gradients.optimizer_calls.OptimizerRecords`), their loss
+  `weights` (`replicate.gradients.weighting.TowerWeights`) and their
+  `variables` (`replicate.variables.tower_variables.TowerVariables`).
+  """
   _check_alike(tower_specs)
   fields = tower_specs[0]._asdict()
   fields["mode"] = mode
   fields["predictions"], fields["export_outputs"] = (
-      predictions_lib.combine_outputs(tower_specs, context.layout,
-                                  frozenset(context.tower_ops[0])))
+      predictions_lib.combine_outputs(tower_specs, layout,
+                                      frozenset(progress.tower_ops[0])))
   if tower_specs[0].loss is not None:
-    fields["loss"] = _weighted_loss(tower_specs, context)
-  fields.update(_COMBINERS[mode](tower_specs, context))
+    fields["loss"] = _weighted_loss(tower_specs, weights)
+  if mode == ModeKeys.TRAIN and any(
+      spec.train_op is not None for spec in tower_specs):
+    fields["train_op"] = train_op_lib.combine_train_op(
+        tower_specs, layout, progress, records, variables)
+  elif mode == ModeKeys.EVAL:
+    fields["eval_metric_ops"] = metrics.combine_metrics(tower_specs, layout,
+                                                        variables)
+  # PREDICT: predictions and export outputs are done for every mode.
   fields["scaffold"] = scaffolds.initializing_towers(
-      fields["scaffold"], context.local_state_after_tower0, context.graph)
+      fields["scaffold"], progress.local_state_after_tower0, layout.graph)
   return tf.estimator.EstimatorSpec(**fields)
 
 
@@ -76,38 +92,16 @@ def _outline(spec):
   }
 
 
-def _weighted_loss(tower_specs, context):
+def _weighted_loss(tower_specs, weights):
   with tf.name_scope("loss_over_towers"):
     terms = []
     # A tower that does not count (no rows, or a loss denominator of 0) is
     # chosen away, not weighed 0: its loss may be NaN (0 / 0).
-    for spec, weight, counts in zip(tower_specs, context.weights.all(),
-                                    context.weights.counts()):
+    for spec, weight, counts in zip(tower_specs, weights.all(),
+                                    weights.counts()):
       if counts is False:
         continue
       loss = tf.convert_to_tensor(spec.loss)
       terms.append(sharding.zero_unless_rows(
           loss * sharding.weight_as(weight, loss.dtype), counts))
     return tf.math.add_n(terms, name="sum")
-
-
-def _train_fields(tower_specs, context):
-  if all(spec.train_op is None for spec in tower_specs):
-    return {}
-  return {"train_op": train_op_lib.combine_train_op(tower_specs, context)}
-
-
-def _eval_fields(tower_specs, context):
-  return {"eval_metric_ops": metrics.combine_metrics(tower_specs, context)}
-
-
-def _predict_fields(tower_specs, context):
-  del tower_specs, context  # predictions and exports are done for every mode
-  return {}
-
-
-_COMBINERS = {
-    ModeKeys.TRAIN: _train_fields,
-    ModeKeys.EVAL: _eval_fields,
-    ModeKeys.PREDICT: _predict_fields,
-}

@@ -50,8 +50,14 @@ class Change(NamedTuple):
   is_shared: bool = False
 
 
-def classify(context, tower_specs) -> List[List[Change]]:
+def classify(layout, progress, variables,
+             tower_specs) -> List[List[Change]]:
   """Per tower, its step's stateful ops, in build order, each classified.
+
+  `layout` is the call's `replicate.towers.layout.TowerLayout`, `progress`
+  its `replicate.towers.progress.BuildProgress` (the towers done: their
+  ops, their `UPDATE_OPS`, replicate's own ops among them), `variables`
+  its `replicate.variables.tower_variables.TowerVariables`.
 
   Raises the `ValueError` of the first op that can be neither combined nor
   made once.
@@ -60,14 +66,16 @@ def classify(context, tower_specs) -> List[List[Change]]:
       [spec.train_op for spec in tower_specs if spec.train_op is not None] +
       [spec.loss for spec in tower_specs if spec.loss is not None],
       follow_control=True))
-  closure -= context.own_ops
-  variables = _variables_by_op(context.graph)
+  closure -= progress.own_ops
+  by_op = _variables_by_op(layout.graph)
   classes = []
-  for index in range(context.num_towers):
-    tower_ops = context.tower_ops[index]
+  for index in range(layout.num_towers):
+    tower_ops = progress.tower_ops[index]
     in_step = [op for op in tower_ops if op in closure and
                _changes_state(op)]
-    classifier = _Classifier(context, index, frozenset(tower_ops), variables)
+    classifier = _Classifier(
+        layout.towers[index], frozenset(tower_ops),
+        progress.update_ops[index], variables, by_op)
     classes.append([classifier.change(op) if index else
                     classifier.tower0_change(op) for op in in_step])
   return classes
@@ -76,15 +84,15 @@ def classify(context, tower_specs) -> List[List[Change]]:
 class _Classifier:
   """Classifies the stateful ops of one tower."""
 
-  def __init__(self, context, index, tower_ops, variables):
-    self._context = context
-    self._index = index
+  def __init__(self, tower, tower_ops, update_ops, tower_variables,
+               variables):
+    self._index = tower.index
     self._tower_ops = tower_ops
-    self._variables = variables
-    tower = context.layout.towers[index]
+    self._tower_variables = tower_variables  # a `TowerVariables`
+    self._variables = variables  # variable op -> variable
     self.rows = rows_lib.TowerRows((tower.features, tower.labels), tower_ops)
     self._update_ops = set()
-    for update in context.collections.update_ops(index):
+    for update in update_ops:
       self._update_ops.update(graph_walk.ops_behind([update], within=tower_ops,
                                                 follow_control=True))
 
@@ -226,7 +234,7 @@ class _Classifier:
 
   def _is_own(self, variable) -> bool:
     """A copy of the tower's, or a variable the tower made for itself."""
-    variables = self._context.variables
+    variables = self._tower_variables
     return (variable.op in variables.copy_ops(self._index) or
             (variable.op in self._tower_ops and
              not variables.is_shared(variable)))

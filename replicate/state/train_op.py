@@ -40,33 +40,38 @@ from replicate.state import rule
 _KEEP, _ONCE, _STATISTIC = rule.KEEP, rule.ONCE, rule.STATISTIC
 
 
-def combine_train_op(tower_specs, context) -> tf.Operation:
-  """Tower 0's train_op, the other towers' changes per class, the fold."""
-  _check_optimizer_calls(context)
-  classes = rule.classify(context, tower_specs)
+def combine_train_op(tower_specs, layout, progress, records,
+                     variables) -> tf.Operation:
+  """Tower 0's train_op, the other towers' changes per class, the fold.
+
+  `layout`, `progress` (the towers done), `records` (their optimizer calls)
+  and `variables` are the build's pieces (see `replicate.towers.context`).
+  """
+  _check_optimizer_calls(records)
+  classes = rule.classify(layout, progress, variables, tower_specs)
   runs = set(graph_walk.ops_behind(
       [tower_specs[0].train_op] +
       [spec.loss for spec in tower_specs if spec.loss is not None],
       follow_control=True))
   _combine_statistics(
       [[c for c in tower if c.kind == _STATISTIC] for tower in classes],
-      context)
+      layout)
   kept = []
   for tower in classes[1:]:
     for change in tower:
       if change.kind == _KEEP:
-        kept.extend(_keep(change, context, runs))
+        kept.extend(_keep(change, layout, runs))
       elif change.kind == _ONCE and change.op in runs:
         _make_once(change, classes[0], runs)
-  _wait_for_every_tower(classes, context)
+  _wait_for_every_tower(classes, progress)
   train_op = tf.group(tower_specs[0].train_op, *kept,
                       name="train_op_over_towers")
-  return context.variables.then_fold(train_op, context.layout.has_rows)
+  return variables.then_fold(train_op, layout.has_rows)
 
 
-def _keep(change, context, runs):
+def _keep(change, layout, runs):
   """Tower i's change runs too; returns it if the step would not run it."""
-  has_rows = context.layout.towers[change.tower].has_rows
+  has_rows = layout.towers[change.tower].has_rows
   op = change.op
   if has_rows is False:
     if op in runs:
@@ -94,7 +99,7 @@ def _make_once(change, tower0_changes, runs):
   _change_nothing(op, after=tower0_writes)
 
 
-def _combine_statistics(writes, context) -> None:
+def _combine_statistics(writes, layout) -> None:
   """Makes tower 0's statistic writes write the towers' weighted values.
 
   `writes[i]` are tower i's `STATISTIC` changes, in build order.
@@ -103,7 +108,7 @@ def _combine_statistics(writes, context) -> None:
     _check_rewritable(change.op)
   names = lambda changes: [c.variable.op.name for c in changes]
   for index, tower_writes in enumerate(writes[1:], start=1):
-    if context.layout.towers[index].has_rows is False:
+    if layout.towers[index].has_rows is False:
       # A tower on a stand-in row: its loss and gradients are dropped, so
       # the step may run none of its writes; any it runs change nothing.
       for change in tower_writes:
@@ -121,13 +126,13 @@ def _combine_statistics(writes, context) -> None:
     for position, tower0_write in enumerate(c.op for c in writes[0]):
       terms = []
       for index, tower_writes in enumerate(writes):
-        rows = context.layout.towers[index].has_rows
+        rows = layout.towers[index].has_rows
         if rows is False:
           continue
         value = tower_writes[position].op.inputs[1]
         if not value.dtype.is_floating:  # a count: weighed in float
           value = tf.cast(value, tf.float64)
-        share = sharding.weight_as(context.layout.towers[index].share,
+        share = sharding.weight_as(layout.towers[index].share,
                                    value.dtype)
         terms.append(sharding.zero_unless_rows(value * share, rows))
       combined = _as_dtype_of(tf.math.add_n(terms), tower0_write.inputs[1])
@@ -137,7 +142,7 @@ def _combine_statistics(writes, context) -> None:
       _tf.update_input(tower0_write, 1, combined)
 
 
-def _wait_for_every_tower(classes, context) -> None:
+def _wait_for_every_tower(classes, progress) -> None:
   """Reads after a tower's `KEEP` change wait for every tower's.
 
   A gradient accumulator: each tower adds its gradients, then reads the
@@ -156,7 +161,7 @@ def _wait_for_every_tower(classes, context) -> None:
   behind_writes = set(graph_walk.ops_behind(
       [op for tower_writes in writes.values() for _, op in tower_writes],
       follow_control=True))
-  tower_ops = [frozenset(ops) for ops in context.tower_ops]
+  tower_ops = [frozenset(ops) for ops in progress.tower_ops]
   for variable_op, tower_writes in writes.items():
     for index, ops in enumerate(tower_ops):
       own = {op for tower, op in tower_writes if tower == index}
@@ -196,15 +201,15 @@ def _as_dtype_of(value, like):
   return tf.cast(tf.math.round(value), like.dtype)
 
 
-def _check_optimizer_calls(context):
-  counts = [len(calls) for calls in context.optimizer_calls]
+def _check_optimizer_calls(records):
+  counts = records.counts()
   if not any(counts):
     raise ValueError(
         "The model_fn built a train_op on {} towers without a "
         "TowerOptimizer, so each tower would update the variables with its "
         "own gradients. Please wrap optimizers with TowerOptimizer: "
         "replicate.TowerOptimizer(tf.compat.v1.train.AdamOptimizer(...)).".
-        format(context.num_towers))
+        format(len(counts)))
   if len(set(counts)) > 1:
     raise ValueError(
         "The towers made different numbers of TowerOptimizer.apply_gradients "

@@ -1,7 +1,10 @@
 """Step 2, build towers: the `model_fn` once per device.
 
-- `context`: the state of one wrapped call (its fixed layout and what the
-  towers built), and `tower_scope(i)`, what tower i is built in.
+- `context`: the owner of one wrapped call's pieces, and `tower_scope(i)`,
+  what tower i is built in.
+- `layout`: what is fixed for the call (the towers, the batch's split, the
+  strategy, the graph).
+- `progress`: which tower is being built, and what each tower built.
 - `devices`: device strings, local devices, a tower's device function.
 - `tower_collections`: what each tower sees of the graph's collections.
 - `name_counters`: TensorFlow's name counters, so tower i gets tower 0's

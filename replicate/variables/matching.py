@@ -18,6 +18,8 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
+from replicate.towers import layout as layout_lib
+
 
 def variable_getter(context, index: int) -> Callable:
   """For `get_variable` in tower `index`: tower 0's variable or its copy.
@@ -31,7 +33,7 @@ def variable_getter(context, index: int) -> Callable:
     try:
       variable = getter(name, *args, **kwargs)
     except ValueError:
-      tower0_name = context.to_tower0_name(name, index)
+      tower0_name = layout_lib.to_tower0_name(name, index)
       if tower0_name == name:
         raise
       variable = getter(tower0_name, *args, **kwargs)
@@ -54,14 +56,16 @@ def variable_creator(context, index: int) -> Callable:
   `replicate.variables.tower_variables`), it gets those in place of tower 0's variables.
   """
 
+  graph = context.layout.graph
+
   def creator(next_creator, **kwargs):
     if _is_tower_local(kwargs):
       context.variables.check_not_local(kwargs)
       return next_creator(**kwargs)
     requested = kwargs.get("name") or "Variable"
-    own_name = context.graph.unique_name(requested, mark_as_used=False)
-    if context.is_applying:
-      if not context.is_replicated:
+    own_name = graph.unique_name(requested, mark_as_used=False)
+    if context.progress.is_applying:
+      if not context.layout.is_replicated:
         return next_creator(**kwargs)
       return context.variables.slot_for(own_name, _without_towers(own_name),
                                         next_creator, kwargs)
@@ -71,13 +75,13 @@ def variable_creator(context, index: int) -> Callable:
       context.variables.note_tower0_variable(variable, variable.trainable)
       return variable
     tower0_variable = context.tower0_variables.match(
-        index, own_name, context.to_tower0_name(own_name, index), kwargs)
+        index, own_name, layout_lib.to_tower0_name(own_name, index), kwargs)
     variable = context.variables.for_tower(index, tower0_variable)
-    if context.graph.unique_name(requested, mark_as_used=False) == own_name:
+    if graph.unique_name(requested, mark_as_used=False) == own_name:
       # Creating the variable would have taken its name, as it did in
       # tower 0: take it, so the tower's next one ('Variable_1', 'w_1')
       # is named, and matched, as tower 0's next one was.
-      context.graph.unique_name(requested, mark_as_used=True)
+      graph.unique_name(requested, mark_as_used=True)
     return variable
 
   return creator

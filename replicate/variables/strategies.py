@@ -41,7 +41,7 @@ class VariableStrategy(Protocol):
 
   Read by: `replicate.model_fn` (`variable_device`, for each tower's
   device function; `copies_variables`, for the towers' variables),
-  `replicate.towers.context` (`copies_variables`) and
+  `replicate.towers.layout` (`copies_variables`) and
   `replicate.gradients.optimizer_calls` (`combine`, once per optimizer
   call, in the last tower).
   """

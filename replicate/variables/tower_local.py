@@ -58,7 +58,8 @@ def tower_local_scope(reduce: str = SUM):
         "tower_local_scope(reduce=...) must be one of {}. Received: "
         "{!r}.".format(", ".join(repr(r) for r in REDUCTIONS), reduce))
   context = current.current_context()
-  if context is None or context.tower_index is None or context.num_towers < 2:
+  if (context is None or context.progress.tower_index is None or
+      context.layout.num_towers < 2):
     yield
     return
   previous = context.variables.local_reduce

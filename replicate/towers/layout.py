@@ -1,0 +1,87 @@
+"""What is fixed for one wrapped `model_fn` call: the towers and the batch.
+
+On the layout: `TowerLayout.of(...)` is made once per call, before any
+tower is built, and never changes: the graph, one `Tower` record per tower
+(its device, its shard of the batch, its share), the batch's split and the
+variable strategy. Every build step may read it; none writes it.
+
+On names: tower i is built under a `tower_i` name scope; `to_tower0_name`
+gives the name tower 0 gave to what tower i named.
+"""
+
+import dataclasses
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+
+import tensorflow as tf
+
+from replicate.shard import sharding
+from replicate.variables import strategies
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # eq: it holds tensors
+class Tower:
+  """What is fixed for tower `index` in one call, built once per call."""
+  index: int
+  device: str
+  device_function: Callable  # places the tower's ops (`towers.devices`)
+  features: Any  # the tower's shard of the features
+  labels: Any  # the tower's shard of the labels (None when labels are)
+  share: Any  # its share of the batch n_i / n: a float or a scalar tensor
+  has_rows: Any  # whether its outputs count: a bool or a scalar bool tensor
+
+
+class TowerLayout(NamedTuple):
+  """What is fixed for one call: the towers, the batch, the strategy."""
+  towers: List[Tower]
+  shards: sharding.Shards  # the batch's split (sizes, batch size, ...)
+  strategy: strategies.VariableStrategy  # where variables live, how
+  # gradients combine
+  graph: tf.Graph  # the graph the towers are built in
+
+  @classmethod
+  def of(cls, devices: Sequence[str], device_functions: Sequence[Callable],
+         shards: sharding.Shards, strategy: strategies.VariableStrategy,
+         graph: Optional[tf.Graph] = None) -> "TowerLayout":
+    """The layout of `shards` on `devices` (`graph`: the default graph)."""
+    shares = sharding.shard_shares(shards.sizes, shards.batch_size)
+    has_rows = sharding.shard_has_rows(shards.sizes)
+    towers = [
+        Tower(index, device, device_function, shards.features[index],
+              shards.labels[index], shares[index], has_rows[index])
+        for index, (device, device_function) in enumerate(
+            zip(devices, device_functions))]
+    return cls(towers, shards, strategy,
+               graph or tf.compat.v1.get_default_graph())
+
+  @property
+  def num_towers(self) -> int:
+    return len(self.towers)
+
+  @property
+  def devices(self) -> List[str]:
+    """Each tower's device, in tower order."""
+    return [tower.device for tower in self.towers]
+
+  @property
+  def has_rows(self) -> List[Any]:
+    """Whether each tower's outputs count, in tower order."""
+    return [tower.has_rows for tower in self.towers]
+
+  @property
+  def is_replicated(self) -> bool:
+    """Whether towers 1..N-1 train their own copies of the variables."""
+    return self.strategy.copies_variables
+
+
+def to_tower0_name(name: str, index: int) -> str:
+  """The name tower 0 gives to what tower `index` named `name`.
+
+  Tower i's names are tower 0's with a `tower_i` scope added: at the front,
+  and again wherever a model captured the absolute name scope it was built
+  in (the TF 2 canned DNN names a layer that way). Every such component
+  goes.
+  """
+  if index == 0:
+    return name
+  tower = "tower_{}".format(index)
+  return "/".join(part for part in name.split("/") if part != tower)

@@ -1,0 +1,89 @@
+"""How far the towers of one call are built, and what each built.
+
+On progress: `ReplicationContext.tower_scope(i)` starts and ends tower i
+here (`start`, `end`); in between, `tower_index` is i, and what the
+`model_fn` builds is tower i's. Once a tower is done its ops, and what it
+added to `UPDATE_OPS`, are kept for the build steps after the towers
+(`replicate.state.rule`, `replicate.state.train_op`,
+`replicate.outputs.specs`).
+
+On replicate's own ops: what replicate builds among a tower's ops (the
+gradient sums, the sum of the loss denominators) is built inside
+`building_own_ops` and kept in `own_ops`, so that it is not classified as
+the `model_fn`'s state.
+"""
+
+import contextlib
+from typing import List, Optional
+
+from replicate.shard import rows
+from replicate.towers import layout as layout_lib
+
+
+class BuildProgress:
+  """Which tower is being built, and what the towers built so far."""
+
+  def __init__(self, layout: layout_lib.TowerLayout):
+    self._graph = layout.graph
+    self._towers = layout.towers
+    num_towers = layout.num_towers
+    self.tower_index: Optional[int] = None  # the tower being built, or None
+    self.tower_ops: List[list] = [[] for _ in range(num_towers)]  # ops each
+    # built, in order
+    self._first_op = [None] * num_towers  # where each tower's ops start
+    # Per tower, what it added to UPDATE_OPS (see `tower_collections`).
+    self.update_ops: List[list] = [[] for _ in range(num_towers)]
+    self.own_ops = set()  # replicate's own ops among the towers'
+    # Whether tower 0's update (the optimizer's slots) is being built, for
+    # the variable creator (`replicate.variables.matching`).
+    self.is_applying = False
+    # The local variables and tables there were when tower 0 was built (a
+    # `replicate.towers.scaffolds.LocalState`), for a model_fn's own
+    # local_init_op.
+    self.local_state_after_tower0 = None
+
+  @property
+  def is_last_tower(self) -> bool:
+    return self.tower_index == len(self._towers) - 1
+
+  def start(self, index: int) -> None:
+    """Tower `index` is built from here on."""
+    self.tower_index = index
+    self._first_op[index] = len(self._graph.get_operations())
+
+  def end(self, index: int, update_ops: list) -> None:
+    """Tower `index` is done: keeps its ops and its `update_ops`."""
+    self.tower_ops[index] = self._graph.get_operations()[
+        self._first_op[index]:]
+    self.update_ops[index] = list(update_ops)
+    self.tower_index = None
+
+  def ops_so_far(self, index: int) -> frozenset:
+    """The ops tower `index` has built so far (all of them once it is done)."""
+    if self.tower_index != index:
+      return frozenset(self.tower_ops[index])
+    return frozenset(self._graph.get_operations()[self._first_op[index]:])
+
+  def rows_of(self, index: int) -> rows.TowerRows:
+    """`replicate.shard.rows`'s rule for what tower `index` built so far."""
+    tower = self._towers[index]
+    return rows.TowerRows((tower.features, tower.labels),
+                          self.ops_so_far(index))
+
+  @contextlib.contextmanager
+  def building_own_ops(self):
+    """What is built inside is replicate's own, not the model_fn's."""
+    first_op = len(self._graph.get_operations())
+    try:
+      yield
+    finally:
+      self.own_ops.update(self._graph.get_operations()[first_op:])
+
+  @contextlib.contextmanager
+  def applying(self):
+    """Tower 0 builds its update: the optimizer's own variables are made."""
+    self.is_applying = True
+    try:
+      yield
+    finally:
+      self.is_applying = False
