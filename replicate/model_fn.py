@@ -15,6 +15,7 @@ Beside them: `variables` (where variables live, what a tower sees),
 `cluster` (a ps cluster from `TF_CONFIG`).
 """
 
+import inspect
 from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
@@ -180,15 +181,17 @@ def replicate_model_fn(
     return ps_cluster.for_cluster(spec, config,
                                ps_cluster.num_ps_tasks(config, mode))
 
-  # The wrapper takes `params` exactly when the model_fn does: the Estimator
-  # passes `params` by what the signature names, and warns about a model_fn
-  # that names `params` it was not given.
-  if "params" in model_fn_args:
-    def replicated_model_fn(features, labels, mode, params=None, config=None):
-      return build(features, labels, mode, params, config)
-  else:
-    def replicated_model_fn(features, labels, mode, config=None):
-      return build(features, labels, mode, None, config)
+  def replicated_model_fn(features, labels, mode, params=None, config=None):
+    return build(features, labels, mode, params, config)
+
+  if "params" not in model_fn_args:
+    # The Estimator reads the signature to decide what to pass, and warns
+    # about a model_fn that names `params` it was not given: it is shown
+    # `params` only when the model_fn takes them. A caller may still pass
+    # params=... (refused, unless empty, as before).
+    signature = inspect.signature(replicated_model_fn)
+    replicated_model_fn.__signature__ = signature.replace(parameters=[
+        p for p in signature.parameters.values() if p.name != "params"])
 
   replicated_model_fn.__name__ = "replicated_" + getattr(
       model_fn, "__name__", "model_fn")

@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
+from replicate import _tf
 from conftest import EVAL, PREDICT, TRAIN, cpus, regression_spec
 from conftest import session_config
 
@@ -88,16 +89,18 @@ def _features_only(features, mode):
 
 def test_params_or_labels_the_model_fn_cannot_take_are_refused(graph):
   wrapped = replicate.replicate_model_fn(_features_only, devices=cpus(2))
-  # The wrapper takes params when the model_fn does, so the Estimator
+  # The Estimator is shown params when the model_fn takes them, so it
   # refuses params for it as it does for the model_fn.
-  assert "params" not in inspect.signature(wrapped).parameters
-  assert "params" in inspect.signature(
-      replicate.replicate_model_fn(_model_fn)).parameters
+  assert "params" not in _tf.fn_args(wrapped)
+  assert "params" in _tf.fn_args(replicate.replicate_model_fn(_model_fn))
   with pytest.raises(ValueError, match="does not include params argument"):
     tf.estimator.Estimator(wrapped, params={"scale": 2.0})
+  # Called by hand, as the Estimator's signature allows.
+  with pytest.raises(ValueError, match="does not take params"):
+    wrapped(tf.ones([2]), None, PREDICT, params={"scale": 2.0})
   with pytest.raises(ValueError, match="does not take labels"):
     wrapped(tf.ones([2]), tf.ones([2]), PREDICT)
-  spec = wrapped(tf.ones([2]), None, PREDICT)
+  spec = wrapped(tf.ones([2]), None, PREDICT, {}, None)
   assert spec.predictions.shape.as_list() == [2]
 
 
