@@ -32,9 +32,9 @@ demo: $(STAMP)
 	$(VENV)/bin/python examples/digits_demo.py --towers 2
 
 # Both runs always run; either one failing fails `make test`. The first also
-# runs benchmarks/test_benchmarks.py (fast: no timing), so that the README's
-# performance figures are checked against benchmarks/RESULTS.md; tests/ itself
-# never imports benchmarks/.
+# runs benchmarks/test_benchmarks.py (fast: no timing), so that
+# docs/benchmarks.md's figures are checked against benchmarks/RESULTS.md;
+# tests/ itself never imports benchmarks/.
 test: $(STAMP)
 	@status=0; \
 	$(VENV)/bin/python -m pytest -q tests benchmarks || status=1; \

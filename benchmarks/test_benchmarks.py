@@ -1,8 +1,8 @@
-"""Tests of `benchmarks/`: configurations, arithmetic, pipelines, the README,
-the command lines.
+"""Tests of `benchmarks/`: configurations, arithmetic, pipelines, the figures
+of docs/benchmarks.md, the command lines.
 
-Fast: nothing here trains or times a model. The README test is the check
-that the Performance section's figures are RESULTS.md's.
+Fast: nothing here trains or times a model. The figures test is the check
+that docs/benchmarks.md's figures are RESULTS.md's.
 """
 
 import re

@@ -7,7 +7,7 @@ starts them all on loopback ports:
         python examples/cluster_demo.py --model-dir /tmp/digits_cluster
 
 On a real cluster, run it once per task with that task's TF_CONFIG (see the
-README's "Many machines"). Each worker trains one tower per local device
+docs/multi-worker.md). Each worker trains one tower per local device
 (its GPUs; here the one CPU device the Estimator's server gets); variables
 live on the ps tasks. The chief prints what it trains, then every
 --progress-every global steps the step, the loss and the cluster's

@@ -15,8 +15,9 @@ def check_loss_reduction(loss_reduction):
   if loss_reduction == Reduction.NONE:
     raise ValueError(
         "loss_reduction=Reduction.NONE: a none reduction is specified, but "
-        "each tower's loss must be a scalar to be weighted and summed. Use Reduction.SUM or Reduction.SUM_BY_NONZERO_WEIGHTS "
-        "(the default) to match how the model_fn reduces its loss.")
+        "each tower's loss must be a scalar to be weighted and summed. Use "
+        "Reduction.SUM or Reduction.SUM_BY_NONZERO_WEIGHTS (the default) to "
+        "match how the model_fn reduces its loss.")
   if loss_reduction not in Reduction.all():
     raise ValueError(
         "loss_reduction must be one of {}. Received: {!r}.".format(

@@ -53,9 +53,10 @@ def replicate_model_fn(
     loss_reduction: str = Reduction.SUM_BY_NONZERO_WEIGHTS,
     devices: Optional[Sequence[str]] = None,
     variable_strategy: str = strategies.PARAMETER_SERVER,
+    sync_batch_norm: bool = False,
+    *,
     all_reduce: str = allreduce.AUTO,
-    compact_gradients: bool = False,
-    sync_batch_norm: bool = False) -> Callable:
+    compact_gradients: bool = False) -> Callable:
   """Replicates `model_fn` over devices: one tower per device, one update.
 
   Args:
@@ -75,18 +76,19 @@ def replicate_model_fn(
       tower devices in turn, in creation order. `"replicated"`: each tower
       trains its own copy of every variable on its own device; gradients
       are all-reduced and every copy gets the same update (see below).
-    all_reduce: with `"replicated"`, how gradients are summed across
-      towers: `"gather"` (on tower 0's device, copied back), `"ring"`
-      (TensorFlow's collective all-reduce, `CollectiveReduceV2`), `"nccl"`
-      (the same over NCCL, GPUs), or `"auto"` (NCCL on GPUs when
-      TensorFlow has it, else `"gather"`). The session needs no setting
-      for them. See `replicate.communication.allreduce` and `replicate.communication.collectives`.
-    compact_gradients: with `"replicated"`, cast float32 gradients to
-      float16 for the all-reduce and back after (half the traffic, float16
-      precision in the sum).
     sync_batch_norm: with True, every batch norm in training mode
       normalizes with the whole batch's moments, as on one device (see
       below). False (the default): each tower's with its own shard's.
+    all_reduce: keyword only. With `"replicated"`, how gradients are
+      summed across towers: `"gather"` (on tower 0's device, copied back),
+      `"ring"` (TensorFlow's collective all-reduce, `CollectiveReduceV2`),
+      `"nccl"` (the same over NCCL, GPUs), or `"auto"` (NCCL on GPUs when
+      TensorFlow has it, else `"gather"`). The session needs no setting
+      for them. See `replicate.communication.allreduce` and
+      `replicate.communication.collectives`.
+    compact_gradients: keyword only. With `"replicated"`, cast float32
+      gradients to float16 for the all-reduce and back after (half the
+      traffic, float16 precision in the sum).
 
   Returns:
     A `model_fn(features, labels, mode, params=None, config=None)` for

@@ -122,10 +122,19 @@ class _Lines(list):
 
 
 def test_an_estimator_without_params_logs_no_params_warning():
+  def with_params(features, mode, params):
+    del params
+    return _features_only(features, mode)
+
   with _Lines() as lines:
     tf.estimator.Estimator(
         replicate.replicate_model_fn(_features_only, devices=cpus(2)))
   assert not [line for line in lines if "params" in line]
+  # The same capture sees the warning a model_fn naming params gets.
+  with _Lines() as lines:
+    tf.estimator.Estimator(
+        replicate.replicate_model_fn(with_params, devices=cpus(2)))
+  assert [line for line in lines if "includes params argument" in line]
 
 
 def test_the_towers_built_are_logged_in_one_line(graph, monkeypatch):
@@ -375,7 +384,7 @@ def _two_features_model_fn(features, mode):
 
 
 def test_prediction_with_features_of_different_lengths():
-  # What PREDICT does when features' dimension 0 disagree (README, errors).
+  # What PREDICT does when features' dimension 0 disagree (docs/guarantees.md, errors).
   def predict(make_features, feed, towers=2):
     with tf.Graph().as_default():
       features = make_features()

@@ -186,7 +186,7 @@ def _masked_batches(mask=MASK, steps=MASKED_STEPS):
 
 
 def _masked_mean_model_fn(features, labels, mode):
-  """The README's mean over a padding mask's tokens."""
+  """docs/api.md's mean over a padding mask's tokens."""
   logits = tf.compat.v1.layers.dense(
       features["x"], 3, name="logits",
       kernel_initializer=tf.compat.v1.constant_initializer(

@@ -5,6 +5,7 @@
 - `layout`: what is fixed for the call (the towers, the batch's split, the
   strategy, the graph).
 - `progress`: which tower is being built, and what each tower built.
+- `current`: the context of the towers being built, found from anywhere.
 - `devices`: device strings, local devices, a tower's device function.
 - `tower_collections`: what each tower sees of the graph's collections.
 - `name_counters`: TensorFlow's name counters, so tower i gets tower 0's

@@ -155,18 +155,6 @@ class TowerVariables:
           name=kwargs.get("name"), dtype=tower0_slot.dtype.base_dtype,
           use_resource=True)
 
-  def statistic_ops(self) -> frozenset:
-    """The ops of the global, non-trainable, not tower-local variables.
-
-    What `UPDATE_OPS` and moving averages may write: batch-norm statistics,
-    a moving average's shadow, a counter.
-    """
-    tower_local = {ref.deref().op for ref in self._reduce_of}
-    return frozenset(
-        v.op for v in self.graph.get_collection(
-            tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
-        if not v.trainable and v.op not in tower_local)
-
   def copy_ops(self, index: int) -> set:
     """The ops of tower `index`'s copies (tower-local or replicated)."""
     if index == 0:

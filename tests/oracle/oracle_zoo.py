@@ -355,8 +355,9 @@ def _create_optimizer(loss, init_lr, num_train_steps, num_warmup_steps):
   grads = tf.gradients(loss, tvars)
   # BERT clips at 1.0. Clipping between the gradients and apply_gradients
   # clips each tower's gradients, the documented difference from one device
-  # (README: pass it as a gradient transformer for global clipping); a norm
-  # these small models never reach keeps the comparison about the rest.
+  # (docs/api.md: pass it as a gradient transformer for global clipping);
+  # a norm these small models never reach keeps the comparison about the
+  # rest.
   (grads, _) = tf.clip_by_global_norm(grads, clip_norm=1e6)
   train_op = optimizer.apply_gradients(zip(grads, tvars),
                                        global_step=global_step)
@@ -556,7 +557,7 @@ def gan_model_fn(features, labels, mode):
   if mode == ModeKeys.EVAL:
     return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
         # Per-example values: a metric fed one value per batch averages
-        # the towers' values (README, "Not like one device").
+        # the towers' values (docs/guarantees.md, "Not like one device").
         "discriminator_loss": tf.compat.v1.metrics.mean(
             tf.nn.sigmoid_cross_entropy_with_logits(
                 tf.ones_like(real_logits), real_logits) +
