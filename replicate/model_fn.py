@@ -29,6 +29,7 @@ from replicate.cluster import ps_cluster
 from replicate.towers import context as context_lib
 from replicate.towers import devices as devices_lib
 from replicate.towers import layout as layout_lib
+from replicate.towers import report
 from replicate import graph_walk
 from replicate.shard import sharding
 from replicate.outputs import specs as specs_lib
@@ -166,9 +167,9 @@ def replicate_model_fn(
     tower_devices, strategy = strategies.for_call(
         variable_strategy, fixed_devices, config, mode, all_reduce,
         compact_gradients)
-    devices_lib.log_towers(tower_devices, variable_strategy, mode,
-                           config if fixed_devices is None and
-                           not ps_cluster.num_ps_tasks(config, mode) else None)
+    report.log_towers(tower_devices, variable_strategy, mode,
+                      config if fixed_devices is None and
+                      not ps_cluster.num_ps_tasks(config, mode) else None)
     if len(tower_devices) == 1:
       # Placed as a tower, so that in a cluster the variables still go to
       # the ps tasks rather than following the one device.

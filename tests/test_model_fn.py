@@ -161,7 +161,7 @@ def test_one_tower_where_the_machine_has_more_is_a_warning(
                       lambda kind=None: ["GPU:%d" % i for i in range(gpus)])
   monkeypatch.setattr(replicate.towers.devices, "local_devices",
                       lambda *args, **kwargs: ["/device:CPU:0"])
-  monkeypatch.setattr(replicate.towers.devices.os, "cpu_count", lambda: cores)
+  monkeypatch.setattr(replicate.towers.report.os, "cpu_count", lambda: cores)
   wrapped = replicate.replicate_model_fn(_model_fn)
   with _Lines() as lines:
     for mode in (TRAIN, EVAL):

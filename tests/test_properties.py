@@ -12,7 +12,6 @@ import replicate
 from conftest import TRAIN, cpus, session_config
 from replicate.shard import sharding
 
-Reduction = tf.compat.v1.losses.Reduction
 _SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)
 
 batch_sizes = st.integers(min_value=0, max_value=64)
@@ -61,7 +60,7 @@ def test_sparse_shards_put_back_are_the_batch(rows, towers, seed):
 @given(batch_sizes, tower_counts)
 def test_weights_sum_to_one(rows, towers):
   sizes = sharding.shard_sizes(rows, towers)
-  weights = sharding.shard_weights(sizes, rows, Reduction.MEAN)
+  weights = sharding.shard_shares(sizes, rows)
   assert abs(sum(weights) - 1.0) < 1e-9
   # A tower without rows weighs 0, except tower 0 of a batch known to be
   # empty, which stands for that batch as the unwrapped model_fn would.

@@ -108,26 +108,21 @@ def test_sparse_rows_split_like_dense_rows(graph, rows, towers):
       np.concatenate([p[:size] for p, size in zip(parts, sizes)]), expected)
 
 
-def test_weights_are_shares_of_the_batch_or_one_for_sum(graph):
-  assert sharding.shard_weights([3, 2, 2], 7, Reduction.MEAN) == [
-      3 / 7, 2 / 7, 2 / 7
-  ]
-  assert sharding.shard_weights([1, 1, 0], 2, Reduction.SUM) == [1.0] * 3
+def test_shares_are_parts_of_the_batch(graph):
+  assert sharding.shard_shares([3, 2, 2], 7) == [3 / 7, 2 / 7, 2 / 7]
   sizes = sharding.shard_sizes(tf.constant(7), 3)
-  dynamic = sharding.shard_weights(sizes, tf.constant(7),
-                                   Reduction.SUM_BY_NONZERO_WEIGHTS)
+  dynamic = sharding.shard_shares(sizes, tf.constant(7))
   np.testing.assert_allclose(run_initialized(dynamic), [3 / 7, 2 / 7, 2 / 7])
 
 
 def test_empty_batch_weighs_zero_not_nan(graph):
   batch_size = tf.constant(0)
   sizes = sharding.shard_sizes(batch_size, 2)
-  weights = run_initialized(
-      sharding.shard_weights(sizes, batch_size, Reduction.MEAN))
+  weights = run_initialized(sharding.shard_shares(sizes, batch_size))
   assert weights == [0.0, 0.0]
   assert run_initialized(sharding.shard_has_rows(sizes)) == [False, False]
   # Known to be empty when the graph is built: the batch is tower 0's.
-  assert sharding.shard_weights([0, 0], 0, Reduction.MEAN) == [1.0, 0.0]
+  assert sharding.shard_shares([0, 0], 0) == [1.0, 0.0]
   assert sharding.shard_has_rows([0, 0, 0]) == [True, False, False]
 
 

@@ -15,11 +15,11 @@ batch known to be empty when the graph is built has no row to stand in:
 every tower gets it empty, and tower 0's outputs count, as the unwrapped
 `model_fn`'s would.
 
-On weights: with `Reduction.SUM` every tower's loss counts fully (weight 1);
-with any other reduction tower i's loss is weighted by `n_i / n`, so that the
-weighted sum of per-shard means is the mean over the whole batch. A batch
-found empty at run time gives every tower weight 0, never NaN; one known to
-be empty gives tower 0 weight 1.
+On shares: tower i's share of the batch is `n_i / n`; with an averaging
+loss reduction it is the tower's loss weight (with `Reduction.SUM` every
+tower's loss counts fully), so that the weighted sum of per-shard means is
+the mean over the whole batch. A batch found empty at run time gives every
+tower share 0, never NaN; one known to be empty gives tower 0 share 1.
 """
 
 from typing import Any, List, NamedTuple, Optional, Tuple, Union
@@ -27,8 +27,6 @@ from typing import Any, List, NamedTuple, Optional, Tuple, Union
 import tensorflow as tf
 
 from replicate.shard import batch_leaves
-
-Reduction = tf.compat.v1.losses.Reduction
 
 
 class Shards(NamedTuple):
@@ -103,13 +101,6 @@ def shard_sizes(batch_size, num_shards: int):
   base = batch_size // num_shards
   extra = batch_size % num_shards
   return base + tf.cast(tf.range(num_shards) < extra, tf.int32)
-
-
-def shard_weights(sizes, batch_size, loss_reduction: str) -> List[Any]:
-  """Each tower's loss weight: 1 for SUM, else its share `n_i / n`."""
-  if loss_reduction == Reduction.SUM:
-    return [1.0] * _num_shards(sizes)
-  return shard_shares(sizes, batch_size)
 
 
 def shard_shares(sizes, batch_size) -> List[Any]:

@@ -7,6 +7,8 @@
 - `progress`: which tower is being built, and what each tower built.
 - `current`: the context of the towers being built, found from anywhere.
 - `devices`: device strings, local devices, a tower's device function.
+- `report`: the INFO line of the towers built; a WARNING for one tower
+  where the machine has more devices.
 - `tower_collections`: what each tower sees of the graph's collections.
 - `name_counters`: TensorFlow's name counters, so tower i gets tower 0's
   names.

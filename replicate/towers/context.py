@@ -61,10 +61,12 @@ class ReplicationContext:
     sums_losses = loss_reduction == tf.compat.v1.losses.Reduction.SUM
     self.collections = tower_collections.TowerCollections(
         graph, layout.num_towers, sums_losses)
-    # Loss weights per tower, and the denominators that may replace them.
+    # Loss weights per tower (1 for SUM, else the tower's share n_i / n,
+    # built once, by the layout), and the denominators that may replace them.
     self.weights = weighting.TowerWeights(
-        sharding.shard_weights(layout.shards.sizes, layout.shards.batch_size,
-                               loss_reduction), layout.has_rows, sums_losses)
+        [1.0] * layout.num_towers if sums_losses else
+        [tower.share for tower in layout.towers], layout.has_rows,
+        sums_losses)
     # For the variable creator (`replicate.variables.matching`): tower 0's
     # variables, in order.
     self.tower0_variables = matching.Tower0Variables()
