@@ -59,7 +59,7 @@ test-oracle: $(STAMP)
 		> $(ORACLE_TMP)/shard-0.log 2>&1 & first=$$!; \
 	REPLICATE_ORACLE_SHARD=1/2 $(ORACLE_RUN) --basetemp=$(ORACLE_TMP)/1; \
 	second=$$?; wait $$first; first=$$?; \
-	echo "== the other half of the zoo (REPLICATE_ORACLE_SHARD=0/2) =="; \
+	echo "== the other half of the cross (REPLICATE_ORACLE_SHARD=0/2) =="; \
 	cat $(ORACLE_TMP)/shard-0.log; \
 	test $$first -eq 0 && test $$second -eq 0
 
