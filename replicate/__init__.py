@@ -19,10 +19,11 @@ from replicate.model_fn import replicate_model_fn  # noqa: E402
 from replicate.gradients.optimizer import TowerOptimizer  # noqa: E402
 from replicate.variables.tower_local import tower_local_scope  # noqa: E402
 from replicate.gradients.weighting import loss_denominator  # noqa: E402
+from replicate.cluster.server import start_server  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "replicate_model_fn", "TowerOptimizer", "tower_local_scope",
-    "loss_denominator", "__version__"
+    "loss_denominator", "start_server", "__version__"
 ]

@@ -26,6 +26,8 @@ from replicate.communication import allreduce
 from replicate import arguments
 from replicate import canned
 from replicate.cluster import ps_cluster
+from replicate.cluster import sync_input
+from replicate.cluster import sync_session
 from replicate.towers import context as context_lib
 from replicate.towers import devices as devices_lib
 from replicate.towers import layout as layout_lib
@@ -170,7 +172,7 @@ def replicate_model_fn(
     report.log_towers(tower_devices, variable_strategy, mode,
                       config if fixed_devices is None and
                       not ps_cluster.num_ps_tasks(config, mode) else None)
-    if len(tower_devices) == 1:
+    if len(tower_devices) == 1 and strategy.cross_task is None:
       # Placed as a tower, so that in a cluster the variables still go to
       # the ps tasks rather than following the one device.
       with tf.compat.v1.get_default_graph().device(
@@ -181,6 +183,8 @@ def replicate_model_fn(
       spec = _build_towers(model_fn, features, labels, mode, kwargs,
                            tower_devices, loss_reduction, strategy,
                            batch_norm_sync)
+    if strategy.cross_task is not None:
+      return sync_session.for_task(spec, strategy.cross_task)
     return ps_cluster.for_cluster(spec, config,
                                ps_cluster.num_ps_tasks(config, mode))
 
@@ -211,15 +215,22 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
   `batch_norm_sync(layout)` makes the call's batch-norm sites, or None.
   """
   num_towers = len(tower_devices)
+  cross = strategy.cross_task
+  total_rows = None
+  if cross is not None:
+    features, labels, total_rows = sync_input.take_batch(features, labels,
+                                                         cross)
   shards = sharding.split_batch(
       features, labels, num_towers,
       is_prediction=mode == tf.estimator.ModeKeys.PREDICT)
+  if cross is not None and total_rows is None:
+    total_rows = sync_input.count_rows(shards.batch_size, cross)
   device_functions = [
       devices_lib.tower_device_function(device, strategy.variable_device)
       for device in tower_devices
   ]
   layout = layout_lib.TowerLayout.of(tower_devices, device_functions,
-                                     shards, strategy)
+                                     shards, strategy, total_rows=total_rows)
   with context_lib.replication_context(
       layout, loss_reduction, tower_variables=tower_variables_lib.TowerVariables(
           tf.compat.v1.get_default_graph(), tower_devices,

@@ -143,7 +143,7 @@ def _active(is_declared):
   """(context, its BatchNormSync) while a site may be made, else None."""
   context = batch_norm_sites.outer_context()
   if (context is None or context.progress.tower_index is None or
-      context.layout.num_towers < 2 or context.batch_norm is None):
+      not context.layout.combines or context.batch_norm is None):
     return None
   if not (context.batch_norm.sync_all or is_declared):
     return None

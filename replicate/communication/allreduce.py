@@ -94,20 +94,23 @@ def resolve_algorithm(all_reduce: str, devices: Sequence[str]) -> str:
 
 
 def all_reduce_grads(per_tower: Sequence[Sequence[Any]], devices: Sequence[str],
-                     algorithm: str, compact: bool = False
+                     algorithm: str, compact: bool = False, cross=None
                     ) -> List[List[Optional[Any]]]:
   """Per tower, the sum over towers of each gradient, on the tower's device.
 
   `per_tower[i][p]` is tower i's gradient for variable p (a Tensor,
   `IndexedSlices` or None), with towers that had no rows already zeroed.
-  Where every tower's gradient is None the result is None.
+  Where every tower's gradient is None the result is None. With `cross` (a
+  `replicate.cluster.sync_cluster.CrossTask`), the sum is over every tower
+  of every task of a synchronous cluster: this task's sum on tower 0's
+  device, then summed across tasks (packed as here), then copied back.
   """
   num_towers = len(devices)
   per_tower = [list(tower) for tower in per_tower]  # filled in below
   results = [[None] * len(per_tower[0]) for _ in devices]
   packs = {}  # dtype -> positions whose gradients are packed together
   singles = []
-  reducer = _reducer(algorithm, devices)
+  reducer = _reducer(algorithm, devices, cross)
   for position in range(len(per_tower[0])):
     grads = [tower[position] for tower in per_tower]
     if all(g is None for g in grads):
@@ -172,7 +175,10 @@ def gather_reduce_replaced(reduce: Callable):
     _replaced_gather_reduce = previous
 
 
-def _reducer(algorithm, devices) -> _Reducer:
+def _reducer(algorithm, devices, cross=None) -> _Reducer:
+  if cross is not None:
+    return _Reducer(functools.partial(_over_tasks, devices=devices,
+                                      cross=cross), _no_slices_over_tasks)
   if algorithm not in (RING, NCCL):
     reduce = _replaced_gather_reduce or gather_reduce
     return _Reducer(functools.partial(reduce, devices=devices),
@@ -195,6 +201,30 @@ def _reducer(algorithm, devices) -> _Reducer:
                                                                 devices)
 
   return _Reducer(reduce_collectively, gather_collectively)
+
+
+def _over_tasks(tensors, devices, cross):
+  """This task's sum on tower 0's device, summed across tasks, copied back."""
+  with tf.device(devices[0]):
+    local = tf.math.add_n(tensors) if len(tensors) > 1 else tensors[0]
+  total = cross.sum(local, name="all_reduce_over_tasks")
+  copies = [total]
+  for device in devices[1:]:
+    with tf.device(device):
+      copies.append(tf.identity(total))
+  return copies
+
+
+def _no_slices_over_tasks(grads):
+  """Sparse gradients are not summed across tasks yet: refused."""
+  slices = next(g for g in grads if isinstance(g, tf.IndexedSlices))
+  raise ValueError(
+      "A sparse gradient (tf.IndexedSlices of shape {}, e.g. from an "
+      "embedding lookup or tf.gather) cannot be combined across the tasks "
+      "of a synchronous cluster yet. Fix: train this model with ps tasks "
+      "(variable_strategy='parameter_server'), or make the gradient dense "
+      "before apply_gradients (tf.convert_to_tensor(grad)), which then "
+      "updates every row, as for a dense variable.".format(slices.dense_shape))
 
 
 def _concat_slices(grads, devices):

@@ -52,7 +52,7 @@ def sum_grads_and_vars(per_tower: Sequence[GradsAndVars],
 def all_reduce_grads_and_vars(per_tower: Sequence[GradsAndVars],
                               has_rows: Sequence[Any], devices: Sequence[str],
                               algorithm: str,
-                              compact: bool) -> GradsAndVars:
+                              compact: bool, cross=None) -> GradsAndVars:
   """Every tower's variables (or copies) with the sum over towers, all-reduced.
 
   For replicated variables: `per_tower[i]` pairs tower i's gradients with
@@ -63,7 +63,8 @@ def all_reduce_grads_and_vars(per_tower: Sequence[GradsAndVars],
   grads = [[None if rows is False or g is None else
              sharding.zero_unless_rows(g, rows) for g, _ in tower]
             for tower, rows in zip(per_tower, has_rows)]
-  summed = allreduce.all_reduce_grads(grads, devices, algorithm, compact)
+  summed = allreduce.all_reduce_grads(grads, devices, algorithm, compact,
+                                      cross)
   tower0_variables = [variable for _, variable in per_tower[0]]
   combined = []
   for index, tower in enumerate(per_tower):

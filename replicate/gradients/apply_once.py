@@ -224,7 +224,7 @@ def _active_context():
   """The replication context, when more than one tower is being built."""
   context = current.current_context()
   if (context is None or context.progress.tower_index is None or
-      context.layout.num_towers < 2):
+      not context.layout.combines):
     return None
   return context
 

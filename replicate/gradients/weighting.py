@@ -55,7 +55,7 @@ def loss_denominator(denominator: Any) -> tf.Tensor:
   """
   context = current.current_context()
   if (context is None or context.progress.tower_index is None or
-      context.layout.num_towers < 2):
+      not context.layout.combines):
     return tf.convert_to_tensor(denominator)
   return context.weights.set_denominator(context.progress.tower_index,
                                          denominator)
@@ -131,7 +131,9 @@ class TowerWeights:
   """Each tower's loss weight, by rows or by stated denominators."""
 
   def __init__(self, weights: List[Any], has_rows: List[Any],
-               sums_losses: bool):
+               sums_losses: bool, sum_over_tasks=lambda tensor, name: tensor):
+    # In a synchronous cluster, the sum of a value over every task.
+    self._sum_over_tasks = sum_over_tasks
     self._weights = list(weights)
     self._has_rows = has_rows
     self._sums_losses = sums_losses
@@ -219,4 +221,5 @@ class TowerWeights:
           "tower(s) {}: every tower's model_fn must state its loss "
           "denominator, whatever its data.".format(missing))
     with tf.name_scope("loss_denominator_over_towers"):
-      stand_ins.connect(self._total, tf.math.add_n(self._denominators))
+      stand_ins.connect(self._total, self._sum_over_tasks(
+          tf.math.add_n(self._denominators), "loss_denominator_over_tasks"))

@@ -50,6 +50,8 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
                                       frozenset(progress.tower_ops[0])))
   if tower_specs[0].loss is not None:
     fields["loss"] = _weighted_loss(tower_specs, weights)
+    if mode == ModeKeys.TRAIN:
+      fields["loss"] = layout.sum_over_tasks(fields["loss"], "loss_over_tasks")
   if mode == ModeKeys.TRAIN and any(
       spec.train_op is not None for spec in tower_specs):
     fields["train_op"] = train_op_lib.combine_train_op(

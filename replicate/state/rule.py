@@ -76,7 +76,9 @@ def classify(layout, progress, variables,
     classifier = _Classifier(
         layout.towers[index], frozenset(tower_ops),
         progress.update_ops[index], variables, by_op)
-    classes.append([classifier.change(op) if index else
+    # A cluster's task of one tower has no tower 1 to refuse in its place.
+    alone = layout.num_towers == 1
+    classes.append([classifier.change(op) if index or alone else
                     classifier.tower0_change(op) for op in in_step])
   return classes
 

@@ -49,6 +49,8 @@ def combine_train_op(tower_specs, layout, progress, records,
   """
   _check_optimizer_calls(records)
   classes = rule.classify(layout, progress, variables, tower_specs)
+  if layout.cross_task is not None:
+    _check_over_tasks(classes, variables)
   runs = set(graph_walk.ops_behind(
       [tower_specs[0].train_op] +
       [spec.loss for spec in tower_specs if spec.loss is not None],
@@ -66,7 +68,33 @@ def combine_train_op(tower_specs, layout, progress, records,
   _wait_for_every_tower(classes, progress)
   train_op = tf.group(tower_specs[0].train_op, *kept,
                       name="train_op_over_towers")
-  return variables.then_fold(train_op, layout.has_rows)
+  return variables.then_fold(train_op, layout.has_rows, layout.cross_task)
+
+
+def _check_over_tasks(classes, variables):
+  """Refuses what adds up over towers but not yet over a cluster's tasks.
+
+  A `KEEP` change of shared state (an `assign_add` of the rows, a table
+  insert) would add up each task's rows in its own copy only; a
+  tower-local variable's is folded over the tasks.
+  """
+  for tower in classes:
+    for change in tower:
+      if change.variable is not None and variables.is_tower_local(
+          variables.tower0_variable(change.variable)):
+        continue
+      if change.kind == _KEEP and (change.is_shared or
+                                   change.variable is None):
+        raise ValueError(
+            "The op {!r} ({}) adds to {} from the tower's rows. In a "
+            "synchronous cluster every task keeps its own copy of that "
+            "state, so each copy would count only its task's rows. Fix: "
+            "create the variable inside replicate.tower_local_scope("
+            "'sum'), which adds up every task's part each step, or keep "
+            "the count outside the train_op.".format(
+                change.op.name, change.op.type,
+                repr(change.variable.op.name) if change.variable is not None
+                else "a table or other state"))
 
 
 def _keep(change, layout, runs):
@@ -135,7 +163,9 @@ def _combine_statistics(writes, layout) -> None:
         share = sharding.weight_as(layout.towers[index].share,
                                    value.dtype)
         terms.append(sharding.zero_unless_rows(value * share, rows))
-      combined = _as_dtype_of(tf.math.add_n(terms), tower0_write.inputs[1])
+      combined = _as_dtype_of(
+          layout.sum_over_tasks(tf.math.add_n(terms), "statistic_over_tasks"),
+          tower0_write.inputs[1])
       for tower_writes in writes[1:]:
         if tower_writes:
           _change_nothing(tower_writes[position].op, after=[tower0_write])

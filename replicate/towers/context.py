@@ -66,7 +66,7 @@ class ReplicationContext:
     self.weights = weighting.TowerWeights(
         [1.0] * layout.num_towers if sums_losses else
         [tower.share for tower in layout.towers], layout.has_rows,
-        sums_losses)
+        sums_losses, layout.sum_over_tasks)
     # For the variable creator (`replicate.variables.matching`): tower 0's
     # variables, in order.
     self.tower0_variables = matching.Tower0Variables()

@@ -41,9 +41,15 @@ class TowerLayout(NamedTuple):
   @classmethod
   def of(cls, devices: Sequence[str], device_functions: Sequence[Callable],
          shards: sharding.Shards, strategy: strategies.VariableStrategy,
-         graph: Optional[tf.Graph] = None) -> "TowerLayout":
-    """The layout of `shards` on `devices` (`graph`: the default graph)."""
-    shares = sharding.shard_shares(shards.sizes, shards.batch_size)
+         graph: Optional[tf.Graph] = None,
+         total_rows: Any = None) -> "TowerLayout":
+    """The layout of `shards` on `devices` (`graph`: the default graph).
+
+    `total_rows`: the rows the shares count over, in a synchronous cluster
+    every task's (a tensor); by default the batch's.
+    """
+    shares = sharding.shard_shares(
+        shards.sizes, shards.batch_size if total_rows is None else total_rows)
     has_rows = sharding.shard_has_rows(shards.sizes)
     towers = [
         Tower(index, device, device_function, shards.features[index],
@@ -66,6 +72,22 @@ class TowerLayout(NamedTuple):
   def has_rows(self) -> List[Any]:
     """Whether each tower's outputs count, in tower order."""
     return [tower.has_rows for tower in self.towers]
+
+  @property
+  def cross_task(self):
+    """The collectives across a synchronous cluster's tasks, or None."""
+    return self.strategy.cross_task
+
+  @property
+  def combines(self) -> bool:
+    """Whether anything is combined: several towers, or several tasks."""
+    return self.num_towers > 1 or self.cross_task is not None
+
+  def sum_over_tasks(self, tensor: tf.Tensor, name: str) -> tf.Tensor:
+    """`tensor` summed over a synchronous cluster's tasks; else itself."""
+    if self.cross_task is None:
+      return tensor
+    return self.cross_task.sum(tensor, name=name)
 
   @property
   def is_replicated(self) -> bool:

@@ -7,6 +7,7 @@ tower sees of them, and how the towers' gradients become the update.
 | `RoundRobin` | on the tower devices in turn, in creation order | tower 0's variable | summed with the variable |
 | `Replicated` | with tower 0; tower i's copy on tower i | its own copy of each trainable variable | all-reduced: every copy gets the sum |
 | `PsCluster` | on the ps tasks in turn | tower 0's variable | summed on this worker's CPU, one update sent |
+| `SyncCluster` | as `Replicated`, on this task | as `Replicated` | summed on this task, then across tasks (`replicate.cluster.sync_cluster`) |
 
 `for_call` picks the object for one call of the wrapped `model_fn`, from
 the `variable_strategy` name, the mode and the `RunConfig`; everything else
@@ -23,6 +24,8 @@ import tensorflow as tf
 from replicate.gradients import aggregation
 from replicate.communication import allreduce
 from replicate.cluster import ps_cluster
+from replicate.cluster import server
+from replicate.cluster import sync_cluster
 from replicate.towers import devices as devices_lib
 
 PARAMETER_SERVER = "parameter_server"
@@ -49,6 +52,9 @@ class VariableStrategy(Protocol):
   # Whether towers 1..N-1 train their own copies of the trainable variables
   # (True) or tower 0's (False).
   copies_variables: bool
+  # In a synchronous cluster, the collectives across tasks
+  # (`replicate.cluster.sync_cluster.CrossTask`); else None.
+  cross_task: Any
 
   def variable_device(self, op: tf.Operation) -> Optional[str]:
     """Where the variable `op` creates lives; None: with the tower building
@@ -74,6 +80,7 @@ class _SharedVariables:
   """
 
   copies_variables = False  # tower i sees tower 0's variables
+  cross_task = None
   sum_device: Optional[str] = None  # where sums run (None: with the variable)
 
   def variable_device(self, op: tf.Operation) -> Optional[str]:
@@ -130,6 +137,7 @@ class Replicated:
   """Every tower trains its own copy; gradients are all-reduced."""
 
   copies_variables = True
+  cross_task = None
 
   def __init__(self, algorithm: str, compact: bool):
     self.algorithm = algorithm
@@ -141,7 +149,16 @@ class Replicated:
 
   def combine(self, per_tower, has_rows, tower_devices) -> GradsAndVars:
     return aggregation.all_reduce_grads_and_vars(
-        per_tower, has_rows, tower_devices, self.algorithm, self.compact)
+        per_tower, has_rows, tower_devices, self.algorithm, self.compact,
+        self.cross_task)
+
+
+class SyncCluster(Replicated):
+  """A synchronous cluster's task: `Replicated`, summed across tasks too."""
+
+  def __init__(self, cross_task, compact: bool):
+    super().__init__(allreduce.GATHER, compact)
+    self.cross_task = cross_task
 
 
 def for_call(variable_strategy: str, fixed_devices: Optional[List[str]],
@@ -149,6 +166,10 @@ def for_call(variable_strategy: str, fixed_devices: Optional[List[str]],
             ) -> Tuple[List[str], VariableStrategy]:
   """The towers' devices and the strategy object for one model_fn call."""
   num_ps = ps_cluster.num_ps_tasks(config, mode)
+  if (mode == tf.estimator.ModeKeys.TRAIN and
+      sync_cluster.is_sync_cluster(config)):
+    return _sync_cluster(variable_strategy, fixed_devices, config,
+                         all_reduce, compact)
   if num_ps:
     if variable_strategy == REPLICATED:
       raise ValueError(
@@ -168,3 +189,35 @@ def for_call(variable_strategy: str, fixed_devices: Optional[List[str]],
     return tower_devices, Replicated(
         allreduce.resolve_algorithm(all_reduce, tower_devices), compact)
   return tower_devices, _SharedVariables()  # "replicated", read only
+
+
+def _sync_cluster(variable_strategy, fixed_devices, config, all_reduce,
+                  compact):
+  """This task's towers and strategy in a synchronous cluster (no ps)."""
+  group = sync_cluster.TaskGroup.of(config)
+  if variable_strategy != REPLICATED:
+    raise ValueError(
+        "This RunConfig's cluster has {} training tasks ({}) and no ps "
+        "tasks, which trains synchronously, every task keeping a copy of "
+        "every variable: that needs variable_strategy='replicated'. "
+        "Received variable_strategy={!r}. Pass "
+        "variable_strategy='replicated', or add ps tasks to the cluster for "
+        "variables on parameter servers.".format(
+            group.size, ", ".join(group.name(r) for r in range(group.size)),
+            variable_strategy))
+  delay = getattr(config, "experimental_max_worker_delay_secs", None)
+  if delay is None or delay > 0:
+    raise ValueError(
+        "In a synchronous cluster every task waits for the others at every "
+        "step, so the Estimator's start delay for workers (5 s per worker "
+        "index, up to 60 s, unless set) only delays the job and counts "
+        "against the timeout of the first step. Pass "
+        "tf.estimator.RunConfig(experimental_max_worker_delay_secs=0). "
+        "Received experimental_max_worker_delay_secs={!r}.".format(delay))
+  server.check_started(config)
+  tower_devices = ps_cluster.tower_devices(fixed_devices, config)
+  hint = "ring"
+  if allreduce.resolve_algorithm(all_reduce, tower_devices) == allreduce.NCCL:
+    hint = "nccl"
+  cross = sync_cluster.CrossTask(group, tower_devices[0], hint)
+  return tower_devices, SyncCluster(cross, compact)

@@ -59,7 +59,7 @@ def tower_local_scope(reduce: str = SUM):
         "{!r}.".format(", ".join(repr(r) for r in REDUCTIONS), reduce))
   context = current.current_context()
   if (context is None or context.progress.tower_index is None or
-      context.layout.num_towers < 2):
+      not context.layout.combines):
     yield
     return
   previous = context.variables.local_reduce
@@ -70,32 +70,41 @@ def tower_local_scope(reduce: str = SUM):
     context.variables.local_reduce = previous
 
 
-def fold(variable, reduce: str, per_tower, has_rows, base=None) -> tf.Operation:
+def fold(variable, reduce: str, per_tower, has_rows, base=None,
+         cross_task=None) -> tf.Operation:
   """Folds the towers' copies of `variable` into it, per `reduce`.
 
   `per_tower` holds tower 0's variable, then each tower's copy or None;
-  `base`, for `"sum"` only, the value every copy started from.
+  `base`, for `"sum"` only, the value every copy started from. With
+  `cross_task` (a `replicate.cluster.sync_cluster.CrossTask`), over every
+  task's towers.
   """
   with tf.device(variable.device), tf.name_scope(
       variable.op.name + "_over_towers"):
     if reduce == SUM:
-      return _fold_sum(variable, per_tower, has_rows, base)
-    return _fold_mean(variable, per_tower, has_rows)
+      return _fold_sum(variable, per_tower, has_rows, base, cross_task)
+    return _fold_mean(variable, per_tower, has_rows, cross_task)
 
 
-def _fold_sum(variable, per_tower, has_rows, base):
+def _fold_sum(variable, per_tower, has_rows, base, cross_task):
   """tower 0 += what every other tower added since the last fold.
 
   Every copy started the step at `base`; the towers that had rows add
   their copy less the base to tower 0's variable, and then every copy and
-  the base start again from the new total.
+  the base start again from the new total. Across tasks, each task's
+  additions (its tower 0's too) are summed over the tasks and added to the
+  base.
   """
   copies = [c for c in per_tower[1:] if c is not None]
   start = base.read_value()
   added = [sharding.zero_unless_rows(c.read_value() - start, rows)
            for c, rows in zip(per_tower[1:], has_rows[1:])
            if c is not None and rows is not False]
-  if added:
+  if cross_task is not None:
+    local = tf.math.add_n([variable.read_value() - start] + added)
+    summed = cross_task.sum(local, name="tower_local_sum_over_tasks")
+    total = variable.assign(start + summed, read_value=True)
+  elif added:
     with tf.control_dependencies(added):
       total = variable.assign_add(tf.math.add_n(added), read_value=True)
   else:
@@ -103,7 +112,7 @@ def _fold_sum(variable, per_tower, has_rows, base):
   return tf.group(*[c.assign(total) for c in copies + [base]])
 
 
-def _fold_mean(variable, per_tower, has_rows):
+def _fold_mean(variable, per_tower, has_rows, cross_task):
   """tower 0 and every copy = the mean over towers with rows."""
   values, counts = [], []
   for copy, rows in zip(per_tower, has_rows):
@@ -111,5 +120,9 @@ def _fold_mean(variable, per_tower, has_rows):
       continue
     values.append(sharding.zero_unless_rows(copy.read_value(), rows))
     counts.append(tf.cast(rows, variable.dtype.base_dtype))
-  mean = tf.math.divide_no_nan(tf.math.add_n(values), tf.math.add_n(counts))
+  value_sum, count_sum = tf.math.add_n(values), tf.math.add_n(counts)
+  if cross_task is not None:
+    value_sum, count_sum = cross_task.sum_all(
+        [value_sum, count_sum], name="tower_local_mean_over_tasks")
+  mean = tf.math.divide_no_nan(value_sum, count_sum)
   return tf.group(*[c.assign(mean) for c in per_tower if c is not None])

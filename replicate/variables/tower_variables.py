@@ -74,6 +74,10 @@ class TowerVariables:
           "dtype.".format(name, variable.dtype.base_dtype.name))
     self._reduce_of[variable.ref()] = self.local_reduce
 
+  def is_tower_local(self, variable) -> bool:
+    """Whether tower 0 made `variable` in a `tower_local_scope`."""
+    return variable.ref() in self._reduce_of
+
   def is_shared(self, variable) -> bool:
     """Whether tower 0 made `variable` for every tower (not a metric's)."""
     return variable.ref() in self._tower0
@@ -161,22 +165,32 @@ class TowerVariables:
       return set()
     return {copy.op for copy in self._copies[index].values()}
 
-  def then_fold(self, op, has_rows):
-    """`op`, then the fold of the tower-local variables, if there are any."""
+  def then_fold(self, op, has_rows, cross_task=None):
+    """`op`, then the fold of the tower-local variables, if there are any.
+
+    With `cross_task` (a synchronous cluster's), the fold is over every
+    task's towers, even a task of one tower.
+    """
     with tf.control_dependencies([op]):
-      fold = self.fold_tower_local(has_rows)
+      fold = self.fold_tower_local(has_rows, cross_task)
     return op if fold is None else tf.group(op, fold)
 
-  def fold_tower_local(self, has_rows) -> Optional[tf.Operation]:
+  def fold_tower_local(self, has_rows, cross_task=None
+                      ) -> Optional[tf.Operation]:
     """Folds every tower's copy into tower 0's variable, per its reduction."""
     folds = []
     for ref, reduce in self._reduce_of.items():
       variable = ref.deref()
       per_tower = self.copies_of(variable)
-      if all(copy is None for copy in per_tower[1:]):
+      if cross_task is None and all(copy is None for copy in per_tower[1:]):
         continue
+      base = self._bases.get(ref)
+      if reduce == tower_local.SUM and base is None:
+        # Only where no tower copied it: one tower in a cluster's task.
+        base = self._bases[ref] = self._local_variable(
+            0, variable, name="tower_local_base/" + variable.op.name)
       folds.append(tower_local.fold(variable, reduce, per_tower, has_rows,
-                                    self._bases.get(ref)))
+                                    base, cross_task))
     return tf.group(*folds, name="tower_local_fold") if folds else None
 
   @contextlib.contextmanager

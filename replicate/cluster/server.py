@@ -1,0 +1,107 @@
+"""`replicate.start_server`: this task's server for a synchronous cluster.
+
+On why: TensorFlow's collectives across processes need every task's server
+to name the group leader (`experimental.collective_group_leader`, the
+chief) in the server's own configuration; in the session's, or unset,
+every task waits forever for a group that never forms. The Estimator
+starts a task's server with only the session config's `gpu_options` and no
+leader (and, on a CPU-only machine, none of its virtual CPU devices), so a
+synchronous cluster cannot use it. `start_server` starts the server with
+the run config's session settings and the leader, and marks `TF_CONFIG`
+(`"environment": "google"`) so that the Estimator does not start a second
+one. The server is kept here for the life of the process: a
+`tf.distribute.Server` stops when collected.
+"""
+
+import json
+import os
+from typing import Dict, Optional, Tuple
+
+import tensorflow as tf
+
+from replicate.cluster import sync_cluster
+
+# (job, index) -> the server this process started for that task.
+_servers: Dict[Tuple[str, int], tf.distribute.Server] = {}
+
+
+def start_server(run_config) -> Optional[tf.distribute.Server]:
+  """Starts this task's `tf.distribute.Server` for synchronous training.
+
+  Call it once per process, before `tf.estimator.train_and_evaluate`, with
+  the `RunConfig` the Estimator gets: every task of a `TF_CONFIG` cluster of
+  `chief` and `worker` tasks (no `ps`) then trains in lockstep with
+  `replicate_model_fn(..., variable_strategy="replicated")`.
+
+  Args:
+    run_config: the Estimator's `tf.estimator.RunConfig`. Its
+      `session_config` is the server's too (`device_count` gives a CPU-only
+      task its virtual CPU devices, one tower each).
+
+  Returns:
+    The running server, or None for a process with nothing to serve: no
+    cluster (`TF_CONFIG` unset) or an `evaluator` task, which evaluates
+    checkpoints in a local session.
+
+  Raises:
+    ValueError: `run_config` is not a `RunConfig`, or its cluster has ps
+      tasks (the Estimator starts those servers itself).
+  """
+  if not isinstance(run_config, tf.estimator.RunConfig):
+    raise ValueError(
+        "start_server takes the Estimator's tf.estimator.RunConfig. "
+        "Received: {!r}.".format(run_config))
+  spec = run_config.cluster_spec
+  if not spec or not spec.jobs or run_config.task_type == "evaluator":
+    return None
+  if "ps" in spec.jobs:
+    raise ValueError(
+        "start_server is for a synchronous cluster of chief and worker "
+        "tasks, but this RunConfig's cluster has ps tasks ({}), whose "
+        "servers the Estimator starts itself. Remove the start_server call, "
+        "or the ps tasks for synchronous training.".format(
+            ", ".join(spec.job_tasks("ps"))))
+  tasks = sync_cluster.training_tasks(spec)
+  task = (run_config.task_type, run_config.task_id)
+  if task not in tasks:
+    raise ValueError(
+        "start_server: this RunConfig's task {}:{} is not a training task "
+        "of its cluster ({}). Set TF_CONFIG's task to one of them.".format(
+            task[0], task[1], ", ".join("{}:{}".format(*t) for t in tasks)))
+  if task in _servers:
+    return _servers[task]
+  config = tf.compat.v1.ConfigProto()
+  if run_config.session_config is not None:
+    config.CopyFrom(run_config.session_config)
+  del config.device_filters[:]  # the server serves every task's sessions
+  config.experimental.collective_group_leader = (
+      "/job:{}/replica:0/task:{}".format(*tasks[0]))
+  server = tf.distribute.Server(
+      spec, job_name=task[0], task_index=task[1], config=config,
+      protocol=run_config.protocol or "grpc", start=True)
+  _servers[task] = server
+  _mark_started()
+  tf.compat.v1.logging.info(
+      "replicate: started the server of %s:%d for synchronous training "
+      "(%d tasks, leader %s:%d, timeout %g s).", task[0], task[1],
+      len(tasks), tasks[0][0], tasks[0][1], sync_cluster.timeout_seconds())
+  return server
+
+
+def check_started(config) -> None:
+  """Refuses a synchronous cluster's TRAIN when start_server was not called."""
+  if (config.task_type, config.task_id) not in _servers:
+    raise ValueError(
+        "This RunConfig's cluster trains synchronously (chief and worker "
+        "tasks, no ps), which needs this task's server started by "
+        "replicate.start_server(run_config), with the group leader "
+        "TensorFlow's collectives need, before "
+        "tf.estimator.train_and_evaluate. Call it once, with the "
+        "Estimator's RunConfig.")
+
+
+def _mark_started() -> None:
+  """Tells the Estimator its server runs already (`environment: google`)."""
+  tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+  tf_config["environment"] = "google"
+  os.environ["TF_CONFIG"] = json.dumps(tf_config)

@@ -1,0 +1,178 @@
+"""Synchronous training across the tasks of a cluster without ps tasks.
+
+On the cluster: a `TF_CONFIG` cluster of `chief` and `worker` tasks (no
+`ps`), with `variable_strategy="replicated"`, trains in lockstep. Each
+training task builds one tower per local device with a copy of every
+variable on each; what one machine combines over its towers (gradients,
+the loss, row counts, loss denominators, statistics, tower-local
+variables), each task sums over its own towers first, then across tasks
+with one `CollectiveReduceV2` per value, on its first tower's device. So a
+step is one device's on the concatenation of every task's batch, in rank
+order: the chief, then worker 0, 1, ....
+
+On keys: every cross-task collective uses one group (the first tower
+device of every task, `GROUP_KEY`) and an instance key given out in
+building order, per graph, from `FIRST_INSTANCE_KEY`. Every task builds
+the same graph, so the keys agree; the start-up check of the model
+(`replicate.cluster.sync_session`) uses fixed keys below that, so that
+tasks built differently meet there and say so, instead of waiting on
+different keys.
+
+On time: every cross-task collective gives up after `timeout_seconds()`
+(`REPLICATE_SYNC_TIMEOUT_SECS`, default 120): the bound on noticing a dead
+or frozen task, and also the longest any task may lag the others at a
+collective (a slow `input_fn`, the chief saving a checkpoint, a late
+start).
+"""
+
+import os
+import weakref
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+TIMEOUT_ENV = "REPLICATE_SYNC_TIMEOUT_SECS"
+DEFAULT_TIMEOUT_SECONDS = 120.0
+
+GROUP_KEY = 7001  # the first tower device of every task
+FINGERPRINT_INSTANCE_KEY = 1
+FIRST_INSTANCE_KEY = 100
+
+_TRAINING_JOBS = ("chief", "worker", "master")
+
+# Per graph, the next free instance key of the cross-task group.
+_next_instance_key = weakref.WeakKeyDictionary()
+
+
+def timeout_seconds() -> float:
+  """How long a task waits for the others at a collective, in seconds."""
+  text = os.environ.get(TIMEOUT_ENV)
+  if text is None:
+    return DEFAULT_TIMEOUT_SECONDS
+  try:
+    value = float(text)
+  except ValueError:
+    value = -1.0
+  if not value > 0:
+    raise ValueError(
+        "{} must be a number of seconds greater than 0. Received: {!r}. "
+        "Unset it for the default, {:g} s.".format(
+            TIMEOUT_ENV, text, DEFAULT_TIMEOUT_SECONDS))
+  return value
+
+
+def training_tasks(cluster_spec) -> List[Tuple[str, int]]:
+  """The cluster's training tasks in rank order: chief (or master), workers."""
+  tasks = []
+  for job in _TRAINING_JOBS:
+    if cluster_spec and job in cluster_spec.jobs:
+      tasks.extend((job, index) for index in cluster_spec.task_indices(job))
+  return tasks
+
+
+def is_sync_cluster(config) -> bool:
+  """Whether `config`'s cluster trains synchronously: tasks, no ps."""
+  spec = getattr(config, "cluster_spec", None)
+  if not spec or not spec.jobs or "ps" in spec.jobs:
+    return False
+  return (len(training_tasks(spec)) > 1 and
+          getattr(config, "task_type", None) in _TRAINING_JOBS)
+
+
+class TaskGroup(NamedTuple):
+  """This task among the cluster's training tasks."""
+  tasks: List[Tuple[str, int]]  # every training task, in rank order
+  rank: int  # this task's place in `tasks`
+
+  @classmethod
+  def of(cls, config) -> "TaskGroup":
+    tasks = training_tasks(config.cluster_spec)
+    return cls(tasks, tasks.index((config.task_type, config.task_id)))
+
+  @property
+  def size(self) -> int:
+    return len(self.tasks)
+
+  @property
+  def is_chief(self) -> bool:
+    return self.rank == 0
+
+  def name(self, rank: Optional[int] = None) -> str:
+    job, index = self.tasks[self.rank if rank is None else rank]
+    return "{}:{}".format(job, index)
+
+
+class CrossTask:
+  """Collectives across tasks, from this task's first tower device."""
+
+  def __init__(self, group: TaskGroup, device: str, hint: str = "ring"):
+    self.group = group
+    self.device = device
+    self._hint = hint
+    self.timeout = timeout_seconds()
+    self.total_rows = None  # the step's rows over every task (sync_input)
+
+  def sum(self, tensor: tf.Tensor, name: str = "sum_over_tasks"
+         ) -> tf.Tensor:
+    """The sum of `tensor` over every task, on this task's device."""
+    with tf.device(self.device), tf.name_scope(name):
+      return tf.raw_ops.CollectiveReduceV2(
+          input=tensor, merge_op="Add", final_op="Id", ordering_token=[],
+          communication_hint=self._hint, timeout_seconds=self.timeout,
+          **self._keys(next_instance_key(tensor.graph)))
+
+  def sum_all(self, tensors: Sequence[tf.Tensor], name: str = "sum_over_tasks"
+             ) -> List[tf.Tensor]:
+    """`sum` of several tensors of known shapes, one collective per dtype."""
+    by_dtype = {}
+    for position, tensor in enumerate(tensors):
+      by_dtype.setdefault(tensor.dtype.base_dtype, []).append(position)
+    results = [None] * len(tensors)
+    with tf.device(self.device), tf.name_scope(name):
+      for positions in by_dtype.values():
+        parts = [tensors[p] for p in positions]
+        packed = tf.concat([tf.reshape(t, [-1]) for t in parts], axis=0)
+        pieces = tf.split(self.sum(packed),
+                          [t.shape.num_elements() for t in parts])
+        for position, piece, part in zip(positions, pieces, parts):
+          results[position] = tf.reshape(piece, part.shape)
+    return results
+
+  def gather(self, tensor: tf.Tensor, instance_key: Optional[int] = None
+            ) -> tf.Tensor:
+    """Every task's `tensor`, concatenated along dimension 0 in rank order."""
+    with tf.device(self.device):
+      return tf.raw_ops.CollectiveGatherV2(
+          input=tensor, ordering_token=[], communication_hint=self._hint,
+          timeout_seconds=self.timeout,
+          **self._keys(instance_key or next_instance_key(tensor.graph)))
+
+  def broadcast(self, tensor: tf.Tensor) -> tf.Tensor:
+    """The chief's `tensor` on every task (`tensor` must be alike on all)."""
+    keys = self._keys(next_instance_key(tensor.graph))
+    with tf.device(self.device):
+      if self.group.is_chief:
+        return tf.raw_ops.CollectiveBcastSendV2(
+            input=tensor, communication_hint=self._hint,
+            timeout_seconds=self.timeout, **keys)
+      return tf.raw_ops.CollectiveBcastRecvV2(
+          shape=tf.shape(tensor), T=tensor.dtype,
+          communication_hint=self._hint, timeout_seconds=self.timeout,
+          **keys)
+
+  def _keys(self, instance_key):
+    return dict(group_size=tf.constant(self.group.size),
+                group_key=tf.constant(GROUP_KEY),
+                instance_key=tf.constant(instance_key))
+
+
+def next_instance_key(graph: tf.Graph) -> int:
+  """A fresh instance key of the cross-task group in `graph`."""
+  key = _next_instance_key.get(graph, FIRST_INSTANCE_KEY)
+  _next_instance_key[graph] = key + 1
+  return key
+
+
+def instance_keys_used(graph: tf.Graph) -> int:
+  """How many instance keys `graph`'s cross-task collectives took so far."""
+  return _next_instance_key.get(graph, FIRST_INSTANCE_KEY) - FIRST_INSTANCE_KEY

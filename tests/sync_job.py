@@ -1,0 +1,161 @@
+"""The job every task of the synchronous multi-worker tests runs.
+
+  python tests/sync_job.py MODEL_DIR MAX_STEPS BATCHES [--hidden H]
+
+`BATCHES` gives, per task in rank order (chief, worker 0, 1, ...), the rows
+of each of its batches: `"6,5,0;5,4,3"` is a chief with batches of 6, 5
+and 0 rows and a worker with 5, 4 and 3. A task's input ends after its
+last batch. Every batch's rows come from `batch(rank, step, rows)`, so the
+test builds the one-device reference on the same data.
+
+The model (`model_fn`) has what a step must combine across tasks: a
+weighted mean loss (with `loss_denominator`), Adam, a moving mean of the
+features (`UPDATE_OPS`, as batch norm's statistics), an L2 regularizer, a `tower_local_scope("sum")` count of the rows seen and
+the global step. Each task has 2 towers (virtual CPUs), trained by
+`tf.estimator.train_and_evaluate` after `replicate.start_server`.
+
+Each training task writes every global variable's value when it stops, to
+`MODEL_DIR/values-<job>-<index>.npz`, and prints `sync_job: <phase>` lines
+the fault tests wait for: `started` (before TensorFlow starts a session),
+`step <global step>` after each step, `done` at the end.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import replicate
+
+FEATURES = 5
+CLASSES = 3
+
+
+def batch(rank, step, rows):
+  """The rows of task `rank`'s batch `step`: (x, labels, weights)."""
+  random = np.random.RandomState(1000 * rank + step)
+  x = random.normal(size=(rows, FEATURES)).astype(np.float32)
+  labels = random.randint(0, CLASSES, size=rows).astype(np.int64)
+  weights = random.uniform(0.5, 2.0, size=rows).astype(np.float32)
+  return x, labels, weights
+
+
+def parse_batches(text):
+  return [[int(rows) for rows in task.split(",")] for task in text.split(";")]
+
+
+def model_fn(features, labels, mode, params):
+  """The model every task (and the one-device reference) builds."""
+  hidden = tf.compat.v1.layers.dense(
+      features["x"], params["hidden"], activation=tf.nn.tanh, name="hidden",
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=1),
+      kernel_regularizer=tf.keras.regularizers.l2(0.01))
+  logits = tf.compat.v1.layers.dense(
+      hidden, CLASSES, name="logits",
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
+      labels, logits, weights=features["w"],
+      reduction=tf.compat.v1.losses.Reduction.MEAN)
+  replicate.loss_denominator(tf.reduce_sum(features["w"]))
+  loss += tf.compat.v1.losses.get_regularization_loss()
+  # A statistic of the rows, updated as batch norm's are (UPDATE_OPS).
+  feature_mean = tf.compat.v1.get_variable(
+      "feature_mean", [FEATURES], trainable=False,
+      initializer=tf.compat.v1.zeros_initializer())
+  tf.compat.v1.add_to_collection(
+      tf.compat.v1.GraphKeys.UPDATE_OPS, feature_mean.assign_sub(
+          (feature_mean - tf.reduce_mean(features["x"], 0)) * 0.1))
+  with replicate.tower_local_scope("sum"):
+    seen = tf.compat.v1.get_variable(
+        "rows_seen", [], tf.float32, trainable=False,
+        initializer=tf.compat.v1.zeros_initializer())
+  count = seen.assign_add(tf.cast(tf.shape(labels)[0], tf.float32))
+  optimizer = params["wrap"](tf.compat.v1.train.AdamOptimizer(0.05))
+  with tf.control_dependencies(
+      tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+    train_op = optimizer.minimize(
+        loss, tf.compat.v1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                    train_op=tf.group(train_op, count))
+
+
+def input_fn_for(batches):
+  """An input_fn yielding `batches[rank]`'s batches, then ending."""
+
+  def input_fn(rank):
+    def generate():
+      for step, rows in enumerate(batches[rank]):
+        x, labels, weights = batch(rank, step, rows)
+        yield {"x": x, "w": weights}, labels
+
+    return tf.data.Dataset.from_generator(
+        generate, output_signature=(
+            {"x": tf.TensorSpec([None, FEATURES], tf.float32),
+             "w": tf.TensorSpec([None], tf.float32)},
+            tf.TensorSpec([None], tf.int64)))
+
+  return input_fn
+
+
+class _Report(tf.compat.v1.train.SessionRunHook):
+  """Prints the phases; writes every global variable's value at the end."""
+
+  def __init__(self, path):
+    self._path = path
+
+  def begin(self):
+    self._variables = tf.compat.v1.global_variables()
+    self._step = tf.compat.v1.train.get_global_step()
+    print("sync_job: started", flush=True)
+
+  def before_run(self, run_context):
+    return tf.compat.v1.train.SessionRunArgs(self._step)
+
+  def after_run(self, run_context, run_values):
+    print("sync_job: step {}".format(run_values.results + 1), flush=True)
+
+  def end(self, session):
+    values = session.run({v.op.name: v for v in self._variables})
+    np.savez(self._path, **values)
+    print("sync_job: done", flush=True)
+
+
+def main(argv):
+  parser = argparse.ArgumentParser()
+  parser.add_argument("model_dir")
+  parser.add_argument("max_steps", type=int)
+  parser.add_argument("batches")
+  parser.add_argument("--hidden", type=int, default=4)
+  arguments = parser.parse_args(argv)
+  tf_config = json.loads(os.environ["TF_CONFIG"])
+  task = tf_config["task"]
+  cluster = tf_config["cluster"]
+  ranks = [("chief", 0)] + [("worker", i)
+                            for i in range(len(cluster.get("worker", [])))]
+  rank = ranks.index((task["type"], task["index"]))
+  config = tf.estimator.RunConfig(
+      model_dir=arguments.model_dir, save_checkpoints_steps=1000,
+      experimental_max_worker_delay_secs=0,
+      session_config=tf.compat.v1.ConfigProto(device_count={"CPU": 2}))
+  replicate.start_server(config)
+  estimator = tf.estimator.Estimator(
+      replicate.replicate_model_fn(model_fn, variable_strategy="replicated"),
+      config=config,
+      params={"hidden": arguments.hidden, "wrap": replicate.TowerOptimizer})
+  path = os.path.join(arguments.model_dir,
+                      "values-{}-{}.npz".format(task["type"], task["index"]))
+  input_fn = input_fn_for(parse_batches(arguments.batches))
+  tf.estimator.train_and_evaluate(
+      estimator,
+      tf.estimator.TrainSpec(lambda: input_fn(rank),
+                             max_steps=arguments.max_steps,
+                             hooks=[_Report(path)]),
+      tf.estimator.EvalSpec(lambda: input_fn(rank)))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
