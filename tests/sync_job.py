@@ -1,12 +1,13 @@
 """The job every task of the synchronous multi-worker tests runs.
 
-  python tests/sync_job.py MODEL_DIR MAX_STEPS BATCHES [--hidden H]
+  python tests/sync_job.py MODEL_DIR MAX_STEPS BATCHES [--hidden H[,H...]]
 
 `BATCHES` gives, per task in rank order (chief, worker 0, 1, ...), the rows
 of each of its batches: `"6,5,0;5,4,3"` is a chief with batches of 6, 5
-and 0 rows and a worker with 5, 4 and 3. A task's input ends after its
+and 0 rows and a worker with 5, 4 and 3; `"4*100"` is 100 batches of 4. A task's input ends after its
 last batch. Every batch's rows come from `batch(rank, step, rows)`, so the
-test builds the one-device reference on the same data.
+test builds the one-device reference on the same data; a job restarted
+from a checkpoint of global step s starts at batch s.
 
 The model (`model_fn`) has what a step must combine across tasks: a
 weighted mean loss (with `loss_denominator`), Adam, a moving mean of the
@@ -44,7 +45,15 @@ def batch(rank, step, rows):
 
 
 def parse_batches(text):
-  return [[int(rows) for rows in task.split(",")] for task in text.split(";")]
+  """`"6,5*3;4"`: per task, its batches' rows (`5*3` is 5, 5, 5)."""
+  tasks = []
+  for task in text.split(";"):
+    rows = []
+    for part in task.split(","):
+      value, _, times = part.partition("*")
+      rows.extend([int(value)] * int(times or 1))
+    tasks.append(rows)
+  return tasks
 
 
 def model_fn(features, labels, mode, params):
@@ -82,12 +91,19 @@ def model_fn(features, labels, mode, params):
                                     train_op=tf.group(train_op, count))
 
 
-def input_fn_for(batches):
-  """An input_fn yielding `batches[rank]`'s batches, then ending."""
+def input_fn_for(batches, model_dir):
+  """An input_fn yielding task `rank`'s batches, then ending.
+
+  A job resumed from a checkpoint of global step s starts at batch s, so
+  that the steps after a restart see the data an uninterrupted run would.
+  """
 
   def input_fn(rank):
+    latest = tf.train.latest_checkpoint(model_dir)
+    start = int(latest.rsplit("-", 1)[1]) if latest else 0
+
     def generate():
-      for step, rows in enumerate(batches[rank]):
+      for step, rows in enumerate(batches[rank][start:], start=start):
         x, labels, weights = batch(rank, step, rows)
         yield {"x": x, "w": weights}, labels
 
@@ -123,12 +139,20 @@ class _Report(tf.compat.v1.train.SessionRunHook):
     print("sync_job: done", flush=True)
 
 
+def _of_task(values, rank):
+  """`values` ("4" or "4,5,4"): this task's, as an int."""
+  values = values.split(",")
+  return int(values[rank] if len(values) > 1 else values[0])
+
+
 def main(argv):
+  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.INFO)
   parser = argparse.ArgumentParser()
   parser.add_argument("model_dir")
   parser.add_argument("max_steps", type=int)
   parser.add_argument("batches")
-  parser.add_argument("--hidden", type=int, default=4)
+  parser.add_argument("--hidden", default="4",
+                      help="hidden units, or per task in rank order: 4,5")
   arguments = parser.parse_args(argv)
   tf_config = json.loads(os.environ["TF_CONFIG"])
   task = tf_config["task"]
@@ -144,10 +168,12 @@ def main(argv):
   estimator = tf.estimator.Estimator(
       replicate.replicate_model_fn(model_fn, variable_strategy="replicated"),
       config=config,
-      params={"hidden": arguments.hidden, "wrap": replicate.TowerOptimizer})
+      params={"hidden": _of_task(arguments.hidden, rank),
+              "wrap": replicate.TowerOptimizer})
   path = os.path.join(arguments.model_dir,
                       "values-{}-{}.npz".format(task["type"], task["index"]))
-  input_fn = input_fn_for(parse_batches(arguments.batches))
+  input_fn = input_fn_for(parse_batches(arguments.batches),
+                          arguments.model_dir)
   tf.estimator.train_and_evaluate(
       estimator,
       tf.estimator.TrainSpec(lambda: input_fn(rank),

@@ -70,6 +70,7 @@ def start_server(run_config) -> Optional[tf.distribute.Server]:
             task[0], task[1], ", ".join("{}:{}".format(*t) for t in tasks)))
   if task in _servers:
     return _servers[task]
+  _filter_sessions(run_config, task)
   config = tf.compat.v1.ConfigProto()
   if run_config.session_config is not None:
     config.CopyFrom(run_config.session_config)
@@ -98,6 +99,26 @@ def check_started(config) -> None:
         "TensorFlow's collectives need, before "
         "tf.estimator.train_and_evaluate. Call it once, with the "
         "Estimator's RunConfig.")
+
+
+def _filter_sessions(run_config, task) -> None:
+  """Limits the Estimator's sessions to this task's devices, in place.
+
+  Unfiltered, a session made again after a failure waits for every task's
+  reply, the dead one's too. The session config is the one object the
+  Estimator was (or will be) given with this RunConfig.
+  """
+  own = "/job:{}/task:{}".format(*task)
+  session_config = run_config.session_config
+  if session_config is None:
+    tf.compat.v1.logging.warning(
+        "replicate.start_server: the RunConfig has no session_config, so "
+        "the Estimator's sessions are not limited to this task (%s): after "
+        "a task fails, the others may wait for the watchdog rather than "
+        "fail at once. Pass tf.estimator.RunConfig(session_config="
+        "tf.compat.v1.ConfigProto()) to both.", own)
+  elif not session_config.device_filters:
+    session_config.device_filters.append(own)
 
 
 def _mark_started() -> None:

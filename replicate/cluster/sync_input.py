@@ -118,7 +118,9 @@ class _StopIfAnyEnded:
   def __call__(self, ended):
     done = [task for task, flag in zip(self._tasks, ended) if flag]
     if done:
-      raise StopIteration(
-          "replicate: the input of {} ended; every task of the synchronous "
-          "cluster stops at this step.".format(", ".join(done)))
+      message = ("replicate: the input of {} ended; every task of the "
+                 "synchronous cluster stops at this step.".format(
+                     ", ".join(done)))
+      tf.compat.v1.logging.info(message)
+      raise StopIteration(message)
     return np.int64(0)

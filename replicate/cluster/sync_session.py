@@ -90,7 +90,7 @@ def for_task(spec: tf.estimator.EstimatorSpec,
 
 
 def watchdog_seconds(timeout: float) -> float:
-  """How long a task's session may take to start before it gives up."""
+  """How long a session start or a step may take before the task exits."""
   return 2 * timeout + 10
 
 
@@ -146,7 +146,7 @@ class _Compare:
             self._group.name(rank), count, elements, keys)
       raise ValueError(
           "replicate: the tasks of the synchronous cluster built different "
-          "models ({}; {} differ from the chief). Every task must run the "
+          "models ({}; differing from the chief: {}). Every task must run the "
           "same model_fn with the same params, variables, shapes and "
           "optimizer calls; only its input may differ.".format(
               "; ".join(describe(rank) for rank in range(len(every_task))),
@@ -195,40 +195,59 @@ class _Guard:
 
 
 class WatchdogHook(tf.compat.v1.train.SessionRunHook):
-  """Exits the process when its session does not start in time.
+  """Exits the process when a session start or a step does not end in time.
 
-  A worker whose chief is gone before its first step asks it for step ids
-  forever; no TensorFlow timeout ends that. The watchdog is armed from
-  `begin` until the session is made, and exits the process with status 1
-  and a message after `seconds`.
+  Some waits no TensorFlow timeout ends: a worker asking a dead chief for
+  step ids before its first step, or a `MonitoredSession` making its
+  session again after a failure, which waits for every task of the cluster
+  its session config does not filter out, the dead one too. The watchdog is
+  armed from `begin` until the session is made, and from each step's
+  `before_run` to its `after_run`; when armed longer than `seconds`, it
+  writes why to stderr and exits the process with status 1. A step that
+  fails leaves it armed: the session is then made again, or the process
+  ends with the error.
   """
 
   def __init__(self, task: str, seconds: float):
     self._task = task
     self._seconds = seconds
-    self._deadline = None
-    self._done = threading.Event()
+    self._armed_at = None  # when the current wait began, or None
+    self._what = None
+    self._stopped = threading.Event()
 
   def begin(self):
-    self._deadline = time.monotonic() + self._seconds
+    self._arm("starting its session")
     threading.Thread(target=self._watch, daemon=True,
                      name="replicate-watchdog").start()
 
   def after_create_session(self, session, coord):
     del session, coord
-    self._done.set()
+    self._armed_at = None
+
+  def before_run(self, run_context):
+    self._arm("running a step")
+
+  def after_run(self, run_context, run_values):
+    self._armed_at = None
 
   def end(self, session):
     del session
-    self._done.set()
+    self._stopped.set()
+
+  def _arm(self, what):
+    self._what = what
+    self._armed_at = time.monotonic()
 
   def _watch(self):
-    while not self._done.wait(min(1.0, self._seconds)):
-      if time.monotonic() > self._deadline:
+    while not self._stopped.wait(min(1.0, self._seconds / 4)):
+      armed_at = self._armed_at
+      if armed_at is not None and time.monotonic() - armed_at > self._seconds:
         sys.stderr.write(
-            "replicate: task {} could not start the synchronous cluster "
-            "within {:g} s (twice REPLICATE_SYNC_TIMEOUT_SECS, plus 10): a "
-            "task is missing, dead or frozen. Exiting; restart every task."
-            "\n".format(self._task, self._seconds))
+            "replicate: task {} has been {} for over {:g} s (twice "
+            "REPLICATE_SYNC_TIMEOUT_SECS, plus 10 s): a task of the "
+            "synchronous cluster is missing, dead or frozen, or a step "
+            "failed. Exiting; restart every task, and training resumes "
+            "from the chief's last checkpoint.\n".format(
+                self._task, self._what, self._seconds))
         sys.stderr.flush()
         os._exit(1)

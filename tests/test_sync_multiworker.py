@@ -1,0 +1,227 @@
+"""Synchronous training across tasks (no ps), on loopback clusters.
+
+Every task runs `tests/sync_job.py` under `replicate.launch.LocalCluster`:
+2 towers per task, uneven batches across tasks, an empty batch, inputs
+that end at different steps. Each run is compared with the unwrapped
+`model_fn` on one device, on the concatenation of every task's batches
+(chief first), to 1e-5: every variable (weights, Adam slots and powers,
+the moving mean, the tower-local row count) and the global step, on every
+task and in the chief's checkpoint.
+
+The faults kill (SIGKILL) or freeze (SIGSTOP) a task at a point its own
+log lines mark, and assert that the others exit with an error within the
+documented bound: `REPLICATE_SYNC_TIMEOUT_SECS` (8 s here) for a step or
+a start the others wait in, twice that plus 10 s (the watchdog) for a
+worker whose chief is gone before its first step. The margin allows for
+2 shared cores starting up to 3 TensorFlow processes.
+
+Slow (a cluster per test): run by `make test-multiworker`.
+"""
+
+import io
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from replicate import launch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import sync_job  # noqa: E402  pylint: disable=wrong-import-position
+
+TIMEOUT = 8.0
+WATCHDOG = 2 * TIMEOUT + 10
+MARGIN = 15.0  # process start-up and exit on 2 loaded cores
+TOLERANCE = 1e-5
+
+
+class Lines(io.TextIOBase):
+  """The launcher's log: every line kept, with the time it came."""
+
+  def __init__(self):
+    self.lines = []
+    self._changed = threading.Condition()
+
+  def write(self, text):
+    with self._changed:
+      for line in text.splitlines():
+        self.lines.append((time.monotonic(), line))
+      self._changed.notify_all()
+    return len(text)
+
+  def wait_for(self, task, text, timeout=120):
+    """Waits until `task`'s log has a line containing `text`."""
+    prefix = "[{}] ".format(task)
+    with self._changed:
+      found = self._changed.wait_for(
+          lambda: any(line.startswith(prefix) and text in line
+                      for _, line in self.lines), timeout)
+    assert found, "no line {!r} from {} in {} s:\n{}".format(
+        text, task, timeout, self.text()[-3000:])
+
+  def text(self):
+    return "\n".join(line for _, line in self.lines)
+
+  def of(self, task):
+    prefix = "[{}] ".format(task)
+    return "\n".join(line for _, line in self.lines if line.startswith(prefix))
+
+
+def _cluster(model_dir, tasks, max_steps, batches, log, hidden="4"):
+  command = [sys.executable, os.path.join(HERE, "sync_job.py"),
+             str(model_dir), str(max_steps), batches, "--hidden", hidden]
+  return launch.LocalCluster(
+      command, num_ps=0, num_workers=tasks, log=log,
+      env={"REPLICATE_SYNC_TIMEOUT_SECS": str(TIMEOUT),
+           "TF_CPP_MIN_LOG_LEVEL": "1"})
+
+
+def _task_names(tasks):
+  return [("chief", 0)] + [("worker", i) for i in range(tasks - 1)]
+
+
+def _run(model_dir, tasks, max_steps, batches, hidden="4"):
+  """Runs the job to its end; returns every task's exit code and the log."""
+  log = Lines()
+  with _cluster(model_dir, tasks, max_steps, batches, log, hidden) as cluster:
+    codes = {"{}:{}".format(*task): cluster.wait(*task, timeout=240)
+             for task in _task_names(tasks)}
+  return codes, log
+
+
+def _reference(model_dir, batches, steps):
+  """The unwrapped model_fn on one device, on the concatenated batches."""
+  per_task = sync_job.parse_batches(batches)
+
+  def input_fn():
+    def generate():
+      for step in range(steps):
+        parts = [sync_job.batch(rank, step, rows[step])
+                 for rank, rows in enumerate(per_task)]
+        yield ({"x": np.concatenate([p[0] for p in parts]),
+                "w": np.concatenate([p[2] for p in parts])},
+               np.concatenate([p[1] for p in parts]))
+
+    return tf.data.Dataset.from_generator(generate, output_signature=(
+        {"x": tf.TensorSpec([None, sync_job.FEATURES], tf.float32),
+         "w": tf.TensorSpec([None], tf.float32)},
+        tf.TensorSpec([None], tf.int64)))
+
+  estimator = tf.estimator.Estimator(
+      sync_job.model_fn, model_dir=str(model_dir),
+      params={"hidden": 4, "wrap": lambda optimizer: optimizer})
+  estimator.train(input_fn)
+  reader = tf.train.load_checkpoint(str(model_dir))
+  return {name: reader.get_tensor(name)
+          for name in reader.get_variable_to_shape_map()}
+
+
+def _assert_like(values, expected, where):
+  assert sorted(values) == sorted(expected), where
+  for name, value in expected.items():
+    np.testing.assert_allclose(values[name], value, rtol=TOLERANCE,
+                               atol=TOLERANCE, err_msg="{}: {}".format(
+                                   where, name))
+
+
+def _assert_every_task_like(model_dir, tasks, expected):
+  for job, index in _task_names(tasks):
+    with np.load(os.path.join(str(model_dir), "values-{}-{}.npz".format(
+        job, index))) as values:
+      _assert_like(dict(values), expected, "{}:{}".format(job, index))
+  reader = tf.train.load_checkpoint(str(model_dir))
+  _assert_like({name: reader.get_tensor(name)
+                for name in reader.get_variable_to_shape_map()}, expected,
+               "the chief's checkpoint")
+
+
+def test_two_tasks_with_uneven_and_empty_batches_train_as_one_device(
+    tmp_path):
+  batches = "6,5,4;5,0,3"  # the worker's second batch has no rows
+  codes, log = _run(tmp_path / "cluster", 2, 10, batches)
+  assert codes == {"chief:0": 0, "worker:0": 0}, log.text()[-3000:]
+  expected = _reference(tmp_path / "reference", batches, 3)
+  assert expected["global_step"] == 3
+  assert expected["rows_seen"] == 23  # the tower-local sum over tasks
+  _assert_every_task_like(tmp_path / "cluster", 2, expected)
+
+
+def test_three_tasks_stop_together_when_one_input_ends(tmp_path):
+  # Worker 0's and worker 1's inputs end after 3 batches, the chief's has 4:
+  # every task stops at step 3, cleanly.
+  batches = "6,5,0,4;5,4,3;2,0,3"
+  codes, log = _run(tmp_path / "cluster", 3, 10, batches)
+  assert codes == {"chief:0": 0, "worker:0": 0, "worker:1": 0}, (
+      log.text()[-3000:])
+  assert "the input of worker:0, worker:1 ended" in log.of("chief:0")
+  expected = _reference(tmp_path / "reference", batches, 3)
+  _assert_every_task_like(tmp_path / "cluster", 3, expected)
+
+
+def test_a_restarted_job_resumes_from_the_chiefs_checkpoint(tmp_path):
+  batches = "5,3,4,6,2,4;4,6,0,3,5,2"
+  model_dir = tmp_path / "cluster"
+  codes, log = _run(model_dir, 2, 3, batches)  # steps 1-3, then stop
+  assert codes == {"chief:0": 0, "worker:0": 0}, log.text()[-3000:]
+  codes, log = _run(model_dir, 2, 6, batches)  # resumes: steps 4-6
+  assert codes == {"chief:0": 0, "worker:0": 0}, log.text()[-3000:]
+  # The worker starts from the chief's step 3 (broadcast), not from 0.
+  assert "sync_job: step 4" in log.of("worker:0")
+  assert "sync_job: step 1\n" not in log.of("worker:0") + "\n"
+  _assert_every_task_like(model_dir, 2,
+                          _reference(tmp_path / "reference", batches, 6))
+
+
+def test_a_task_with_another_model_fails_every_task_at_the_start(tmp_path):
+  codes, log = _run(tmp_path / "cluster", 3, 5, "4*5;4*5;4*5",
+                    hidden="4,4,5")
+  assert codes == {"chief:0": 1, "worker:0": 1, "worker:1": 1}
+  for task in ("chief:0", "worker:0", "worker:1"):
+    assert ("built different models" in log.of(task) and
+            "differing from the chief: worker:1" in log.of(task)), task
+
+
+# (task to fault, signal, the line of that task to fault it at, bound).
+FAULTS = {
+    "worker killed mid-run": ("worker:0", signal.SIGKILL, "sync_job: step 20",
+                              TIMEOUT),
+    "chief killed mid-run": ("chief:0", signal.SIGKILL, "sync_job: step 20",
+                             TIMEOUT),
+    "worker frozen mid-run": ("worker:0", signal.SIGSTOP, "sync_job: step 20",
+                              TIMEOUT),
+    "worker killed before its first step": (
+        "worker:0", signal.SIGKILL, "sync_job: started", TIMEOUT),
+    "chief killed before the worker's first step": (
+        "chief:0", signal.SIGKILL, "sync_job: started", WATCHDOG),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_a_dead_or_frozen_task_makes_the_others_exit_in_bounded_time(
+    fault, tmp_path):
+  victim, sig, line, bound = FAULTS[fault]
+  job, index = victim.split(":")
+  log = Lines()
+  with _cluster(tmp_path / "cluster", 2, 100000, "4*100000;4*100000",
+                log) as cluster:
+    log.wait_for(victim, line)
+    cluster.kill(job, int(index), sig)
+    faulted = time.monotonic()
+    other = ("worker", 0) if job == "chief" else ("chief", 0)
+    code = cluster.wait(*other, timeout=bound + MARGIN + 60)
+    elapsed = time.monotonic() - faulted
+  survivor = log.of("{}:{}".format(*other))
+  assert code != 0, survivor[-3000:]
+  assert elapsed < bound + MARGIN, (elapsed, survivor[-3000:])
+  # The error says what happened: the guard's, a collective's timeout, or
+  # the watchdog's.
+  assert ("lost the synchronous cluster" in survivor or
+          "Collective has timed out" in survivor or
+          "has been starting its session for over" in survivor), (
+              survivor[-3000:])
