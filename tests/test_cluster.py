@@ -100,15 +100,18 @@ def test_variables_go_to_the_ps_tasks_and_towers_stay_on_the_worker(
   assert {op.device for op in sums} == {worker + "/device:CPU:0"}
 
 
-def test_without_ps_tasks_placement_is_unchanged(monkeypatch):
+def test_without_ps_tasks_training_is_synchronous_and_needs_replicated(
+    monkeypatch):
+  # Chief and worker, no ps: every task keeps its own copy of the
+  # variables (test_sync_cluster.py builds that case), which the default
+  # variable_strategy does not; it is refused, not left to wait forever
+  # for variables nobody initialises.
   config = _config(monkeypatch, cluster={"chief": CLUSTER["chief"],
                                          "worker": CLUSTER["worker"]})
   assert config.num_ps_replicas == 0
-  graph = _build(config)
-  assert {v.device for v in graph.get_collection("trainable_variables")} == {
-      "/device:CPU:0"}
-  assert not any(op.device.startswith("/job:")
-                 for op in graph.get_operations())
+  with pytest.raises(ValueError, match="no ps tasks, which trains "
+                     "synchronously.*Pass variable_strategy='replicated'"):
+    _build(config)
 
 
 def test_evaluation_on_the_chief_stays_on_local_devices(monkeypatch):

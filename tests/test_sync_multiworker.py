@@ -150,6 +150,21 @@ def test_two_tasks_with_uneven_and_empty_batches_train_as_one_device(
   assert expected["global_step"] == 3
   assert expected["rows_seen"] == 23  # the tower-local sum over tasks
   _assert_every_task_like(tmp_path / "cluster", 2, expected)
+  # Only the chief writes summaries (and checkpoints, read above).
+  events = [name for name in os.listdir(tmp_path / "cluster")
+            if name.startswith("events.out.tfevents")]
+  assert len(events) == 1, events
+
+
+def test_a_one_device_checkpoint_goes_on_training_on_the_cluster(tmp_path):
+  batches = "5,3,4,6;4,6,0,3"
+  model_dir = tmp_path / "cluster"
+  _reference(model_dir, batches, 2)  # one device, steps 1-2, unwrapped
+  codes, log = _run(model_dir, 2, 4, batches)  # the cluster: steps 3-4
+  assert codes == {"chief:0": 0, "worker:0": 0}, log.text()[-3000:]
+  assert "sync_job: step 3" in log.of("worker:0")
+  _assert_every_task_like(model_dir, 2,
+                          _reference(tmp_path / "reference", batches, 4))
 
 
 def test_three_tasks_stop_together_when_one_input_ends(tmp_path):
@@ -217,6 +232,8 @@ def test_a_dead_or_frozen_task_makes_the_others_exit_in_bounded_time(
     code = cluster.wait(*other, timeout=bound + MARGIN + 60)
     elapsed = time.monotonic() - faulted
   survivor = log.of("{}:{}".format(*other))
+  print("{}: {}:{} exited with {} {:.1f} s after (bound {:g} s)".format(
+      fault, other[0], other[1], code, elapsed, bound))
   assert code != 0, survivor[-3000:]
   assert elapsed < bound + MARGIN, (elapsed, survivor[-3000:])
   # The error says what happened: the guard's, a collective's timeout, or

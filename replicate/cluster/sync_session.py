@@ -80,6 +80,7 @@ def for_task(spec: tf.estimator.EstimatorSpec,
     with tf.control_dependencies([received]):
       if cross.group.is_chief:
         ready = tf.compat.v1.report_uninitialized_variables(saved)
+        ready.mark_used()  # run by the session's start, not fetched here
       else:
         ready = tf.constant([], tf.string)
   scaffold = tf.compat.v1.train.Scaffold(

@@ -1,0 +1,280 @@
+"""A synchronous cluster's pieces, in this process: the server, the build.
+
+`replicate.start_server` starts the chief's server of a 2-task cluster here
+(servers cannot be stopped; it goes with the test process), so TRAIN
+graphs build as the chief's would: its towers, the cross-task collectives,
+the refusals. Training on real clusters is `test_sync_multiworker.py`.
+"""
+
+import json
+import os
+import socket
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from replicate.cluster import sync_cluster
+from replicate.cluster import sync_input
+from replicate.communication import allreduce
+from conftest import TRAIN
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+CLUSTER = {job: ["127.0.0.1:{}".format(_free_port()) for _ in range(count)]
+           for job, count in (("chief", 1), ("worker", 1))}
+
+
+def _set_tf_config(monkeypatch, task_type="chief", index=0, cluster=CLUSTER):
+  monkeypatch.setenv("TF_CONFIG", json.dumps(
+      {"cluster": cluster, "task": {"type": task_type, "index": index}}))
+
+
+def _run_config(**kwargs):
+  kwargs.setdefault("experimental_max_worker_delay_secs", 0)
+  kwargs.setdefault("session_config",
+                    tf.compat.v1.ConfigProto(device_count={"CPU": 2}))
+  return tf.estimator.RunConfig(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def chief_config():
+  """The chief's RunConfig, its server started by start_server."""
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    _set_tf_config(monkeypatch)
+    config = _run_config()
+    server = replicate.start_server(config)
+    assert isinstance(server, tf.distribute.Server)
+    # The Estimator is told the server runs already.
+    assert json.loads(os.environ["TF_CONFIG"])["environment"] == "google"
+    yield config, server
+
+
+def test_start_server_gives_the_server_the_sessions_devices_and_a_filter(
+    chief_config):
+  config, server = chief_config
+  # The session config's virtual CPUs reach the server: two towers.
+  with tf.Graph().as_default(), tf.compat.v1.Session(
+      server.target, config=config.session_config) as session:
+    names = [d.name for d in session.list_devices()]
+  assert sum("/job:chief/replica:0/task:0/device:CPU:" in n
+             for n in names) == 2
+  # The Estimator's sessions are limited to this task.
+  assert list(config.session_config.device_filters) == ["/job:chief/task:0"]
+  # Once per process: a second call gives the same server.
+  assert replicate.start_server(config) is server
+
+
+def test_start_server_is_none_without_a_cluster_or_for_an_evaluator(
+    monkeypatch):
+  monkeypatch.delenv("TF_CONFIG", raising=False)
+  assert replicate.start_server(_run_config()) is None
+  _set_tf_config(monkeypatch, "evaluator", 0)
+  assert replicate.start_server(_run_config()) is None
+
+
+def test_start_server_refuses_a_ps_cluster_and_other_arguments(monkeypatch):
+  with pytest.raises(ValueError, match=r"tf.estimator.RunConfig. Received: "
+                     r"\{'cluster'"):
+    replicate.start_server({"cluster": {}})
+  cluster = dict(CLUSTER, ps=["127.0.0.1:1"])
+  _set_tf_config(monkeypatch, cluster=cluster)
+  with pytest.raises(ValueError, match="has ps tasks .127.0.0.1:1.*Remove "
+                     "the start_server call"):
+    replicate.start_server(_run_config())
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "soon", "nan"])
+def test_a_bad_timeout_is_refused_naming_the_variable(monkeypatch, value):
+  monkeypatch.setenv(sync_cluster.TIMEOUT_ENV, value)
+  with pytest.raises(ValueError, match=r"REPLICATE_SYNC_TIMEOUT_SECS must be "
+                     r"a number of seconds greater than 0. Received: '{}'"
+                     .format(value)):
+    sync_cluster.timeout_seconds()
+
+
+def test_the_timeout_defaults_to_120_seconds(monkeypatch):
+  monkeypatch.delenv(sync_cluster.TIMEOUT_ENV, raising=False)
+  assert sync_cluster.timeout_seconds() == 120.0
+  monkeypatch.setenv(sync_cluster.TIMEOUT_ENV, "7.5")
+  assert sync_cluster.timeout_seconds() == 7.5
+
+
+def _model_fn(features, labels, mode, params):
+  logits = tf.compat.v1.layers.dense(features["x"], 2, name="logits")
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  extra = params.get("extra")
+  ops = [extra(features, labels)] if extra else []
+  optimizer = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.1))
+  train_op = optimizer.minimize(loss,
+                                tf.compat.v1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                    train_op=tf.group(train_op, *ops))
+
+
+def _dataset_batch(rows=6):
+  dataset = tf.data.Dataset.from_tensor_slices(
+      ({"x": np.ones((rows, 3), np.float32)},
+       np.zeros(rows, np.int64))).batch(rows)
+  return tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
+
+
+def _build(config, params=None, features_labels=None, **wrap_kwargs):
+  wrap_kwargs.setdefault("variable_strategy", "replicated")
+  with tf.Graph().as_default() as graph:
+    features, labels = features_labels() if features_labels else (
+        _dataset_batch())
+    spec = replicate.replicate_model_fn(_model_fn, **wrap_kwargs)(
+        features, labels, TRAIN, params=params or {}, config=config)
+  return graph, spec
+
+
+def test_the_chiefs_step_sums_over_its_towers_then_across_tasks(
+    chief_config):
+  config, _ = chief_config
+  graph, spec = _build(config)
+  collectives = [op for op in graph.get_operations()
+                 if op.type.startswith("Collective")]
+  on = {op.device for op in collectives}
+  # One device per task takes part: the chief's first tower.
+  assert on == {"/job:chief/task:0/device:CPU:0"}
+  sizes = {int(tf.get_static_value(op.inputs[1])) for op in collectives
+           if op.type != "CollectiveBcastRecvV2"}
+  assert sizes == {2}  # two tasks
+  kinds = sorted(op.type for op in collectives)
+  # The start's all-gather of fingerprints and broadcast; the step's
+  # all-gather of (ended, rows) and all-reduces (gradients, loss).
+  assert kinds.count("CollectiveGatherV2") == 2
+  assert kinds.count("CollectiveBcastSendV2") == 2  # float32, int64
+  assert kinds.count("CollectiveReduceV2") >= 2
+  timeouts = {op.get_attr("timeout_seconds") for op in collectives}
+  assert timeouts == {sync_cluster.timeout_seconds()}
+  # The towers train copies; tower 1's are local, never saved.
+  with graph.as_default():
+    saved = {v.op.name for v in tf.compat.v1.global_variables()}
+    local = {v.op.name for v in tf.compat.v1.local_variables()}
+  assert saved == {"logits/kernel", "logits/bias", "global_step"}
+  assert {"tower_1/logits/kernel", "tower_1/logits/bias"} <= local
+  assert spec.scaffold.ready_for_local_init_op is not None
+  assert any(type(h).__name__ == "WatchdogHook" for h in spec.training_hooks)
+
+
+def test_other_variable_strategies_are_refused_with_the_fix(chief_config):
+  config, _ = chief_config
+  with pytest.raises(ValueError, match=r"2 training tasks \(chief:0, "
+                     r"worker:0\) and no ps tasks.*Received "
+                     r"variable_strategy='parameter_server'. Pass "
+                     r"variable_strategy='replicated'"):
+    _build(config, variable_strategy="parameter_server")
+
+
+def test_the_workers_start_delay_is_refused_with_the_fix(monkeypatch,
+                                                         chief_config):
+  del chief_config  # the server runs
+  _set_tf_config(monkeypatch)
+  config = _run_config(experimental_max_worker_delay_secs=None)
+  with pytest.raises(ValueError, match=r"experimental_max_worker_delay_secs"
+                     r"=0\). Received experimental_max_worker_delay_secs="
+                     r"None"):
+    _build(config)
+
+
+def test_training_without_start_server_is_refused(monkeypatch, chief_config):
+  del chief_config
+  _set_tf_config(monkeypatch, "worker", 0)  # this process is not the worker
+  with pytest.raises(ValueError, match=r"replicate.start_server\(run_config"
+                     r"\).*before tf.estimator.train_and_evaluate"):
+    _build(_run_config())
+
+
+def test_a_queue_input_is_refused_with_the_fix(chief_config):
+  config, _ = chief_config
+
+  def from_queue():
+    queue = tf.queue.FIFOQueue(10, [tf.float32, tf.int64],
+                               shapes=[[3], []])
+    x, y = queue.dequeue_many(4)
+    return {"x": x}, y
+
+  with pytest.raises(ValueError, match=r"must return a tf.data.Dataset.*"
+                     r"\(QueueDequeueManyV2\).*from_tensor_slices"):
+    _build(config, features_labels=from_queue)
+
+
+def test_a_count_of_rows_into_shared_state_is_refused(chief_config):
+  config, _ = chief_config
+
+  def count(features, labels):
+    seen = tf.compat.v1.get_variable(
+        "seen", [], tf.int32, trainable=False,
+        initializer=tf.compat.v1.zeros_initializer())
+    return seen.assign_add(tf.shape(labels)[0])
+
+  with pytest.raises(ValueError, match=r"adds to 'seen' from the tower's "
+                     r"rows.*replicate.tower_local_scope\('sum'\)"):
+    _build(config, params={"extra": count})
+
+
+def test_a_sparse_gradient_across_tasks_is_refused(chief_config):
+  config, _ = chief_config
+
+  def embedding_model_fn(features, labels, mode):
+    table = tf.compat.v1.get_variable("table", [10, 2])
+    logits = tf.reduce_sum(tf.gather(table, features["ids"]), axis=1)
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+    train_op = replicate.TowerOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1)).minimize(loss)
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  with tf.Graph().as_default():
+    dataset = tf.data.Dataset.from_tensor_slices(
+        ({"ids": np.zeros((4, 3), np.int64)}, np.zeros(4, np.int64))).batch(4)
+    features, labels = tf.compat.v1.data.make_one_shot_iterator(
+        dataset).get_next()
+    with pytest.raises(ValueError, match=r"A sparse gradient \(tf.Indexed"
+                       r"Slices.*cannot be combined across the tasks"):
+      replicate.replicate_model_fn(
+          embedding_model_fn, variable_strategy="replicated")(
+              features, labels, TRAIN, config=config)
+
+
+def test_the_batch_is_taken_as_an_optional_that_ends_every_task(
+    chief_config):
+  config, _ = chief_config
+  graph, _ = _build(config)
+  types = {op.type for op in graph.get_operations()}
+  assert {"IteratorGetNextAsOptional", "OptionalHasValue",
+          "OptionalGetValue"} <= types
+  # The Estimator's IteratorGetNext is left with nothing to feed.
+  get_next = [op for op in graph.get_operations()
+              if op.type == "IteratorGetNext"]
+  assert get_next and all(not t.consumers() for op in get_next
+                          for t in op.outputs)
+
+
+def test_a_task_whose_input_ended_stops_with_out_of_range():
+  stop = sync_input._StopIfAnyEnded([("chief", 0), ("worker", 0),  # pylint: disable=protected-access
+                                     ("worker", 1)])
+  assert stop(np.array([0, 0, 0])) == 0
+  with pytest.raises(StopIteration, match="the input of worker:0, worker:1 "
+                     "ended; every task of the synchronous cluster stops"):
+    stop(np.array([0, 1, 1]))
+
+
+def test_sparse_slices_are_refused_by_the_cross_task_reduce():
+  group = sync_cluster.TaskGroup([("chief", 0), ("worker", 0)], 0)
+  with tf.Graph().as_default():
+    cross = sync_cluster.CrossTask(group, "/job:chief/task:0/device:CPU:0")
+    slices = tf.IndexedSlices(tf.ones([2, 3]), tf.constant([0, 1]),
+                              tf.constant([5, 3]))
+    with pytest.raises(ValueError, match="cannot be combined across the "
+                       "tasks of a synchronous cluster"):
+      allreduce.all_reduce_grads([[slices]], ["/cpu:0"], allreduce.GATHER,
+                                 cross=cross)
