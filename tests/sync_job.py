@@ -62,6 +62,10 @@ def model_fn(features, labels, mode, params):
       features["x"], params["hidden"], activation=tf.nn.tanh, name="hidden",
       kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=1),
       kernel_regularizer=tf.keras.regularizers.l2(0.01))
+  if params.get("batch_norm"):
+    hidden = tf.compat.v1.layers.batch_normalization(
+        hidden, training=mode == tf.estimator.ModeKeys.TRAIN, name="norm",
+        fused=params["batch_norm"] == "fused")
   logits = tf.compat.v1.layers.dense(
       hidden, CLASSES, name="logits",
       kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
@@ -153,6 +157,9 @@ def main(argv):
   parser.add_argument("batches")
   parser.add_argument("--hidden", default="4",
                       help="hidden units, or per task in rank order: 4,5")
+  parser.add_argument("--batch-norm", choices=["fused", "plain"],
+                      help="a batch norm after the hidden layer, "
+                      "synchronized across every task's towers")
   arguments = parser.parse_args(argv)
   tf_config = json.loads(os.environ["TF_CONFIG"])
   task = tf_config["task"]
@@ -166,9 +173,11 @@ def main(argv):
       session_config=tf.compat.v1.ConfigProto(device_count={"CPU": 2}))
   replicate.start_server(config)
   estimator = tf.estimator.Estimator(
-      replicate.replicate_model_fn(model_fn, variable_strategy="replicated"),
+      replicate.replicate_model_fn(model_fn, variable_strategy="replicated",
+                                   sync_batch_norm=bool(arguments.batch_norm)),
       config=config,
       params={"hidden": _of_task(arguments.hidden, rank),
+              "batch_norm": arguments.batch_norm,
               "wrap": replicate.TowerOptimizer})
   path = os.path.join(arguments.model_dir,
                       "values-{}-{}.npz".format(task["type"], task["index"]))

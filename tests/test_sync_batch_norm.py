@@ -12,6 +12,7 @@ norm misses by 0.06-1.6 on these models, so the tolerance is meaningful
 """
 
 import json
+import socket
 
 import numpy as np
 import pytest
@@ -446,17 +447,38 @@ def test_sync_batch_norm_must_be_a_bool():
     replicate.replicate_model_fn(_v1_cnn_model_fn, sync_batch_norm="yes")
 
 
-def _multi_worker_config(monkeypatch):
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+_PS_CLUSTER = {job: ["127.0.0.1:{}".format(_free_port())]
+               for job in ("chief", "worker", "ps")}
+
+
+def _ps_cluster_config(monkeypatch):
+  """The chief of a ps cluster, its server running (the towers are its
+  devices, asked of it; it goes with the test process)."""
   monkeypatch.setenv("TF_CONFIG", json.dumps({
-      "cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]},
-      "task": {"type": "chief", "index": 0}}))
+      "cluster": _PS_CLUSTER, "task": {"type": "chief", "index": 0}}))
+  if not _CHIEF_SERVER:
+    _CHIEF_SERVER.append(tf.distribute.Server(
+        tf.train.ClusterSpec(_PS_CLUSTER), job_name="chief", task_index=0,
+        config=session_config(2)))
   return tf.estimator.RunConfig(session_config=session_config(2))
 
 
-def test_a_multi_worker_cluster_is_refused(monkeypatch):
-  config = _multi_worker_config(monkeypatch)
+_CHIEF_SERVER = []
+
+
+def test_a_ps_cluster_of_several_workers_is_refused(monkeypatch):
+  # Its workers step on their own (a synchronous cluster, without ps,
+  # synchronizes across tasks: test_sync_multiworker.py).
+  config = _ps_cluster_config(monkeypatch)
   with pytest.raises(ValueError, match="sync_batch_norm=True, but this "
-                     "RunConfig's cluster has 2 training tasks"):
+                     "RunConfig's cluster has 2 training tasks .* and ps "
+                     "tasks.*or a synchronous cluster"):
     _build(_v1_cnn_model_fn, config=config)
   with pytest.raises(ValueError, match="batch norm 'bn' is declared "
                      "synchronized=True, but .* 2 training tasks"):

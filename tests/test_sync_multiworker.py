@@ -11,8 +11,8 @@ task and in the chief's checkpoint.
 The faults kill (SIGKILL) or freeze (SIGSTOP) a task at a point its own
 log lines mark, and assert that the others exit with an error within the
 documented bound: `REPLICATE_SYNC_TIMEOUT_SECS` (8 s here) for a step or
-a start the others wait in, twice that plus 10 s (the watchdog) for a
-worker whose chief is gone before its first step. The margin allows for
+a start the others wait in, twice that plus 10 s for a worker whose chief
+is gone before its first step (the watchdog's bound on a start). The margin allows for
 2 shared cores starting up to 3 TensorFlow processes.
 
 Slow (a cluster per test): run by `make test-multiworker`.
@@ -36,7 +36,7 @@ sys.path.insert(0, HERE)
 import sync_job  # noqa: E402  pylint: disable=wrong-import-position
 
 TIMEOUT = 8.0
-WATCHDOG = 2 * TIMEOUT + 10
+START = 2 * TIMEOUT + 10  # the watchdog's bound on a session's start
 MARGIN = 15.0  # process start-up and exit on 2 loaded cores
 TOLERANCE = 1e-5
 
@@ -73,9 +73,12 @@ class Lines(io.TextIOBase):
     return "\n".join(line for _, line in self.lines if line.startswith(prefix))
 
 
-def _cluster(model_dir, tasks, max_steps, batches, log, hidden="4"):
+def _cluster(model_dir, tasks, max_steps, batches, log, hidden="4",
+             batch_norm=None):
   command = [sys.executable, os.path.join(HERE, "sync_job.py"),
              str(model_dir), str(max_steps), batches, "--hidden", hidden]
+  if batch_norm:
+    command += ["--batch-norm", batch_norm]
   return launch.LocalCluster(
       command, num_ps=0, num_workers=tasks, log=log,
       env={"REPLICATE_SYNC_TIMEOUT_SECS": str(TIMEOUT),
@@ -86,16 +89,17 @@ def _task_names(tasks):
   return [("chief", 0)] + [("worker", i) for i in range(tasks - 1)]
 
 
-def _run(model_dir, tasks, max_steps, batches, hidden="4"):
+def _run(model_dir, tasks, max_steps, batches, hidden="4", batch_norm=None):
   """Runs the job to its end; returns every task's exit code and the log."""
   log = Lines()
-  with _cluster(model_dir, tasks, max_steps, batches, log, hidden) as cluster:
+  with _cluster(model_dir, tasks, max_steps, batches, log, hidden,
+                batch_norm) as cluster:
     codes = {"{}:{}".format(*task): cluster.wait(*task, timeout=240)
              for task in _task_names(tasks)}
   return codes, log
 
 
-def _reference(model_dir, batches, steps):
+def _reference(model_dir, batches, steps, batch_norm=None):
   """The unwrapped model_fn on one device, on the concatenated batches."""
   per_task = sync_job.parse_batches(batches)
 
@@ -115,7 +119,8 @@ def _reference(model_dir, batches, steps):
 
   estimator = tf.estimator.Estimator(
       sync_job.model_fn, model_dir=str(model_dir),
-      params={"hidden": 4, "wrap": lambda optimizer: optimizer})
+      params={"hidden": 4, "batch_norm": batch_norm,
+              "wrap": lambda optimizer: optimizer})
   estimator.train(input_fn)
   reader = tf.train.load_checkpoint(str(model_dir))
   return {name: reader.get_tensor(name)
@@ -154,6 +159,19 @@ def test_two_tasks_with_uneven_and_empty_batches_train_as_one_device(
   events = [name for name in os.listdir(tmp_path / "cluster")
             if name.startswith("events.out.tfevents")]
   assert len(events) == 1, events
+
+
+@pytest.mark.parametrize("batch_norm", ["fused", "plain"])
+def test_batch_norm_synchronized_across_tasks_is_one_devices(tmp_path,
+                                                              batch_norm):
+  batches = "6,5,1;3,0,4;2,4,0"  # a batch of 1 row, empty batches
+  codes, log = _run(tmp_path / "cluster", 3, 10, batches,
+                    batch_norm=batch_norm)
+  assert codes == {"chief:0": 0, "worker:0": 0, "worker:1": 0}, (
+      log.text()[-3000:])
+  expected = _reference(tmp_path / "reference", batches, 3, batch_norm)
+  assert {"norm/moving_mean", "norm/moving_variance"} <= set(expected)
+  _assert_every_task_like(tmp_path / "cluster", 3, expected)
 
 
 def test_a_one_device_checkpoint_goes_on_training_on_the_cluster(tmp_path):
@@ -202,25 +220,30 @@ def test_a_task_with_another_model_fails_every_task_at_the_start(tmp_path):
             "differing from the chief: worker:1" in log.of(task)), task
 
 
-# (task to fault, signal, the line of that task to fault it at, bound).
+# (task to fault, signal, the line of that task to fault it at, bound, what
+# the other task's error says: the guard's, a collective's timeout at the
+# start, the watchdog's).
+LOST = "lost the synchronous cluster"
 FAULTS = {
     "worker killed mid-run": ("worker:0", signal.SIGKILL, "sync_job: step 20",
-                              TIMEOUT),
+                              TIMEOUT, [LOST]),
     "chief killed mid-run": ("chief:0", signal.SIGKILL, "sync_job: step 20",
-                             TIMEOUT),
+                             TIMEOUT, [LOST]),
     "worker frozen mid-run": ("worker:0", signal.SIGSTOP, "sync_job: step 20",
-                              TIMEOUT),
+                              TIMEOUT, ["has been running a step for over"]),
     "worker killed before its first step": (
-        "worker:0", signal.SIGKILL, "sync_job: started", TIMEOUT),
+        "worker:0", signal.SIGKILL, "sync_job: started", TIMEOUT,
+        [LOST, "Collective has timed out"]),
     "chief killed before the worker's first step": (
-        "chief:0", signal.SIGKILL, "sync_job: started", WATCHDOG),
+        "chief:0", signal.SIGKILL, "sync_job: started", START,
+        [LOST, "has been starting its session for over"]),
 }
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_a_dead_or_frozen_task_makes_the_others_exit_in_bounded_time(
     fault, tmp_path):
-  victim, sig, line, bound = FAULTS[fault]
+  victim, sig, line, bound, messages = FAULTS[fault]
   job, index = victim.split(":")
   log = Lines()
   with _cluster(tmp_path / "cluster", 2, 100000, "4*100000;4*100000",
@@ -236,9 +259,22 @@ def test_a_dead_or_frozen_task_makes_the_others_exit_in_bounded_time(
       fault, other[0], other[1], code, elapsed, bound))
   assert code != 0, survivor[-3000:]
   assert elapsed < bound + MARGIN, (elapsed, survivor[-3000:])
-  # The error says what happened: the guard's, a collective's timeout, or
-  # the watchdog's.
-  assert ("lost the synchronous cluster" in survivor or
-          "Collective has timed out" in survivor or
-          "has been starting its session for over" in survivor), (
-              survivor[-3000:])
+  assert any(message in survivor for message in messages), survivor[-3000:]
+
+
+def test_a_long_run_keeps_its_threads(tmp_path):
+  # The step's collectives carry no timeout of their own: TensorFlow would
+  # start a thread per run sleeping it out, ~5 per step here, until no
+  # thread could start (helper runs died so at step ~2,700).
+  log = Lines()
+  with _cluster(tmp_path / "cluster", 2, 100000, "4*100000;4*100000",
+                log) as cluster:
+    log.wait_for("chief:0", "sync_job: step 50")
+    early = _threads(cluster.process("chief", 0).pid)
+    log.wait_for("chief:0", "sync_job: step 1000")
+    late = _threads(cluster.process("chief", 0).pid)
+  assert late <= early + 10, (early, late)
+
+
+def _threads(pid):
+  return len(os.listdir("/proc/{}/task".format(pid)))

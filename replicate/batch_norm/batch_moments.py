@@ -89,6 +89,28 @@ def combine(counts: Sequence[tf.Tensor], means: Sequence[tf.Tensor],
   return total, mean, variance
 
 
+def combine_over_tasks(count: tf.Tensor, mean: tf.Tensor,
+                       variance: tf.Tensor, cross_task
+                      ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+  """Every task's (count, mean, variance) combined, by Chan's combination.
+
+  One all-gather of each task's moments (in float64: a cast of float32 and
+  back is exact), combined in rank order the same way on every task, so
+  every task gets the same whole batch's moments.
+  """
+  channels = mean.shape.num_elements()
+  packed = tf.concat([
+      tf.reshape(count, [1]), tf.reshape(tf.cast(mean, tf.float64), [-1]),
+      tf.reshape(tf.cast(variance, tf.float64), [-1])], axis=0)
+  every_task = cross_task.gather(packed[tf.newaxis])
+  tasks = cross_task.group.size
+  parts = lambda start: [
+      tf.cast(tf.reshape(every_task[task, start:start + channels], mean.shape),
+              mean.dtype) for task in range(tasks)]
+  return combine(tf.unstack(every_task[:, 0], num=tasks), parts(1),
+                 parts(1 + channels), [True] * tasks)
+
+
 def weight_of(count: tf.Tensor, total: tf.Tensor, dtype) -> tf.Tensor:
   """A tower's share of the batch's elements, `c_i / C` (0 when C is 0)."""
   return tf.cast(tf.math.divide_no_nan(count, total), dtype)

@@ -8,6 +8,10 @@ site k, combines them (`replicate.batch_norm.batch_moments`) and connects the
 stand-ins. Sites are matched by their position in the tower, and checked by
 name.
 
+In a synchronous cluster the last tower also combines its task's moments
+with every other task's (an all-gather of each task's), and the sum of
+the gradients at a site is summed across tasks too.
+
 On the backward pass: the whole batch's moments are a `tf.custom_gradient`
 whose gradient in tower i is a stand-in for the sum over towers of what
 each tower's loss sends back to them; the last tower's gradient function
@@ -35,10 +39,12 @@ class BatchNormSync:
   """The batch-norm sites of one TRAIN call: per tower, in build order."""
 
   def __init__(self, num_towers: int, has_rows: List[Any], sync_all: bool,
-               refusal: Optional[str] = None):
+               refusal: Optional[str] = None, cross_task=None):
     self.sync_all = sync_all  # every layer, or only `synchronized=True` ones
     self.refusal = refusal  # why no site may be made here, if none may
     self._has_rows = has_rows
+    # A synchronous cluster's collectives across tasks, or None.
+    self._cross_task = cross_task
     self._sites = [[] for _ in range(num_towers)]
     # "tower" or "extra" while TowerOptimizer differentiates (`backward`).
     self._backward = None
@@ -77,8 +83,13 @@ class BatchNormSync:
     else:
       sites = [tower[site.position] for tower in self._sites]
       with tf.name_scope("batch_norm_over_towers"):
-        site.batch = tuple(tf.stop_gradient(t) for t in batch_moments.combine(
-            *zip(*[s.local for s in sites]), self._has_rows))
+        combined = batch_moments.combine(*zip(*[s.local for s in sites]),
+                                         self._has_rows)
+        if self._cross_task is not None:
+          with context.progress.building_own_ops():  # not the model's state
+            combined = batch_moments.combine_over_tasks(*combined,
+                                                        self._cross_task)
+        site.batch = tuple(tf.stop_gradient(t) for t in combined)
       for other in sites[:-1]:
         for stand_in, value in zip(other.batch, site.batch):
           stand_ins.connect(stand_in, value)
@@ -157,6 +168,10 @@ class BatchNormSync:
           sharding.zero_unless_rows(other.grads[position][part], rows)
           for other, rows in zip(sites, self._has_rows) if rows is not False])
                      for part in range(2))
+      if self._cross_task is not None:
+        with context.progress.building_own_ops():
+          summed = tuple(self._cross_task.sum_all(
+              summed, name="batch_norm_gradient_over_tasks"))
     for other in sites[:-1]:
       for stand_in, value in zip(other.pending[position], summed):
         stand_ins.connect(stand_in, value)

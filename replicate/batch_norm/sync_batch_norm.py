@@ -20,7 +20,7 @@ row still weighs 0.
 On what cannot be synchronized: a training-mode batch norm inside a nested
 graph (a `tf.cond`, as Keras builds a fused layer whose `training` is a
 tensor, or a `tf.function`), a Keras mask, `virtual_batch_size`, and a
-cluster of several training tasks are refused with the fix, never left
+ps cluster of several training tasks are refused with the fix, never left
 per-tower in silence; so is a gradient through a site not made by
 `TowerOptimizer` (see `replicate.batch_norm.batch_norm_sites`), a gradient penalty's
 `tf.gradients` included.
@@ -34,6 +34,7 @@ import tensorflow as tf
 from replicate.batch_norm import batch_moments
 from replicate.batch_norm import batch_norm_sites
 from replicate.cluster import ps_cluster
+from replicate.cluster import sync_cluster
 from replicate.towers import layout as layout_lib
 from replicate import _tf
 
@@ -41,33 +42,36 @@ from replicate import _tf
 def check_cluster(sync_all: bool, config, mode: str) -> Callable:
   """What makes a call's `BatchNormSync` from its layout (None: none).
 
-  Only TRAIN synchronizes. In a cluster of several training tasks, where the
-  moments would have to be combined across tasks too, `sync_batch_norm=True`
-  is refused here, and a layer declared `synchronized=True` where it is
-  built.
+  Only TRAIN synchronizes. In a synchronous cluster (no ps tasks) the
+  moments and their gradients are combined across tasks too. In a ps
+  cluster of several training tasks, whose workers step on their own,
+  `sync_batch_norm=True` is refused here, and a layer declared
+  `synchronized=True` where it is built.
   """
   if mode != tf.estimator.ModeKeys.TRAIN:
     return lambda layout: None
   tasks = ps_cluster.num_training_tasks(config)
   refusal = None
-  if tasks > 1:
+  if tasks > 1 and not sync_cluster.is_sync_cluster(config):
     if sync_all:
       raise ValueError(
           "sync_batch_norm=True, but this RunConfig's cluster has {} "
-          "training tasks (chief and workers): replicate_model_fn combines "
-          "batch-norm moments over one task's towers only, and combining "
-          "them across tasks is not built yet. Fix: sync_batch_norm=False "
-          "(each tower normalizes with its own rows), or train on one "
-          "machine.".format(tasks))
+          "training tasks (chief and workers) and ps tasks, where each "
+          "worker steps on its own: batch-norm moments can be combined "
+          "over one task's towers only. Fix: sync_batch_norm=False (each "
+          "tower normalizes with its own rows), or a synchronous cluster "
+          "(no ps tasks, variable_strategy='replicated').".format(tasks))
     refusal = (
         "The batch norm {{}} is declared synchronized=True, but this "
-        "RunConfig's cluster has {} training tasks (chief and workers): "
-        "replicate_model_fn combines batch-norm moments over one task's "
-        "towers only, and combining them across tasks is not built yet. "
-        "Fix: synchronized=False (each tower normalizes with its own rows), "
-        "or train on one machine.".format(tasks))
+        "RunConfig's cluster has {} training tasks (chief and workers) and "
+        "ps tasks, where each worker steps on its own: batch-norm moments "
+        "can be combined over one task's towers only. Fix: "
+        "synchronized=False (each tower normalizes with its own rows), or "
+        "a synchronous cluster (no ps tasks, "
+        "variable_strategy='replicated').".format(tasks))
   return lambda layout: batch_norm_sites.BatchNormSync(
-      layout.num_towers, layout.has_rows, sync_all, refusal)
+      layout.num_towers, layout.has_rows, sync_all, refusal,
+      layout.cross_task)
 
 
 def swapped(context):

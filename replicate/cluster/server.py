@@ -15,6 +15,8 @@ one. The server is kept here for the life of the process: a
 
 import json
 import os
+import socket
+import time
 from typing import Dict, Optional, Tuple
 
 import tensorflow as tf
@@ -82,6 +84,8 @@ def start_server(run_config) -> Optional[tf.distribute.Server]:
       protocol=run_config.protocol or "grpc", start=True)
   _servers[task] = server
   _mark_started()
+  if task != tasks[0]:
+    _wait_for_leader(spec.task_address(*tasks[0]), tasks[0])
   tf.compat.v1.logging.info(
       "replicate: started the server of %s:%d for synchronous training "
       "(%d tasks, leader %s:%d, timeout %g s).", task[0], task[1],
@@ -99,6 +103,30 @@ def check_started(config) -> None:
         "TensorFlow's collectives need, before "
         "tf.estimator.train_and_evaluate. Call it once, with the "
         "Estimator's RunConfig.")
+
+
+def _wait_for_leader(address: str, leader) -> None:
+  """Waits (up to the timeout) until the leader's server takes connections.
+
+  A task whose first collective finds no leader retries, logging six
+  error lines a second; once the leader's port is open it meets the group
+  at once.
+  """
+  host, port = address.rsplit(":", 1)
+  timeout = sync_cluster.timeout_seconds()
+  deadline = time.monotonic() + timeout
+  while True:
+    try:
+      socket.create_connection((host, int(port)), timeout=1.0).close()
+      return
+    except OSError:
+      if time.monotonic() > deadline:
+        raise RuntimeError(
+            "replicate.start_server: the group leader {}:{} ({}) did not "
+            "start its server within {:g} s (REPLICATE_SYNC_TIMEOUT_SECS). "
+            "Start every task of the cluster, the chief first or at the "
+            "same time.".format(leader[0], leader[1], address, timeout))
+      time.sleep(0.25)
 
 
 def _filter_sessions(run_config, task) -> None:

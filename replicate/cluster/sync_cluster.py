@@ -18,11 +18,15 @@ the same graph, so the keys agree; the start-up check of the model
 tasks built differently meet there and say so, instead of waiting on
 different keys.
 
-On time: every cross-task collective gives up after `timeout_seconds()`
-(`REPLICATE_SYNC_TIMEOUT_SECS`, default 120): the bound on noticing a dead
-or frozen task, and also the longest any task may lag the others at a
-collective (a slow `input_fn`, the chief saving a checkpoint, a late
-start).
+On time: `timeout_seconds()` (`REPLICATE_SYNC_TIMEOUT_SECS`, default 120)
+bounds how long a task waits for the others: the bound on noticing a dead
+or frozen task, and also the longest any task may lag the others (a slow
+`input_fn`, the chief saving a checkpoint, a late start). The collectives
+of the start (run once) carry it as their own timeout. The step's do not:
+TensorFlow starts a thread per collective run that sleeps out the timeout,
+thousands a minute at a few hundred steps a second, until the process
+cannot start another. A step is bounded by
+`replicate.cluster.sync_session.WatchdogHook` instead.
 """
 
 import os
@@ -112,13 +116,16 @@ class CrossTask:
     self.timeout = timeout_seconds()
     self.total_rows = None  # the step's rows over every task (sync_input)
 
-  def sum(self, tensor: tf.Tensor, name: str = "sum_over_tasks"
-         ) -> tf.Tensor:
-    """The sum of `tensor` over every task, on this task's device."""
+  def sum(self, tensor: tf.Tensor, name: str = "sum_over_tasks",
+          timeout: float = 0) -> tf.Tensor:
+    """The sum of `tensor` over every task, on this task's device.
+
+    `timeout`: seconds the collective waits for the others (0: no limit).
+    """
     with tf.device(self.device), tf.name_scope(name):
       return tf.raw_ops.CollectiveReduceV2(
           input=tensor, merge_op="Add", final_op="Id", ordering_token=[],
-          communication_hint=self._hint, timeout_seconds=self.timeout,
+          communication_hint=self._hint, timeout_seconds=timeout,
           **self._keys(next_instance_key(tensor.graph)))
 
   def sum_all(self, tensors: Sequence[tf.Tensor], name: str = "sum_over_tasks"
@@ -138,27 +145,26 @@ class CrossTask:
           results[position] = tf.reshape(piece, part.shape)
     return results
 
-  def gather(self, tensor: tf.Tensor, instance_key: Optional[int] = None
-            ) -> tf.Tensor:
+  def gather(self, tensor: tf.Tensor, instance_key: Optional[int] = None,
+             timeout: float = 0) -> tf.Tensor:
     """Every task's `tensor`, concatenated along dimension 0 in rank order."""
     with tf.device(self.device):
       return tf.raw_ops.CollectiveGatherV2(
           input=tensor, ordering_token=[], communication_hint=self._hint,
-          timeout_seconds=self.timeout,
+          timeout_seconds=timeout,
           **self._keys(instance_key or next_instance_key(tensor.graph)))
 
-  def broadcast(self, tensor: tf.Tensor) -> tf.Tensor:
+  def broadcast(self, tensor: tf.Tensor, timeout: float = 0) -> tf.Tensor:
     """The chief's `tensor` on every task (`tensor` must be alike on all)."""
     keys = self._keys(next_instance_key(tensor.graph))
     with tf.device(self.device):
       if self.group.is_chief:
         return tf.raw_ops.CollectiveBcastSendV2(
             input=tensor, communication_hint=self._hint,
-            timeout_seconds=self.timeout, **keys)
+            timeout_seconds=timeout, **keys)
       return tf.raw_ops.CollectiveBcastRecvV2(
           shape=tf.shape(tensor), T=tensor.dtype,
-          communication_hint=self._hint, timeout_seconds=self.timeout,
-          **keys)
+          communication_hint=self._hint, timeout_seconds=timeout, **keys)
 
   def _keys(self, instance_key):
     return dict(group_size=tf.constant(self.group.size),

@@ -85,13 +85,17 @@ def for_task(spec: tf.estimator.EstimatorSpec,
         ready = tf.constant([], tf.string)
   scaffold = tf.compat.v1.train.Scaffold(
       ready_for_local_init_op=ready, copy_from_scaffold=scaffold)
-  hooks = list(spec.training_hooks) + [
-      WatchdogHook(cross.group.name(), watchdog_seconds(cross.timeout))]
+  hooks = list(spec.training_hooks) + [WatchdogHook(
+      cross.group.name(), start_seconds(cross.timeout), cross.timeout)]
   return spec._replace(scaffold=scaffold, training_hooks=hooks)
 
 
-def watchdog_seconds(timeout: float) -> float:
-  """How long a session start or a step may take before the task exits."""
+def start_seconds(timeout: float) -> float:
+  """How long a session's start may take before the task exits.
+
+  The start waits up to `timeout` at each of its collectives, after the
+  chief's restore: twice that, and 10 s for the rest.
+  """
   return 2 * timeout + 10
 
 
@@ -123,7 +127,8 @@ def _check_alike(cross, saved, graph) -> tf.Operation:
   # Every collective of the step is built by now: the model_fn is done.
   mine = tf.constant(_fingerprint(saved, graph))
   mine = tf.reshape(mine, [1, _FINGERPRINT_SIZE])
-  every_task = cross.gather(mine, sync_cluster.FINGERPRINT_INSTANCE_KEY)
+  every_task = cross.gather(mine, sync_cluster.FINGERPRINT_INSTANCE_KEY,
+                            timeout=cross.timeout)
   with tf.device(cross.device):
     return tf.numpy_function(_Compare(cross.group), [every_task], tf.int64,
                              stateful=True, name="same_model_on_every_task"
@@ -165,7 +170,7 @@ def _broadcast(cross, saved) -> tf.Operation:
     for variables in by_dtype.values():
       packed = tf.concat([tf.reshape(v.read_value(), [-1])
                           for v in variables], axis=0)
-      received = cross.broadcast(packed)
+      received = cross.broadcast(packed, timeout=cross.timeout)
       if cross.group.is_chief:
         assigns.append(received.op)
         continue
@@ -198,57 +203,59 @@ class _Guard:
 class WatchdogHook(tf.compat.v1.train.SessionRunHook):
   """Exits the process when a session start or a step does not end in time.
 
-  Some waits no TensorFlow timeout ends: a worker asking a dead chief for
-  step ids before its first step, or a `MonitoredSession` making its
-  session again after a failure, which waits for every task of the cluster
-  its session config does not filter out, the dead one too. The watchdog is
-  armed from `begin` until the session is made, and from each step's
-  `before_run` to its `after_run`; when armed longer than `seconds`, it
-  writes why to stderr and exits the process with status 1. A step that
-  fails leaves it armed: the session is then made again, or the process
-  ends with the error.
+  A step waits for every task at its collectives, which carry no timeout
+  of their own (see `replicate.cluster.sync_cluster`): a frozen task would
+  hold the others forever. Some waits no TensorFlow timeout ends at all: a
+  worker asking a dead chief for step ids before its first step, or a
+  `MonitoredSession` making its session again after a failure, which waits
+  for every task its session config does not filter out, the dead one
+  too. The watchdog is armed from `begin` until the session is made
+  (`start_seconds`), and from each step's `before_run` to its `after_run`
+  (`step_seconds`); when armed longer, it writes why to stderr and exits
+  the process with status 1. A step that fails leaves it armed: the
+  session is then made again, or the process ends with the error first.
   """
 
-  def __init__(self, task: str, seconds: float):
+  def __init__(self, task: str, start_seconds: float, step_seconds: float):
     self._task = task
-    self._seconds = seconds
-    self._armed_at = None  # when the current wait began, or None
-    self._what = None
+    self._limits = {"starting its session": start_seconds,
+                    "running a step": step_seconds}
+    self._armed = None  # (what, when) of the current wait, or None
     self._stopped = threading.Event()
 
   def begin(self):
-    self._arm("starting its session")
+    self._armed = ("starting its session", time.monotonic())
     threading.Thread(target=self._watch, daemon=True,
                      name="replicate-watchdog").start()
 
   def after_create_session(self, session, coord):
     del session, coord
-    self._armed_at = None
+    self._armed = None
 
   def before_run(self, run_context):
-    self._arm("running a step")
+    self._armed = ("running a step", time.monotonic())
 
   def after_run(self, run_context, run_values):
-    self._armed_at = None
+    self._armed = None
 
   def end(self, session):
     del session
     self._stopped.set()
 
-  def _arm(self, what):
-    self._what = what
-    self._armed_at = time.monotonic()
-
   def _watch(self):
-    while not self._stopped.wait(min(1.0, self._seconds / 4)):
-      armed_at = self._armed_at
-      if armed_at is not None and time.monotonic() - armed_at > self._seconds:
+    poll = min(1.0, min(self._limits.values()) / 4)
+    while not self._stopped.wait(poll):
+      armed = self._armed
+      if armed is None:
+        continue
+      what, since = armed
+      if time.monotonic() - since > self._limits[what]:
         sys.stderr.write(
-            "replicate: task {} has been {} for over {:g} s (twice "
-            "REPLICATE_SYNC_TIMEOUT_SECS, plus 10 s): a task of the "
+            "replicate: task {} has been {} for over {:g} s: a task of the "
             "synchronous cluster is missing, dead or frozen, or a step "
-            "failed. Exiting; restart every task, and training resumes "
-            "from the chief's last checkpoint.\n".format(
-                self._task, self._what, self._seconds))
+            "failed (REPLICATE_SYNC_TIMEOUT_SECS={:g}). Exiting; restart "
+            "every task, and training resumes from the chief's last "
+            "checkpoint.\n".format(self._task, what, self._limits[what],
+                                   self._limits["running a step"]))
         sys.stderr.flush()
         os._exit(1)
