@@ -2,13 +2,18 @@
 
 Every task (`chief:0`, `worker:i`, `ps:i`, optionally `evaluator:0`) runs the
 same command with its own `TF_CONFIG`, which is what the Estimator's
-`RunConfig` reads to know its cluster and its part in it:
+`RunConfig` reads to know its cluster and its part in it. Without `--ps`,
+the cluster is the chief and workers only, which train in lockstep when the
+program calls `replicate.start_server` (a synchronous cluster); with
+`--ps N`, N ps tasks hold the variables and the workers train on their own
+(asynchronously, by default):
 ```
+python -m replicate.launch --workers 2 -- python train.py --steps 100
 python -m replicate.launch --ps 1 --workers 2 -- python train.py --steps 100
 ```
 or from Python:
 ```python
-with LocalCluster(["python", "train.py"], num_ps=1, num_workers=2) as cluster:
+with LocalCluster(["python", "train.py"], num_ps=0, num_workers=2) as cluster:
   exit_code = cluster.wait_for_chief(grace=30)
 ```
 
@@ -26,8 +31,11 @@ On stopping: when the chief exits, the workers and the evaluator get `grace`
 seconds to exit on their own, then everything left is stopped; the ps tasks
 never exit by themselves (they serve until killed). A task is stopped with
 SIGTERM to its process group (its children too), then SIGKILL a few seconds
-later. A worker that fails is reported and training goes on without it, as
-asynchronous training allows. Ctrl-C or SIGTERM to the launcher stops all.
+later. A worker that fails is reported. With ps tasks, training goes on
+without it, as asynchronous training allows. Without, a synchronous cluster
+cannot: the other tasks exit with an error on their own, within
+`REPLICATE_SYNC_TIMEOUT_SECS` (120 s by default), the chief among them, which
+ends the launcher. Ctrl-C or SIGTERM to the launcher stops all.
 The launcher exits with the chief's exit code (128 + N if the chief died of
 signal N; 130 on Ctrl-C, 143 on SIGTERM). Logging, stopping and signals at
 the level of processes are `replicate.cluster.processes`; this module is the cluster.
@@ -57,12 +65,14 @@ _POLL_SECONDS = 0.1
 class LocalCluster:
   """Runs `command` once per task of a local cluster, each with its TF_CONFIG.
 
-  `num_workers` counts the chief. `env` is merged over `os.environ` for every
+  `num_workers` counts the chief. With `num_ps=0` (the default) the cluster
+  is the chief and workers only: synchronous, for a `command` that calls
+  `replicate.start_server`. `env` is merged over `os.environ` for every
   task. `log` (default `sys.stdout`) receives every task's prefixed lines.
   Entering the `with` block starts the tasks; leaving it stops them.
   """
 
-  def __init__(self, command: Sequence[str], num_ps: int = 1,
+  def __init__(self, command: Sequence[str], num_ps: int = 0,
                num_workers: int = 2, evaluator: bool = False,
                env: Optional[Dict[str, str]] = None,
                log: Optional[TextIO] = None):
@@ -223,11 +233,18 @@ class LocalCluster:
     self._readers[task] = reader
 
   def _report_failures(self, reported):
+    # Without ps, a training task is one of a synchronous cluster's lockstep
+    # (the evaluator is outside the cluster, so training never waits on it).
+    synchronous = "ps" not in self._cluster
     for task, process in self._processes.items():
       if task not in reported and process.poll() not in (None, 0):
         reported.add(task)
-        self._log.line("launch", "{}:{} {}; the others go on without it."
-                       .format(*task, processes.describe(process.returncode)))
+        outcome = ("the synchronous cluster (no ps tasks) cannot go on "
+                   "without it; the other tasks will exit"
+                   if synchronous and task[0] != "evaluator"
+                   else "the others go on without it")
+        self._log.line("launch", "{}:{} {}; {}.".format(
+            *task, processes.describe(process.returncode), outcome))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -272,8 +289,11 @@ def _parse_arguments(argv):
   parser = argparse.ArgumentParser(
       prog="python -m replicate.launch",
       description="Run one command as every task of a local TF cluster.")
-  parser.add_argument("--ps", metavar="N", type=_at_least(0, int), default=1,
-                      help="parameter-server tasks (default: %(default)s)")
+  parser.add_argument("--ps", metavar="N", type=_at_least(0, int), default=0,
+                      help="parameter-server tasks; with none, the chief "
+                      "and workers make a synchronous cluster, for a "
+                      "command that calls replicate.start_server "
+                      "(default: %(default)s)")
   parser.add_argument("--workers", metavar="N", type=_at_least(1, int),
                       default=2, help="training workers, the chief included "
                       "(default: %(default)s)")

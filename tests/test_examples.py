@@ -1,11 +1,13 @@
 """The examples: command lines (help with defaults, bad values refused) and
-the cluster demo's output (progress, no deprecation notices).
+the cluster demo's output (progress, no deprecation notices) with ps tasks
+and without (a synchronous cluster, trained in lockstep).
 
 examples/ is not a package: a script finds its neighbours by its own folder
 on sys.path (cluster_demo.py imports digits_demo), so the tests put it there.
 """
 
 import importlib
+import json
 import os
 import pathlib
 import re
@@ -121,3 +123,105 @@ def test_the_cluster_demo_prints_progress_and_no_deprecation_notices(
   assert len(lines) == len(chief) + 2
   assert not [line for line in lines
               if "deprecat" in line.lower() or "WARNING" in line]
+
+
+# TensorFlow's C++ record when a worker asks the chief (the collectives'
+# group leader) for step ids before the chief's server is up, as happens
+# when the chief starts later; the worker retries until it is, and trains.
+_STEP_IDS_RETRY = re.compile(
+    r"\d{4}-\d\d-\d\d [\d:.]+: E tensorflow/core/distributed_runtime/"
+    r"(rpc_collective_executor_mgr|master_session)\.cc:\d+\] Bad "
+    r"(response \[|status from collective_executor_mgr->"
+    r"RefreshStepIdSequence: )UNAVAILABLE: failed to connect to all "
+    r"addresses$")
+
+
+def without_step_ids_retries(lines):
+  """`lines` without TensorFlow's records of a late chief's step ids."""
+  kept, in_record = [], False
+  for line in lines:
+    if _STEP_IDS_RETRY.match(line):
+      in_record = True
+    elif not (in_record and line.startswith(
+        ("Additional GRPC error information from remote target /job:chief/",
+         ':{"created":'))):
+      in_record = False
+      kept.append(line)
+  return kept
+
+
+def test_the_cluster_demo_trains_a_synchronous_cluster_without_ps(tmp_path):
+  # The launcher's default: the chief and 1 worker, no ps, 2 towers each.
+  result = subprocess.run(
+      [sys.executable, "-m", "replicate.launch", "--workers", "2", "--",
+       sys.executable, str(EXAMPLES / "cluster_demo.py"), "--model-dir",
+       str(tmp_path / "model"), "--steps", "50", "--progress-every", "20"],
+      capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path,
+      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+           "PYTHONPATH": str(EXAMPLES.parent)})
+  lines = result.stdout.splitlines()
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+  assert lines[0].startswith("[launch] Starting 1 chief and 1 worker on ")
+  # The worker may still print after the chief has exited: not lines[-1].
+  assert ("[launch] chief:0 exited with code 0; waiting up to 30.0 s for the "
+          "workers and evaluator.") in lines
+  assert not [line for line in lines if "cannot go on" in line]
+  task_lines = {task: [line[len(task) + 3:] for line in lines
+                       if line.startswith("[{}] ".format(task))]
+                for task in ("chief:0", "worker:0")}
+  task_lines["worker:0"] = without_step_ids_retries(task_lines["worker:0"])
+  chief, worker = task_lines["chief:0"], task_lines["worker:0"]
+  assert chief[0] == (
+      "Training 50 global steps of 128 rows on 2 workers (the chief "
+      "included), synchronously: 256 rows a step, 2 towers a worker; "
+      "checkpoints in {}".format(tmp_path / "model"))
+  progress = [line for line in chief if line.startswith("global step")]
+  assert [line.split()[2] for line in progress] == ["20/50", "40/50"]
+  for line in progress:
+    assert re.fullmatch(r"global step \d+/50  loss [0-9.e-]+ +[0-9,]+ "
+                        r"examples/sec \(\d+ global steps/sec\)", line), line
+  # In lockstep: each task ran every one of the 50 global steps, one each.
+  records = [json.loads(line) for line in chief + worker
+             if line.startswith("{")]
+  assert [(r["task"], r["steps"], r["last_global_step"])
+          for r in records] == [("chief:0", 50, 50), ("worker:0", 50, 50)]
+  assert len(worker) == 1  # its JSON line: nothing else to say
+  match = re.fullmatch(r"test accuracy (0\.\d{4}) at global step 50",
+                       chief[-1])
+  assert match and float(match.group(1)) > 0.8, chief[-1]
+  # Everything else: the launcher's two lines.
+  assert len([line for line in lines if line.startswith("[launch] ")]) == 2
+  assert [line for line in lines if not line.startswith(
+      ("[launch] ", "[chief:0] ", "[worker:0] "))] == []
+  assert not [line for line in lines
+              if "deprecat" in line.lower() or "WARNING" in line]
+
+
+def test_step_ids_retries_are_the_only_lines_left_out():
+  record = [
+      "2026-11-25 23:42:19.953258: E tensorflow/core/distributed_runtime/"
+      "rpc_collective_executor_mgr.cc:92] Bad response [UNAVAILABLE: failed "
+      "to connect to all addresses",
+      "Additional GRPC error information from remote target "
+      "/job:chief/replica:0/task:0 while calling "
+      "/tensorflow.WorkerService/GetStepSequence:",
+      ':{"created":"@1795650139.953186018","description":"Failed to pick '
+      'subchannel"}] from GetStepSequenceAsync call to '
+      "/job:chief/replica:0/task:0",
+      "2026-11-25 23:42:19.953453: E tensorflow/core/distributed_runtime/"
+      "master_session.cc:1608] Bad status from collective_executor_mgr->"
+      "RefreshStepIdSequence: UNAVAILABLE: failed to connect to all "
+      "addresses",
+      "Additional GRPC error information from remote target "
+      "/job:chief/replica:0/task:0 while calling "
+      "/tensorflow.WorkerService/GetStepSequence:",
+      ':{"created":"@1795650139.953186018"}.  Retrying.']
+  other_error = (
+      "2026-11-25 23:42:19.953258: E tensorflow/core/common_runtime/"
+      "ring_alg.cc:291] Aborting RingGather with UNAVAILABLE: Connection "
+      "reset by peer")
+  assert without_step_ids_retries(
+      ["a"] + record + ['{"task": "worker:0"}'] + record + [
+          other_error, ':{"created":"@1"}']) == [
+              "a", '{"task": "worker:0"}', other_error, ':{"created":"@1"}']

@@ -164,15 +164,52 @@ def test_main_returns_the_chief_exit_code_and_stops_the_ps(capsys,
 
 
 def test_failed_worker_is_reported_and_training_goes_on(capsys, monkeypatch):
+  # With a ps task: asynchronous training goes on without the worker.
   monkeypatch.setenv("BEHAVIOUR_WORKER", "exit 5")
   code = run_in_thread(lambda: launch.main(
-      ["--ps", "0", "--workers", "3", "--"] + COMMAND))
+      ["--ps", "1", "--workers", "3", "--"] + COMMAND))
   output = capsys.readouterr().out.splitlines()
 
   assert code == 0
   for index in (0, 1):
     assert ("[launch] worker:{} exited with code 5; the others go on without "
             "it.".format(index)) in output
+
+
+def test_failed_worker_of_a_synchronous_cluster_is_reported_as_its_end(
+    capsys, monkeypatch):
+  # No ps: the cluster trains in lockstep, so a failed worker ends it; the
+  # evaluator is outside the cluster, so its failure does not.
+  monkeypatch.setenv("BEHAVIOUR_WORKER", "exit 5")
+  monkeypatch.setenv("BEHAVIOUR_EVALUATOR", "exit 6")
+  code = run_in_thread(lambda: launch.main(
+      ["--workers", "3", "--evaluator", "--"] + COMMAND))
+  output = capsys.readouterr().out.splitlines()
+
+  assert code == 0
+  reports = sorted(line for line in output
+                   if line.startswith("[launch]") and " exited " in line
+                   and not line.startswith("[launch] chief:0"))
+  assert reports == [
+      "[launch] evaluator:0 exited with code 6; the others go on without "
+      "it.",
+      "[launch] worker:0 exited with code 5; the synchronous cluster (no ps "
+      "tasks) cannot go on without it; the other tasks will exit.",
+      "[launch] worker:1 exited with code 5; the synchronous cluster (no ps "
+      "tasks) cannot go on without it; the other tasks will exit."]
+
+
+def test_default_cluster_has_no_ps(capsys):
+  assert "ps" not in LocalCluster(COMMAND).tf_config("chief", 0)["cluster"]
+  code = run_in_thread(lambda: launch.main(["--grace", "5", "--"] + COMMAND))
+  output = capsys.readouterr().out.splitlines()
+
+  assert code == 0
+  assert output[0].startswith(
+      "[launch] Starting 1 chief and 1 worker on 127.0.0.1 (chief:0 port ")
+  configs = configs_by_task(output)
+  assert sorted(configs) == ["chief:0", "worker:0"]
+  assert sorted(configs["chief:0"][0]["cluster"]) == ["chief", "worker"]
 
 
 def test_workers_still_running_after_the_grace_are_stopped():
@@ -302,7 +339,9 @@ def test_every_argument_has_help_and_its_default(capsys):
     launch.main(["--help"])
   assert exit_info.value.code == 0
   help_text = " ".join(capsys.readouterr().out.split())
-  for expected in ("--ps N parameter-server tasks (default: 1)",
+  for expected in ("--ps N parameter-server tasks; with none, the chief and "
+                   "workers make a synchronous cluster, for a command that "
+                   "calls replicate.start_server (default: 0)",
                    "--workers N training workers, the chief included "
                    "(default: 2)",
                    "--evaluator also run one evaluator task (default: no "
