@@ -12,7 +12,7 @@ from a checkpoint of global step s starts at batch s.
 The model (`model_fn`) has what a step must combine across tasks: a
 weighted mean loss (with `loss_denominator`), Adam, a moving mean of the
 features (`UPDATE_OPS`, as batch norm's statistics), an L2 regularizer, a `tower_local_scope("sum")` count of the rows seen and
-the global step. Each task has 2 towers (virtual CPUs), trained by
+the global step. Each task has 2 towers (virtual CPUs; `--towers`), trained by
 `tf.estimator.train_and_evaluate` after `replicate.start_server`.
 
 Each training task writes every global variable's value when it stops, to
@@ -157,6 +157,8 @@ def main(argv):
   parser.add_argument("batches")
   parser.add_argument("--hidden", default="4",
                       help="hidden units, or per task in rank order: 4,5")
+  parser.add_argument("--towers", default="2",
+                      help="towers (virtual CPUs) a task, or per task: 1,2")
   parser.add_argument("--batch-norm", choices=["fused", "plain"],
                       help="a batch norm after the hidden layer, "
                       "synchronized across every task's towers")
@@ -170,7 +172,8 @@ def main(argv):
   config = tf.estimator.RunConfig(
       model_dir=arguments.model_dir, save_checkpoints_steps=1000,
       experimental_max_worker_delay_secs=0,
-      session_config=tf.compat.v1.ConfigProto(device_count={"CPU": 2}))
+      session_config=tf.compat.v1.ConfigProto(
+          device_count={"CPU": _of_task(arguments.towers, rank)}))
   replicate.start_server(config)
   estimator = tf.estimator.Estimator(
       replicate.replicate_model_fn(model_fn, variable_strategy="replicated",

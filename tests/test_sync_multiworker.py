@@ -74,11 +74,16 @@ class Lines(io.TextIOBase):
 
 
 def _cluster(model_dir, tasks, max_steps, batches, log, hidden="4",
-             batch_norm=None):
+             batch_norm=None, chief_late=0, towers="2"):
   command = [sys.executable, os.path.join(HERE, "sync_job.py"),
-             str(model_dir), str(max_steps), batches, "--hidden", hidden]
+             str(model_dir), str(max_steps), batches, "--hidden", hidden,
+             "--towers", towers]
   if batch_norm:
     command += ["--batch-norm", batch_norm]
+  if chief_late:  # the chief's process starts `chief_late` s after the rest
+    command = ["sh", "-c", 'case "$TF_CONFIG" in *\'"type": "chief"\'*) '
+               "sleep {};; esac; exec \"$@\"".format(chief_late), "sh"
+              ] + command
   return launch.LocalCluster(
       command, num_ps=0, num_workers=tasks, log=log,
       env={"REPLICATE_SYNC_TIMEOUT_SECS": str(TIMEOUT),
@@ -89,11 +94,12 @@ def _task_names(tasks):
   return [("chief", 0)] + [("worker", i) for i in range(tasks - 1)]
 
 
-def _run(model_dir, tasks, max_steps, batches, hidden="4", batch_norm=None):
+def _run(model_dir, tasks, max_steps, batches, hidden="4", batch_norm=None,
+         towers="2"):
   """Runs the job to its end; returns every task's exit code and the log."""
   log = Lines()
   with _cluster(model_dir, tasks, max_steps, batches, log, hidden,
-                batch_norm) as cluster:
+                batch_norm, towers=towers) as cluster:
     codes = {"{}:{}".format(*task): cluster.wait(*task, timeout=240)
              for task in _task_names(tasks)}
   return codes, log
@@ -161,6 +167,19 @@ def test_two_tasks_with_uneven_and_empty_batches_train_as_one_device(
   assert len(events) == 1, events
 
 
+def test_workers_wait_for_a_late_chief_without_errors(tmp_path):
+  log = Lines()
+  with _cluster(tmp_path / "cluster", 2, 3, "4,4,4;4,4,4", log,
+                chief_late=5) as cluster:
+    codes = [cluster.wait(*task, timeout=120) for task in _task_names(2)]
+  assert codes == [0, 0], log.text()[-3000:]
+  worker = log.of("worker:0")
+  assert "sync_job: step 3" in worker
+  # No retries of the group leader: start_server waited for its port.
+  assert "UNAVAILABLE" not in worker and " E tensorflow" not in worker, (
+      worker[-3000:])
+
+
 @pytest.mark.parametrize("batch_norm", ["fused", "plain"])
 def test_batch_norm_synchronized_across_tasks_is_one_devices(tmp_path,
                                                               batch_norm):
@@ -183,6 +202,18 @@ def test_a_one_device_checkpoint_goes_on_training_on_the_cluster(tmp_path):
   assert "sync_job: step 3" in log.of("worker:0")
   _assert_every_task_like(model_dir, 2,
                           _reference(tmp_path / "reference", batches, 4))
+
+
+@pytest.mark.parametrize("batch_norm", [None, "plain"])
+def test_tasks_of_one_tower_and_of_two_together(tmp_path, batch_norm):
+  # One GPU a machine is common: tasks of 1, 2 and 1 towers.
+  batches = "3,5,2;4,0,6;1,2,3"
+  codes, log = _run(tmp_path / "cluster", 3, 10, batches,
+                    batch_norm=batch_norm, towers="1,2,1")
+  assert codes == {"chief:0": 0, "worker:0": 0, "worker:1": 0}, (
+      log.text()[-3000:])
+  _assert_every_task_like(tmp_path / "cluster", 3, _reference(
+      tmp_path / "reference", batches, 3, batch_norm))
 
 
 def test_three_tasks_stop_together_when_one_input_ends(tmp_path):

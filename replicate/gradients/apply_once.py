@@ -121,7 +121,13 @@ class Wrapping:
     grads_and_vars = weighting.weighed_once(context, grads_and_vars)
     index = context.progress.tower_index
     if index == 0:
-      return self._build_update(context, grads_and_vars, apply)
+      update = self._build_update(context, grads_and_vars, apply)
+      if context.progress.is_last_tower:
+        # One tower (a synchronous cluster's task): its sums are its own
+        # gradients, summed across tasks.
+        optimizer_calls.connect_sums(context,
+                                     len(context.records.calls[0]) - 1)
+      return update
     position = context.records.record(index, self, grads_and_vars, None)
     tower0_call = optimizer_calls.tower0_call(context, position)
     if context.progress.is_last_tower:

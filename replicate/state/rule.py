@@ -77,9 +77,9 @@ def classify(layout, progress, variables,
         layout.towers[index], frozenset(tower_ops),
         progress.update_ops[index], variables, by_op)
     # A cluster's task of one tower has no tower 1 to refuse in its place.
-    alone = layout.num_towers == 1
-    classes.append([classifier.change(op) if index or alone else
-                    classifier.tower0_change(op) for op in in_step])
+    strict = layout.num_towers == 1
+    classes.append([classifier.change(op) if index else
+                    classifier.tower0_change(op, strict) for op in in_step])
   return classes
 
 
@@ -98,15 +98,19 @@ class _Classifier:
       self._update_ops.update(graph_walk.ops_behind([update], within=tower_ops,
                                                 follow_control=True))
 
-  def tower0_change(self, op) -> Change:
+  def tower0_change(self, op, strict: bool = False) -> Change:
     """Tower 0's ops run as built; only its statistic writes are sought.
 
     What would be refused in tower 0 is refused in tower 1, which made the
-    same op.
+    same op. With `strict` (a synchronous cluster's task of one tower: no
+    tower 1), it is refused here, except tower 0's optimizer update, which
+    applies the sums over every tower.
     """
     try:
       return self.change(op)
     except ValueError:
+      if strict and not _is_update(op):
+        raise
       return Change(op, 0, ALLOWED, None)
 
   def change(self, op) -> Change:
@@ -199,8 +203,7 @@ class _Classifier:
     calls = _tf.called_functions(op)
     if calls is not None:
       return self._call_kind(op, calls, from_rows)
-    if op.type.startswith(("Apply", "ResourceApply", "SparseApply",
-                           "ResourceSparseApply")):
+    if _is_update(op):
       raise _refusal(self._index, op, None, (
           "is an optimizer update made by the tower itself"), (
               "wrap every optimizer in replicate.TowerOptimizer, whose "
@@ -240,6 +243,12 @@ class _Classifier:
     return (variable.op in variables.copy_ops(self._index) or
             (variable.op in self._tower_ops and
              not variables.is_shared(variable)))
+
+
+def _is_update(op) -> bool:
+  """Whether `op` is an optimizer's update of a variable."""
+  return op.type.startswith(("Apply", "ResourceApply", "SparseApply",
+                             "ResourceSparseApply"))
 
 
 def _changes_state(op) -> bool:

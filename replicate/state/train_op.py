@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from replicate import _tf
 from replicate import graph_walk
+from replicate.gradients import stand_ins
 from replicate.state import op_kinds
 from replicate.shard import sharding
 from replicate.state import rule
@@ -232,6 +233,14 @@ def _as_dtype_of(value, like):
 
 
 def _check_optimizer_calls(records):
+  for call in records.calls[0]:
+    for pending, variable in call.pending or []:
+      if pending is not None and not stand_ins.is_connected(pending):
+        # Fail closed: unconnected, it passes tower 0's own gradient on.
+        raise AssertionError(
+            "replicate: the sum over towers of the gradient for {!r} was "
+            "never built (a bug in replicate; please report it).".format(
+                variable.op.name))
   counts = records.counts()
   if not any(counts):
     raise ValueError(
