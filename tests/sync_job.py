@@ -33,6 +33,7 @@ import replicate
 
 FEATURES = 5
 CLASSES = 3
+VOCABULARY = 11
 
 
 def batch(rank, step, rows):
@@ -58,8 +59,17 @@ def parse_batches(text):
 
 def model_fn(features, labels, mode, params):
   """The model every task (and the one-device reference) builds."""
+  inputs = features["x"]
+  if params.get("embedding"):
+    # Sparse gradients: the rows each batch looks up.
+    table = tf.compat.v1.get_variable(
+        "embedding", [VOCABULARY, 3],
+        initializer=tf.compat.v1.random_normal_initializer(seed=3))
+    ids = tf.cast(tf.abs(inputs[:, :2]) * 7, tf.int64) % VOCABULARY
+    inputs = tf.concat([inputs, tf.reduce_sum(
+        tf.nn.embedding_lookup(table, ids), axis=1)], axis=1)
   hidden = tf.compat.v1.layers.dense(
-      features["x"], params["hidden"], activation=tf.nn.tanh, name="hidden",
+      inputs, params["hidden"], activation=tf.nn.tanh, name="hidden",
       kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=1),
       kernel_regularizer=tf.keras.regularizers.l2(0.01))
   if params.get("batch_norm"):
@@ -159,6 +169,8 @@ def main(argv):
                       help="hidden units, or per task in rank order: 4,5")
   parser.add_argument("--towers", default="2",
                       help="towers (virtual CPUs) a task, or per task: 1,2")
+  parser.add_argument("--embedding", action="store_true",
+                      help="an embedding lookup: sparse gradients")
   parser.add_argument("--batch-norm", choices=["fused", "plain"],
                       help="a batch norm after the hidden layer, "
                       "synchronized across every task's towers")
@@ -181,6 +193,7 @@ def main(argv):
       config=config,
       params={"hidden": _of_task(arguments.hidden, rank),
               "batch_norm": arguments.batch_norm,
+              "embedding": arguments.embedding,
               "wrap": replicate.TowerOptimizer})
   path = os.path.join(arguments.model_dir,
                       "values-{}-{}.npz".format(task["type"], task["index"]))

@@ -74,12 +74,14 @@ class Lines(io.TextIOBase):
 
 
 def _cluster(model_dir, tasks, max_steps, batches, log, hidden="4",
-             batch_norm=None, chief_late=0, towers="2"):
+             batch_norm=None, chief_late=0, towers="2", embedding=False):
   command = [sys.executable, os.path.join(HERE, "sync_job.py"),
              str(model_dir), str(max_steps), batches, "--hidden", hidden,
              "--towers", towers]
   if batch_norm:
     command += ["--batch-norm", batch_norm]
+  if embedding:
+    command += ["--embedding"]
   if chief_late:  # the chief's process starts `chief_late` s after the rest
     command = ["sh", "-c", 'case "$TF_CONFIG" in *\'"type": "chief"\'*) '
                "sleep {};; esac; exec \"$@\"".format(chief_late), "sh"
@@ -95,17 +97,17 @@ def _task_names(tasks):
 
 
 def _run(model_dir, tasks, max_steps, batches, hidden="4", batch_norm=None,
-         towers="2"):
+         towers="2", embedding=False):
   """Runs the job to its end; returns every task's exit code and the log."""
   log = Lines()
   with _cluster(model_dir, tasks, max_steps, batches, log, hidden,
-                batch_norm, towers=towers) as cluster:
+                batch_norm, towers=towers, embedding=embedding) as cluster:
     codes = {"{}:{}".format(*task): cluster.wait(*task, timeout=240)
              for task in _task_names(tasks)}
   return codes, log
 
 
-def _reference(model_dir, batches, steps, batch_norm=None):
+def _reference(model_dir, batches, steps, batch_norm=None, embedding=False):
   """The unwrapped model_fn on one device, on the concatenated batches."""
   per_task = sync_job.parse_batches(batches)
 
@@ -125,7 +127,7 @@ def _reference(model_dir, batches, steps, batch_norm=None):
 
   estimator = tf.estimator.Estimator(
       sync_job.model_fn, model_dir=str(model_dir),
-      params={"hidden": 4, "batch_norm": batch_norm,
+      params={"hidden": 4, "batch_norm": batch_norm, "embedding": embedding,
               "wrap": lambda optimizer: optimizer})
   estimator.train(input_fn)
   reader = tf.train.load_checkpoint(str(model_dir))
@@ -214,6 +216,18 @@ def test_tasks_of_one_tower_and_of_two_together(tmp_path, batch_norm):
       log.text()[-3000:])
   _assert_every_task_like(tmp_path / "cluster", 3, _reference(
       tmp_path / "reference", batches, 3, batch_norm))
+
+
+def test_sparse_gradients_update_only_the_rows_looked_up(tmp_path):
+  # An embedding lookup's gradients are IndexedSlices; Adam's rows not
+  # looked up by any task's batch must not move differently than on one
+  # device (an empty batch, a batch of 1 row).
+  batches = "6,1,3;0,4,5"
+  codes, log = _run(tmp_path / "cluster", 2, 10, batches, embedding=True)
+  assert codes == {"chief:0": 0, "worker:0": 0}, log.text()[-3000:]
+  expected = _reference(tmp_path / "reference", batches, 3, embedding=True)
+  assert "embedding/Adam" in expected
+  _assert_every_task_like(tmp_path / "cluster", 2, expected)
 
 
 def test_three_tasks_stop_together_when_one_input_ends(tmp_path):

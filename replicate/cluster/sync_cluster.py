@@ -130,12 +130,18 @@ class CrossTask:
 
   def sum_all(self, tensors: Sequence[tf.Tensor], name: str = "sum_over_tasks"
              ) -> List[tf.Tensor]:
-    """`sum` of several tensors of known shapes, one collective per dtype."""
+    """`sum` of several tensors, one collective per dtype.
+
+    Tensors of a shape not fully known get a collective each.
+    """
     by_dtype = {}
-    for position, tensor in enumerate(tensors):
-      by_dtype.setdefault(tensor.dtype.base_dtype, []).append(position)
     results = [None] * len(tensors)
     with tf.device(self.device), tf.name_scope(name):
+      for position, tensor in enumerate(tensors):
+        if tensor.shape.is_fully_defined():
+          by_dtype.setdefault(tensor.dtype.base_dtype, []).append(position)
+        else:
+          results[position] = self.sum(tensor)
       for positions in by_dtype.values():
         parts = [tensors[p] for p in positions]
         packed = tf.concat([tf.reshape(t, [-1]) for t in parts], axis=0)

@@ -30,7 +30,10 @@ gets every tower's slices, concatenated (an all-gather), never a dense sum,
 however small the variable: the update must touch only the rows the batch
 looked up, as on one device (a momentum or Adagrad update of a row the
 batch did not see would move it, and a global norm of a dense sum is not
-the norm of the slices). With `ring` and `nccl` the all-gather is
+the norm of the slices). Across the tasks of a synchronous cluster the
+slices are summed densely with a count of the rows they touch, and the
+touched rows go on as slices (see `_slices_over_tasks`). With `ring` and
+`nccl` the all-gather is
 `CollectiveGatherV2` (slices of different lengths padded to the longest);
 with `gather`, or where collective ops cannot carry the slices (a tower
 without a gradient, a dtype such as bfloat16, or a length known only at
@@ -177,8 +180,9 @@ def gather_reduce_replaced(reduce: Callable):
 
 def _reducer(algorithm, devices, cross=None) -> _Reducer:
   if cross is not None:
-    return _Reducer(functools.partial(_over_tasks, devices=devices,
-                                      cross=cross), _no_slices_over_tasks)
+    return _Reducer(
+        functools.partial(_over_tasks, devices=devices, cross=cross),
+        functools.partial(_slices_over_tasks, devices=devices, cross=cross))
   if algorithm not in (RING, NCCL):
     reduce = _replaced_gather_reduce or gather_reduce
     return _Reducer(functools.partial(reduce, devices=devices),
@@ -215,16 +219,48 @@ def _over_tasks(tensors, devices, cross):
   return copies
 
 
-def _no_slices_over_tasks(grads):
-  """Sparse gradients are not summed across tasks yet: refused."""
-  slices = next(g for g in grads if isinstance(g, tf.IndexedSlices))
-  raise ValueError(
-      "A sparse gradient (tf.IndexedSlices of shape {}, e.g. from an "
-      "embedding lookup or tf.gather) cannot be combined across the tasks "
-      "of a synchronous cluster yet. Fix: train this model with ps tasks "
-      "(variable_strategy='parameter_server'), or make the gradient dense "
-      "before apply_gradients (tf.convert_to_tensor(grad)), which then "
-      "updates every row, as for a dense variable.".format(slices.dense_shape))
+def _slices_over_tasks(grads, devices, cross):
+  """Sparse gradients summed across tasks: densely, then the touched rows.
+
+  Each task's slices (any length, known only when the step runs, which a
+  collective cannot carry from step to step) are summed into the
+  variable's shape, with a count of the rows they touch, and both are
+  summed across tasks; every tower gets the rows some task touched, as
+  slices, so that the update still changes only the rows the step's batch
+  looked up, as on one device (duplicates come summed). What travels is the
+  variable's size, however few rows were looked up.
+  """
+  present = [g for g in grads if g is not None]
+  sparse = next(g for g in present if isinstance(g, tf.IndexedSlices))
+  shape = tf.get_static_value(sparse.dense_shape)
+  if shape is None:
+    raise ValueError(
+        "A sparse gradient (tf.IndexedSlices) whose variable's shape is not "
+        "known when the graph is built cannot be summed across the tasks of "
+        "a synchronous cluster. Give the variable a static shape, or train "
+        "it with ps tasks (variable_strategy='parameter_server').")
+  with tf.device(devices[0]), tf.name_scope("slices_over_tasks"):
+    pieces = [(g.values, tf.cast(g.indices, tf.int64))
+              if isinstance(g, tf.IndexedSlices) else
+              (g, tf.range(int(shape[0]), dtype=tf.int64)) for g in present]
+    values = tf.concat([v for v, _ in pieces], axis=0)
+    indices = tf.concat([i for _, i in pieces], axis=0)
+    dense = tf.math.unsorted_segment_sum(values, indices, int(shape[0]))
+    touched = tf.math.unsorted_segment_sum(
+        tf.ones_like(indices, tf.float32), indices, int(shape[0]))
+  dense, touched = cross.sum_all([dense, touched],
+                                 name="slices_over_tasks")
+  with tf.device(devices[0]), tf.name_scope("slices_over_tasks"):
+    rows = tf.reshape(tf.where(touched > 0), [-1])
+    summed = tf.IndexedSlices(tf.gather(dense, rows), rows,
+                              tf.constant(shape, tf.int64))
+  copies = [summed]
+  for device in devices[1:]:
+    with tf.device(device):
+      copies.append(tf.IndexedSlices(tf.identity(summed.values),
+                                     tf.identity(summed.indices),
+                                     summed.dense_shape))
+  return copies
 
 
 def _concat_slices(grads, devices):

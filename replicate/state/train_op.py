@@ -152,7 +152,9 @@ def _combine_statistics(writes, layout) -> None:
           "same updates (batch norm, moving averages), whatever its "
           "data.".format(index, names(tower_writes), names(writes[0])))
   with tf.name_scope("update_ops_over_towers"):
-    for position, tower0_write in enumerate(c.op for c in writes[0]):
+    tower0_writes = [c.op for c in writes[0]]
+    sums = []
+    for position in range(len(tower0_writes)):
       terms = []
       for index, tower_writes in enumerate(writes):
         rows = layout.towers[index].has_rows
@@ -164,13 +166,17 @@ def _combine_statistics(writes, layout) -> None:
         share = sharding.weight_as(layout.towers[index].share,
                                    value.dtype)
         terms.append(sharding.zero_unless_rows(value * share, rows))
-      combined = _as_dtype_of(
-          layout.sum_over_tasks(tf.math.add_n(terms), "statistic_over_tasks"),
-          tower0_write.inputs[1])
+      sums.append(tf.math.add_n(terms))
+    if layout.cross_task is not None and sums:
+      # Every statistic of the step in one collective per dtype.
+      sums = layout.cross_task.sum_all(sums, name="statistics_over_tasks")
+    for position, (tower0_write, summed) in enumerate(zip(tower0_writes,
+                                                          sums)):
       for tower_writes in writes[1:]:
         if tower_writes:
           _change_nothing(tower_writes[position].op, after=[tower0_write])
-      _tf.update_input(tower0_write, 1, combined)
+      _tf.update_input(tower0_write, 1,
+                       _as_dtype_of(summed, tower0_write.inputs[1]))
 
 
 def _wait_for_every_tower(classes, progress) -> None:
