@@ -55,6 +55,12 @@ _DATA = "<!-- across_workers data: "
 _PREFIX = "[chief:0] across_workers: "
 _PROBE_SIZES = (1, 262144, 2097152)  # float32 elements: 4 B, 1 MiB, 8 MiB
 _PROBE_CONCURRENT = 32
+# The probe's timed collectives give up after this many seconds. Short:
+# TensorFlow 2.15 starts a thread per collective with a timeout that sleeps
+# for the whole timeout (tensorflow/tensorflow#62466), and the probe's
+# thousands of collectives a second would pile up more threads than a
+# process can have.
+_PROBE_TIMEOUT = 2.0
 
 # The cost model's assumptions (see step_cost_model and the section's text).
 GPU_IMAGES_PER_SECOND = 360.0  # ResNet-50, one V100, float32, batch 64
@@ -154,8 +160,8 @@ def measure(args, argv):
   }
   total, done, started = args.repeats * (len(cells) + len(probes)), 0, (
       time.monotonic())
-  print("{} runs: {} repeats of {} (approach, tasks) and {} probes.".format(
-      total, args.repeats, len(cells), len(probes)), flush=True)
+  print("{} runs: {} repeats of {} (approach, tasks) runs and {} probes."
+        .format(total, args.repeats, len(cells), len(probes)), flush=True)
   for repeat in range(args.repeats):
     for approach, tasks in (cells if repeat % 2 == 0 else cells[::-1]):
       key = _key(approach, tasks)
@@ -174,21 +180,24 @@ def measure(args, argv):
         print("repeat {} {}: failed: {}".format(repeat + 1, key, error),
               flush=True)
       else:
-        print("repeat {} {}: {:,.0f} examples/sec ({:.1f} ms a step){}"
-              .format(repeat + 1, key, rate(record, args.batch),
-                      1000 * record["seconds"] / record["global_steps"],
-                      _left(started, done, total)), flush=True)
+        print("repeat {} {}: {:,.0f} examples/sec ({:.1f} ms a step, {} "
+              "threads){}".format(
+                  repeat + 1, key, rate(record, args.batch),
+                  1000 * record["seconds"] / record["global_steps"],
+                  record.get("threads"), _left(started, done, total)),
+              flush=True)
     for tasks in probes:
       record, error = run_task_cluster("probe", tasks, args, [
           "--probe-rounds", str(args.probe_rounds), "--probe-elements",
           ",".join(str(s) for s in _PROBE_SIZES), "--probe-concurrent",
-          str(_PROBE_CONCURRENT)])
+          str(_PROBE_CONCURRENT), "--probe-timeout", str(_PROBE_TIMEOUT)])
       done += 1
       data["probes"][str(tasks)].append(record)
       print("repeat {} probe, {} tasks: {}{}".format(
           repeat + 1, tasks, error or ", ".join(
               "{} {:.2f} ms".format(name, ms) for name, ms in
-              record["median_ms"].items()), _left(started, done, total)),
+              record["median_ms"].items()) + ", {} threads".format(
+                  record.get("threads")), _left(started, done, total)),
             flush=True)
   return data
 
@@ -214,6 +223,11 @@ def run_task_cluster(mode, tasks, args, job_args):
   for line in text.splitlines():
     if line.startswith(_PREFIX) and code == 0:
       return json.loads(line[len(_PREFIX):]), None
+  with tempfile.NamedTemporaryFile(
+      "w", prefix="across_workers_{}_{}_".format(mode, tasks), suffix=".log",
+      delete=False) as kept:
+    kept.write(text)
+  print("The failed run's log: {}".format(kept.name), flush=True)
   return None, failure(text, code, args.timeout)
 
 
@@ -277,27 +291,29 @@ def _spread(values, form="{:.2f}"):
 
 def throughput_table(data):
   lines = ["| approach | tasks | devices | rows a device | examples/sec | "
-           "step ms | x 1 task | x replicate |", "|---|---|---|---|---|---|"
-           "---|---|"]
+           "step ms | x 1 task | x replicate | chief's threads at the end |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for approach, tasks in data["cells"]:
     key = _key(approach, tasks)
     count = devices(approach, tasks, data["towers"])
     head = "| {} | {} | {} | {} |".format(approach, tasks, count,
                                           data["batch"] // count)
     if key in data["failures"]:
-      lines.append(head + " failed: {} | - | - | - |".format(
+      lines.append(head + " failed: {} | - | - | - | - |".format(
           data["failures"][key].replace("|", "/")))
       continue
     runs = [r for r in data["runs"][key] if r is not None]
     one, replicate = _key(approach, 1), _key("replicate", tasks)
-    lines.append(head + " {} | {} | {} | {} |".format(
+    threads = [r["threads"] for r in runs if r.get("threads")]
+    lines.append(head + " {} | {} | {} | {} | {} |".format(
         _spread([rate(r, data["batch"]) for r in runs], "{:,.0f}"),
         _spread([1000 * r["seconds"] / r["global_steps"] for r in runs],
                 "{:.1f}"),
         _spread(paired(data, key, one)) if tasks != 1 and one in data[
             "runs"] else "-",
         _spread(paired(data, key, replicate)) if approach != "replicate"
-        and replicate in data["runs"] else "-"))
+        and replicate in data["runs"] else "-",
+        _spread(threads, "{:,.0f}")))
   return "\n".join(lines)
 
 
@@ -311,34 +327,48 @@ def probe_figures(records, concurrent=_PROBE_CONCURRENT):
   tasks = records[0]["tasks"]
   tiny, big = ms[str(_PROBE_SIZES[0])], ms[str(_PROBE_SIZES[-1])]
   moved = cost.ring_bytes_per_member(_PROBE_SIZES[-1] * 4, tasks)
-  return {"ms": ms, "first": (tiny - ms["none"]) / 1000,
-          "more": (ms["{}x1".format(concurrent)] - tiny) / (
-              concurrent - 1) / 1000,
-          "bandwidth": moved / ((big - tiny) / 1000), "repeats": len(records)}
+  figures = {"ms": ms, "bandwidth": moved / ((big - tiny) / 1000),
+             "repeats": len(records),
+             "threads": statistics.median(r.get("threads") or 0
+                                          for r in records)}
+  for suffix, name in (("", "untimed"), (" timed", "timed")):
+    one, many = "1" + suffix, "{}x1{}".format(concurrent, suffix)
+    figures[name] = cost.Overhead(
+        (ms[one] - ms["none"]) / 1000,
+        (ms[many] - ms[one]) / (concurrent - 1) / 1000) if (
+            one in ms and many in ms) else None
+  return figures
 
 
 def probe_table(data):
   lines = ["| tasks | empty run ms | 4 B ms | 1 MiB ms | 8 MiB ms | "
-           "{} x 4 B ms | overhead of one, ms | of each further one, ms | "
-           "loopback throughput, MB/s |".format(_PROBE_CONCURRENT),
-           "|---|---|---|---|---|---|---|---|---|"]
+           "{n} x 4 B ms | timed: 4 B ms | timed: {n} x 4 B ms | overhead "
+           "of one, ms | of each further one, ms | timed: of one, ms | timed: "
+           "of each further one, ms | loopback throughput, MB/s | chief's "
+           "threads at the end |".format(n=_PROBE_CONCURRENT),
+           "|" + "---|" * 14]
   for tasks, records in data["probes"].items():
     figures = probe_figures(records)
     if figures is None:
-      lines.append("| {} | failed | - | - | - | - | - | - | - |".format(
-          tasks))
+      lines.append("| {} | failed |".format(tasks) + " - |" * 12)
       continue
     ms = figures["ms"]
-    lines.append("| {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} "
-                 "| {:.2f} | {:,.0f} |".format(
-                     tasks, ms["none"], *(ms[str(s)] for s in _PROBE_SIZES),
-                     ms["{}x1".format(_PROBE_CONCURRENT)],
-                     1000 * figures["first"], 1000 * figures["more"],
-                     figures["bandwidth"] / 1e6))
-  return "\n".join(lines)
+    timed = figures["timed"] or cost.Overhead(float("nan"), float("nan"))
+    lines.append(
+        "| {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {} | {} | {:.2f} "
+        "| {:.2f} | {:.2f} | {:.2f} | {:,.0f} | {:,.0f} |".format(
+            tasks, ms["none"], *(ms[str(s)] for s in _PROBE_SIZES),
+            ms["{}x1".format(_PROBE_CONCURRENT)],
+            *("{:.2f}".format(ms[name]) if name in ms else "-"
+              for name in ("1 timed", "{}x1 timed".format(
+                  _PROBE_CONCURRENT))),
+            1000 * figures["untimed"].first, 1000 * figures["untimed"].more,
+            1000 * timed.first, 1000 * timed.more,
+            figures["bandwidth"] / 1e6, figures["threads"]))
+  return "\n".join(lines).replace("| nan |", "| - |")
 
 
-def cost_rows(overhead, measured_bandwidth):
+def cost_rows(untimed, timed, measured_bandwidth):
   """The cost model's predictions for ResNet-50: one dict per row."""
   shapes, norms = cost.resnet50_shapes()
   gradient_bytes = cost.parameters(shapes) * cost.FLOAT32_BYTES
@@ -354,6 +384,9 @@ def cost_rows(overhead, measured_bandwidth):
                           cost.replicate_ring(machines, collectives)):
         if link == "loopback here" and arrangement.name != "replicate":
           continue
+        # replicate's collectives have an op timeout; a flat ring's not.
+        overhead = (timed or untimed) if arrangement.name == "replicate" \
+            else untimed
         timing = cost.step(arrangement, gradient_bytes, bandwidth,
                            HOP_LATENCY, overhead, compute)
         rows.append({"cluster": "{} x {}".format(machines, gpus),
@@ -437,6 +470,7 @@ def section(data):
               "broadcast of the variables).".format(
                   _counts(counted[0]), sum(mlp_collectives.values()),
                   _described(mlp_collectives)), ""]
+  parts += _threads_paragraph(data)
   parts += [
       "### Collectives timed alone", "",
       "Bare cross-process `CollectiveReduceV2` (ring, one CPU device a "
@@ -446,10 +480,11 @@ def section(data):
       "repeats, after the training runs of each repeat. Overhead of one: "
       "a 4-byte all-reduce's run less the empty run's. Of each further "
       "one: ({} concurrent 4-byte all-reduces in one run less one alone) "
-      "/ {}. Throughput: the bytes a ring member sends for 8 MiB, "
-      "2(K-1)/K x 8 MiB, over (8 MiB run - 4 B run).".format(
-          data.get("probe_rounds", "-"), _PROBE_CONCURRENT,
-          _PROBE_CONCURRENT - 1), "",
+      "/ {}. Timed: the same with an op timeout ({:g} s here), as "
+      "replicate's collectives have. Throughput: the bytes a ring member "
+      "sends for 8 MiB, 2(K-1)/K x 8 MiB, over (8 MiB run - 4 B "
+      "run).".format(data.get("probe_rounds", "-"), _PROBE_CONCURRENT,
+                     _PROBE_CONCURRENT - 1, _PROBE_TIMEOUT), "",
       probe_table(data), ""]
   parts += cost_section(probe, resnet, resnet_collectives, norms)
   if probe:
@@ -497,17 +532,19 @@ def cost_section(probe, resnet, collectives, norms):
     lines += ["No probe ran (--probe-rounds 0, or no 2-task probe), so no "
               "overhead was measured and the model's table is left out."]
     return lines
-  overhead = cost.Overhead(probe["first"], probe["more"])
+  untimed, timed = probe["untimed"], probe["timed"] or probe["untimed"]
   lines += [
       "Measured here (2 tasks, above): overhead of one collective {:.2f} "
-      "ms, of each further one {:.2f} ms, loopback throughput {:,.0f} "
+      "ms, of each further one {:.2f} ms, without an op timeout (the flat "
+      "ring's rows); {:.2f} and {:.2f} ms with one, as replicate's "
+      "collectives have (replicate's rows); loopback throughput {:,.0f} "
       "MB/s. These come from processes sharing 2 busy cores, so they are "
       "likely above what a dedicated machine pays; the `loopback here` "
       "rows show the prediction if TensorFlow's gRPC collectives moved "
       "data no faster than that on the cluster.".format(
-          1000 * probe["first"], 1000 * probe["more"],
-          probe["bandwidth"] / 1e6), "",
-      cost_table(cost_rows(overhead, probe["bandwidth"])), "",
+          1000 * untimed.first, 1000 * untimed.more, 1000 * timed.first,
+          1000 * timed.more, probe["bandwidth"] / 1e6), "",
+      cost_table(cost_rows(untimed, timed, probe["bandwidth"])), "",
       "Published, for comparison: Horovod's benchmark page reports 90% "
       "scaling efficiency for Inception V3 and ResNet-101 and 68% for "
       "VGG-16 on 512 Pascal GPUs (128 servers of 4) over 25 Gbit/s RoCE "
@@ -548,7 +585,7 @@ def _loopback_check(data, probe, mlp, collectives):
                                        for r in kept)
   if "replicate x1" not in medians:
     return ""
-  overhead = cost.Overhead(probe["first"], probe["more"])
+  overhead = probe["timed"] or probe["untimed"]
   texts = []
   for tasks in sorted(t for a, t in data["cells"] if a == "replicate"
                       and t > 1 and _key(a, t) in medians):
@@ -569,6 +606,41 @@ def _loopback_check(data, probe, mlp, collectives):
           "growth, not all of it.".format(
               cost.parameters(mlp) * 4 / 1e6, sum(collectives.values()),
               "; ".join(texts)))
+
+
+def _threads_paragraph(data):
+  """What the chiefs' thread counts say, when replicate's run up."""
+  threads = {key: statistics.median(r["threads"] for r in runs)
+             for key, runs in ((k, [r for r in v if r and r.get("threads")])
+                               for k, v in data["runs"].items()) if runs}
+  mine = {k: v for k, v in threads.items() if k.startswith("replicate x")
+          and k != "replicate x1"}
+  if not mine or max(mine.values()) < 1000:
+    return []
+  others = {k: v for k, v in threads.items() if k.startswith("mwms x")
+            and k != "mwms x1"}
+  return [
+      "Threads: after {} steps the replicate chief has {} threads ({}), "
+      "MWMS's {}. TensorFlow 2.15 gives each collective that has an op "
+      "timeout a thread of its own that sleeps for the whole timeout "
+      "(tensorflow/tensorflow#62466), and every cross-task collective of "
+      "replicate has one (`REPLICATE_SYNC_TIMEOUT_SECS`, 120 s by "
+      "default), so threads pile up at (collectives a second) x 120 s; "
+      "MWMS sets no timeout. Seen on this machine on 2026-11-25, outside "
+      "this table: a 2-task replicate run of 2,520 steps (this job, "
+      "`--steps 2500`) was killed by SIGABRT after 73 s, both tasks "
+      "printing `terminate called after throwing an instance of "
+      "'std::system_error' what(): Resource temporarily unavailable`, at "
+      "about 15,000 threads a process; with `REPLICATE_SYNC_TIMEOUT_SECS=3` "
+      "a 420-step run peaked at about 1,000 threads, with 120 s at 4,300. "
+      "The timing runs here are short enough to finish.".format(
+          data["warmup"] + data["steps"],
+          "-".join("{:,.0f}".format(v) for v in (min(mine.values()),
+                                                  max(mine.values()))),
+          ", ".join("{} tasks: {:,.0f}".format(k.split("x")[1], v)
+                    for k, v in sorted(mine.items())),
+          ", ".join("{:,.0f}".format(v) for _, v in sorted(others.items()))
+          or "-"), ""]
 
 
 def _repeats(count):
@@ -631,8 +703,9 @@ def _read(path):
 
 
 def _publish(path, data):
+  text = replace_section(_read(path), section(data))
   with open(path, "w") as f:
-    f.write(replace_section(_read(path), section(data)))
+    f.write(text)
   stem = os.path.splitext(path)[0]
   plot_path = stem + "_across_workers.png"
   if draw(plot_path, data):
@@ -683,8 +756,7 @@ def draw(path, data):
                  fontsize=10)
   probe = probe_figures(data["probes"].get("2", []))
   if probe:
-    rows = cost_rows(cost.Overhead(probe["first"], probe["more"]),
-                     probe["bandwidth"])
+    rows = cost_rows(probe["untimed"], probe["timed"], probe["bandwidth"])
     labels = ["{}, {}\n{}".format(
         r["cluster"], r["link"] if isinstance(r["link"], str) else
         "{} Gb/s".format(r["link"]), r["arrangement"].name) for r in rows]

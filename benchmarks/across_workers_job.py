@@ -21,7 +21,9 @@ times):
   the tasks (one device each, `tf.distribute.Server` with the chief as the
   group leader in the server's own config), of `--probe-elements` float32
   elements each, and `--probe-concurrent` 1-element ones in one run,
-  `--probe-rounds` times, interleaved with runs of no collective.
+  without an op timeout, then one and `--probe-concurrent` 1-element ones
+  with a timeout of `--probe-timeout` seconds (replicate's collectives have
+  one), `--probe-rounds` times, interleaved with runs of no collective.
 
 Each training task reads its own fixed batch of `--batch / tasks` rows
 (random, seeded by its rank) from `from_tensors(...).repeat()`, so the
@@ -30,8 +32,9 @@ nothing. The model is an MLP 784-`--hidden`-10 with plain gradient descent.
 
 The chief prints one line `across_workers: {json}`: for training, the
 global steps and seconds it timed after `--warmup` global steps (from the
-end of step `--warmup` to the end of the last), and how many collective ops
-its training graph holds; for `probe`, the median milliseconds per size.
+end of step `--warmup` to the end of the last), how many collective ops its
+training graph holds and how many threads it has at the end; for `probe`,
+the median milliseconds of each fetch.
 """
 
 import argparse
@@ -83,6 +86,7 @@ def _parse(argv):
   parser.add_argument("--probe-elements", default="1,262144")
   parser.add_argument("--probe-rounds", type=int, default=200)
   parser.add_argument("--probe-concurrent", type=int, default=32)
+  parser.add_argument("--probe-timeout", type=float, default=2.0)
   return parser.parse_args(argv)
 
 
@@ -214,7 +218,7 @@ def _train(args, cluster, task, ranks):
              "global_steps": timer.last[1] - timer.start[1],
              "seconds": timer.last[0] - timer.start[0],
              "local_steps": timer.local_steps,
-             "collectives": timer.collectives})
+             "collectives": timer.collectives, "threads": _threads()})
   return 0
 
 
@@ -254,20 +258,29 @@ def _probe(args, cluster, task, ranks):
     fetches = {"none": tf.constant(0.0) + 1.0}  # a run without a collective
     keys = iter(range(1, 10**6))
 
-    def all_reduce(size):
+    def all_reduce(size, timeout=0.0):
       value = tf.ones([size], tf.float32) * float(ranks.index(task) + 1)
       return tf.raw_ops.CollectiveReduceV2(
           input=value, group_size=len(ranks), group_key=_PROBE_GROUP_KEY,
           instance_key=next(keys), ordering_token=[], merge_op="Add",
-          final_op="Id", communication_hint="ring", timeout_seconds=60.0)
+          final_op="Id", communication_hint="ring", timeout_seconds=timeout)
+
+    def concurrent(timeout=0.0):
+      """`--probe-concurrent` 1-element all-reduces in one run: what each
+      further collective of a step costs when they run side by side."""
+      return tf.math.add_n([all_reduce(1, timeout)[0] for _ in range(
+          args.probe_concurrent)]) / float(args.probe_concurrent)
 
     for size in sizes:
       fetches[str(size)] = all_reduce(size)[0]  # one element, not the sum
-    # `--probe-concurrent` 1-element all-reduces in one run: what each
-    # further collective of a step costs when they run side by side.
-    fetches["{}x1".format(args.probe_concurrent)] = tf.math.add_n(
-        [all_reduce(1)[0] for _ in range(args.probe_concurrent)]) / float(
-            args.probe_concurrent)
+    fetches["{}x1".format(args.probe_concurrent)] = concurrent()
+    if args.probe_timeout:
+      # With an op timeout, as replicate's collectives have: TensorFlow
+      # 2.15 then starts a thread per collective that sleeps for the
+      # timeout (tensorflow/tensorflow#62466), so keep it short here.
+      fetches["1 timed"] = all_reduce(1, args.probe_timeout)[0]
+      fetches["{}x1 timed".format(args.probe_concurrent)] = concurrent(
+          args.probe_timeout)
   session = tf.compat.v1.Session(
       server.target, graph=graph, config=tf.compat.v1.ConfigProto(
           device_filters=["/job:{}/task:{}".format(*task)]))
@@ -289,9 +302,22 @@ def _probe(args, cluster, task, ranks):
     _report({"mode": "probe", "tasks": len(ranks),
              "rounds": args.probe_rounds,
              "concurrent": args.probe_concurrent,
+             "timeout": args.probe_timeout, "threads": _threads(),
              "median_ms": {name: 1000 * statistics.median(values)
                            for name, values in times.items()}})
   return 0
+
+
+def _threads():
+  """This process's threads (Linux), or None."""
+  try:
+    with open("/proc/self/status") as status:
+      for line in status:
+        if line.startswith("Threads:"):
+          return int(line.split()[1])
+  except OSError:
+    pass
+  return None
 
 
 if __name__ == "__main__":

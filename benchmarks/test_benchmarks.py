@@ -532,9 +532,9 @@ def test_a_step_predicted_by_hand():
 
 def _across_workers_data():
   """A recorded run's figures: 1 and 2 tasks, 2 repeats, one failure."""
-  def run(seconds, collectives=None):
+  def run(seconds, collectives=None, threads=None):
     return {"global_steps": 100, "seconds": seconds,
-            "collectives": collectives or {}}
+            "collectives": collectives or {}, "threads": threads}
 
   reduce_count = {"CollectiveGatherV2": 2, "CollectiveReduceV2": 4}
   return {
@@ -545,14 +545,15 @@ def _across_workers_data():
       "cells": [["replicate", 1], ["replicate", 2], ["mwms", 1],
                 ["mwms", 2]],
       "runs": {"replicate x1": [run(1.0), run(2.0)],
-               "replicate x2": [run(4.0, reduce_count),
-                                run(4.0, reduce_count)],
+               "replicate x2": [run(4.0, reduce_count, 1200),
+                                run(4.0, reduce_count, 1400)],
                "mwms x1": [run(1.0), run(1.0)],
                "mwms x2": [None, None]},
       "failures": {"mwms x2": "chief exited with 1: ValueError: no"},
-      "probes": {"2": [{"tasks": 2, "median_ms": {
+      "probes": {"2": [{"tasks": 2, "threads": 150, "median_ms": {
           "none": 0.5, "1": 1.5, "262144": 2.5, "2097152": 10.5,
-          "32x1": 32.5}}]},
+          "32x1": 32.5, "1 timed": 2.5, "32x1 timed": 33.5}}],
+                 "3": [None]},
   }
 
 
@@ -562,16 +563,20 @@ def test_across_workers_section_tables_and_round_trip():
   # 384 x 100 / 1 s and / 2 s: median 28,800 (19,200-38,400); x 1 task is
   # paired: 1/4 and 2/4.
   assert ("| replicate | 1 | 2 | 192 | 28,800 (19,200-38,400) | 15.0 "
-          "(10.0-20.0) | - | - |") in text
+          "(10.0-20.0) | - | - | - |") in text
   assert ("| replicate | 2 | 4 | 96 | 9,600 (9,600-9,600) | 40.0 (40.0-40.0) "
-          "| 0.38 (0.25-0.50) | - |") in text
+          "| 0.38 (0.25-0.50) | - | 1,300 (1,200-1,400) |") in text
   assert ("| mwms | 1 | 1 | 384 | 38,400 (38,400-38,400) | 10.0 (10.0-10.0) "
-          "| - | 1.50 (1.00-2.00) |") in text
+          "| - | 1.50 (1.00-2.00) | - |") in text
   assert "| mwms | 2 | 2 | 192 | failed: chief exited with 1" in text
+  # Over 1,000 threads at the end: the section says why.
+  assert "after 120 steps the replicate chief has 1,300-1,300 threads" in text
   # Probe: overhead 1.5 - 0.5 = 1 ms; each further (32.5 - 1.5) / 31 = 1
-  # ms; 8 MiB over 2 tasks is 8 MiB a member in 9 ms.
-  assert "| 2 | 0.50 | 1.50 | 2.50 | 10.50 | 32.50 | 1.00 | 1.00 | 932 |" \
-      in text
+  # ms; timed 2.5 - 0.5 = 2 ms and (33.5 - 2.5) / 31 = 1 ms; 8 MiB over 2
+  # tasks is 8 MiB a member in 9 ms: 932 MB/s.
+  assert ("| 2 | 0.50 | 1.50 | 2.50 | 10.50 | 32.50 | 2.50 | 33.50 | 1.00 | "
+          "1.00 | 2.00 | 1.00 | 932 | 150 |") in text
+  assert "| 3 | failed |" in text
   assert across_workers.read_data(text) == data
 
 
@@ -589,3 +594,14 @@ def test_results_md_keeps_its_model_tables_beside_the_section():
   assert across_workers.kept_section(later).strip() == new.strip()
   assert across_workers.replace_section("# Results\n", new) == (
       "# Results\n\n" + new.rstrip("\n") + "\n")
+
+
+def test_recording_keeps_the_rest_of_the_file(tmp_path):
+  path = tmp_path / "RESULTS.md"
+  path.write_text("# Benchmark results\n\n## mlp: MLP\n\n| config |\n")
+  across_workers._publish(str(path), _across_workers_data())  # pylint: disable=protected-access
+  text = path.read_text()
+  assert text.startswith("# Benchmark results\n\n## mlp: MLP\n\n| config |")
+  assert across_workers.read_data(text) == _across_workers_data()
+  assert across_workers.main(["--redraw", "--record", str(path)]) == 0
+  assert path.read_text() == text
