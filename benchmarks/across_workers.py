@@ -168,11 +168,14 @@ def measure(args, argv):
       if key in data["failures"]:
         data["runs"][key].append(None)
         continue
+      load = os.getloadavg()[0]
       record, error = run_task_cluster(approach, tasks, args, [
           "--batch", str(args.batch), "--hidden",
           ",".join(str(u) for u in args.hidden), "--towers",
           str(args.towers), "--warmup", str(args.warmup), "--steps",
           str(args.steps)])
+      if record:  # the machine's 1-minute load average before and after
+        record["load"] = [load, os.getloadavg()[0]]
       data["runs"][key].append(record)
       done += 1
       if error:
@@ -436,8 +439,10 @@ def section(data):
   parts = [
       SECTION, "",
       "`{}`, {}; {}; {}, the order of the runs reversed on odd "
-      "repeats.".format(data["command"], data["date"], data["machine"],
-                        _repeats(data["repeats"])), "",
+      "repeats.{}".format(data["command"], data["date"], data["machine"],
+                          _repeats(data["repeats"]), _load(data)), ""] + [
+          line for note in data.get("notes", []) for line in (
+              "Note: " + note, "")] + [
       "The same model (MLP 784-{}-10, {:,} float32 parameters, {:.2f} MB of "
       "gradients; plain gradient descent) on the same global batch of {} "
       "rows, split evenly over 1 to {} local tasks, each task its own "
@@ -458,10 +463,10 @@ def section(data):
           data["steps"], data["warmup"]), "",
       "What 2 shared cores can show: every task, the ps task included, "
       "runs on the same 2 cores, so adding tasks adds no compute, only "
-      "processes and messages; N tasks x N would be a machine's "
-      "ceiling, 1.0 is no loss. The ratios measure what each approach's "
-      "communication and its extra processes cost on loopback, not how "
-      "it scales across machines: that is the cost model's part below.",
+      "processes and messages. On N machines the ideal x 1 task would be "
+      "N; here it is 1.0, and what falls short of 1.0 is what each "
+      "approach's communication and its extra processes cost on loopback. "
+      "How it scales across machines is the cost model's part below.",
       "", throughput_table(data), ""]
   if counted:
     parts += ["Collective ops in the replicate chief's graph: {}; a step "
@@ -608,6 +613,15 @@ def _loopback_check(data, probe, mlp, collectives):
               "; ".join(texts)))
 
 
+def _load(data):
+  loads = [value for runs in data["runs"].values() for r in runs
+           if r and r.get("load") for value in r["load"]]
+  if not loads:
+    return ""
+  return (" The machine's 1-minute load average was {:.1f} to {:.1f} around "
+          "the runs (other jobs shared it).".format(min(loads), max(loads)))
+
+
 def _threads_paragraph(data):
   """What the chiefs' thread counts say, when replicate's run up."""
   threads = {key: statistics.median(r["threads"] for r in runs)
@@ -627,8 +641,8 @@ def _threads_paragraph(data):
       "replicate has one (`REPLICATE_SYNC_TIMEOUT_SECS`, 120 s by "
       "default), so threads pile up at (collectives a second) x 120 s; "
       "MWMS sets no timeout. Seen on this machine on 2026-11-25, outside "
-      "this table: a 2-task replicate run of 2,520 steps (this job, "
-      "`--steps 2500`) was killed by SIGABRT after 73 s, both tasks "
+      "this table: a 2-task replicate run meant to train 2,520 steps (this "
+      "job, `--steps 2500`) was killed by SIGABRT after 73 s, both tasks "
       "printing `terminate called after throwing an instance of "
       "'std::system_error' what(): Resource temporarily unavailable`, at "
       "about 15,000 threads a process; with `REPLICATE_SYNC_TIMEOUT_SECS=3` "
@@ -639,8 +653,8 @@ def _threads_paragraph(data):
                                                   max(mine.values()))),
           ", ".join("{} tasks: {:,.0f}".format(k.split("x")[1], v)
                     for k, v in sorted(mine.items())),
-          ", ".join("{:,.0f}".format(v) for _, v in sorted(others.items()))
-          or "-"), ""]
+          ", ".join("{} at {} tasks".format("{:,.0f}".format(v), k.split(
+              "x")[1]) for k, v in sorted(others.items())) or "-"), ""]
 
 
 def _repeats(count):

@@ -577,6 +577,11 @@ def test_across_workers_section_tables_and_round_trip():
   assert ("| 2 | 0.50 | 1.50 | 2.50 | 10.50 | 32.50 | 2.50 | 33.50 | 1.00 | "
           "1.00 | 2.00 | 1.00 | 932 | 150 |") in text
   assert "| 3 | failed |" in text
+  data["notes"] = ["a hand-written remark."]
+  data["runs"]["mwms x1"][0]["load"] = [1.5, 3.25]
+  text = across_workers.section(data)
+  assert "\nNote: a hand-written remark.\n" in text
+  assert "load average was 1.5 to 3.2 around the runs" in text
   assert across_workers.read_data(text) == data
 
 
