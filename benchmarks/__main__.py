@@ -35,6 +35,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
+from benchmarks import across_workers  # noqa: E402
 from benchmarks import cli  # noqa: E402
 from benchmarks import configs as configurations  # noqa: E402
 from benchmarks import harness  # noqa: E402
@@ -102,8 +103,15 @@ def main(argv=None):
               os.path.join(args.output, "scaling.png"), cells, failures,
               configs, machine)
   if args.record:
+    # The `## Across workers` section comes from another command
+    # (`benchmarks.across_workers`); a new grid keeps it.
+    kept = ""
+    if os.path.exists(args.record):
+      with open(args.record) as results:
+        kept = across_workers.kept_section(results.read())
     with open(args.record, "w") as results:
-      results.write(table)
+      results.write(across_workers.replace_section(table, kept) if kept
+                    else table)
   print("Wrote {} (results.json, examples_per_sec.png, scaling.png){}".format(
       args.output, " and " + args.record if args.record else ""))
 

@@ -14,8 +14,9 @@ import pytest
 import tensorflow as tf
 
 from benchmarks import __main__ as main
-from benchmarks import (allreduce_cost, cluster, configs, harness, pipelines,
-                        plot, profile, readme, report, split_cost)
+from benchmarks import (across_workers, allreduce_cost, cluster, configs,
+                        harness, pipelines, plot, profile, readme, report,
+                        split_cost, step_cost_model)
 from benchmarks.models import MODELS
 
 
@@ -307,7 +308,8 @@ PARSERS = {"benchmarks": main.make_parser,
            "allreduce_cost": allreduce_cost.make_parser,
            "split_cost": split_cost.make_parser,
            "profile": profile.make_parser, "cluster": cluster.make_parser,
-           "plot": plot.make_parser}
+           "plot": plot.make_parser,
+           "across_workers": across_workers.make_parser}
 
 
 @pytest.mark.parametrize("name, argv, flag, message", [
@@ -338,6 +340,15 @@ PARSERS = {"benchmarks": main.make_parser,
      "Unknown configuration 'mirrored-2'"),
     ("profile", ["--top", "-3"], "--top", "received '-3'"),
     ("cluster", ["--steps", "-5"], "--steps", "received '-5'"),
+    ("across_workers", ["--tasks", "1,0"], "--tasks", "received '0'"),
+    ("across_workers", ["--tasks", "2,2"], "--tasks", "names '2' twice"),
+    ("across_workers", ["--approaches", "replicate,horovod"], "--approaches",
+     "unknown 'horovod'; choose from replicate, mwms, ps-sync"),
+    ("across_workers", ["--probe-tasks", "1"], "--probe-tasks",
+     "must be a whole number of at least 2; received '1'"),
+    ("across_workers", ["--steps", "0"], "--steps", "received '0'"),
+    ("across_workers", ["--timeout", "0"], "--timeout",
+     "must be a number above 0; received '0'"),
 ])
 def test_a_bad_value_is_a_usage_error_naming_its_flag(name, argv, flag,
                                                        message, capsys):
@@ -404,6 +415,8 @@ def test_plot_reads_every_model_and_configuration_of_results_md():
     if heading:
       model = heading.group(1)
       expected[model] = set()
+    elif line.startswith("#"):  # another section (## Across workers)
+      model = None
     elif model and re.match(r"^\| [a-z]", line) and not line.startswith(
         "| config |"):
       expected[model].add(line.split("|")[1].strip())
@@ -442,3 +455,158 @@ def test_a_run_plots_the_medians_its_table_gives(monkeypatch):
   assert panel.title == "mlp: MLP 784-1024-1024-10, global batch 256"
   assert drawn["subtitle"].startswith("2 cores; ")
   assert drawn["subtitle"].endswith(", medians of 3 repeats")
+
+
+@pytest.mark.parametrize("argv, message", [
+    # 100 rows: 2 a tower at 1 task, 4 at 2, but not 6 at 3.
+    (["--batch", "100"], "argument --batch: must divide evenly over every "
+     "task count's towers (tasks x --towers 2); 100 does not for --tasks 3"),
+    (["--redraw"], "argument --redraw: needs --record FILE"),
+])
+def test_across_workers_refuses_what_it_cannot_run(argv, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    across_workers.main(argv)
+  assert exit_info.value.code == 2
+  assert message in " ".join(capsys.readouterr().err.split())
+
+
+def test_across_workers_defaults():
+  args = across_workers.make_parser().parse_args([])
+  assert args.tasks == [1, 2, 3] and args.repeats == 2
+  assert args.approaches == ["replicate", "mwms", "ps-sync"]
+  assert args.batch % 6 == 0  # 1, 2 and 3 tasks of 2 towers
+
+
+def test_ring_all_reduce_sends_2_k_minus_1_over_k_of_the_bytes():
+  ring = step_cost_model.ring_bytes_per_member
+  assert ring(100.0, 1) == 0.0  # alone: nothing to send
+  assert ring(100.0, 2) == pytest.approx(100.0)
+  assert ring(100.0, 4) == pytest.approx(150.0)  # 2 x 3/4
+  assert ring(100.0, 128) == pytest.approx(2 * 127 / 128 * 100.0)
+  with pytest.raises(ValueError, match="at least 1 member"):
+    ring(100.0, 0)
+
+
+def test_the_cost_model_counts_parameters_and_collectives():
+  resnet, norms = step_cost_model.resnet50_shapes()
+  # torchvision's resnet50 (v1.5, no conv biases) has 25,557,032.
+  assert step_cost_model.parameters(resnet) == 25_557_032
+  assert norms == 53 and len(resnet) == 53 * 3 + 2
+  counts = step_cost_model.replicate_collectives(resnet, 2 * norms)
+  assert counts["statistics"] == 106 and counts["packed gradients"] == 1
+  assert sum(counts.values()) == 1 + counts["large gradients"] + 106 + 2
+  # The MLP: 784x1024 + 1024 + 1024x1024 + 1024 + 1024x10 + 10; its two
+  # large kernels have their own collectives, the rest share a pack (as
+  # the replicate job's graph shows: 4 CollectiveReduceV2 with the loss).
+  mlp = step_cost_model.mlp_shapes(784, [1024, 1024], 10)
+  assert step_cost_model.parameters(mlp) == 1_863_690
+  assert step_cost_model.replicate_collectives(mlp) == {
+      "packed gradients": 1, "large gradients": 2, "statistics": 0,
+      "loss": 1, "rows (all-gather)": 1}
+
+
+def test_a_step_predicted_by_hand():
+  model = step_cost_model
+  arrangement = model.Arrangement("replicate", members=4, collectives=5,
+                                  rounds=2)
+  overhead = model.Overhead(first=0.001, more=0.0005)
+  step = model.step(arrangement, gradient_bytes=100e6,
+                    bandwidth=25 * model.GBIT_BYTES, hop_latency=25e-6,
+                    overhead=overhead, compute=0.18)
+  # 1.5 x 100 MB over 3.125 GB/s; 2 rounds x 6 hops x 25 us; 1 + 4 x 0.5 ms
+  assert step.transfer == pytest.approx(0.048)
+  assert step.latency == pytest.approx(0.0003)
+  assert step.overhead == pytest.approx(0.003)
+  assert step.no_overlap == pytest.approx(0.2313)
+  assert step.efficiency_no_overlap == pytest.approx(0.18 / 0.2313)
+  # forward (1/3 of 0.18 s) + 51.3 ms of communication < 0.18 s: hidden
+  assert step.overlap == pytest.approx(0.18)
+  slow = model.step(arrangement, 100e6, 1e9, 25e-6, overhead, 0.18)
+  assert slow.overlap == pytest.approx(0.06 + 0.15 + 0.0033)
+  alone = model.step(model.replicate_ring(1, 5), 100e6, 1e9, 25e-6,
+                     overhead, 0.18)
+  assert alone.communication == 0.0 and alone.efficiency_no_overlap == 1.0
+  flat = model.flat_ring(2, 8, 100e6)  # 100 MB in 64 MiB buffers: 2
+  assert (flat.members, flat.collectives, flat.rounds) == (16, 2, 2)
+
+
+def _across_workers_data():
+  """A recorded run's figures: 1 and 2 tasks, 2 repeats, one failure."""
+  def run(seconds, collectives=None, threads=None):
+    return {"global_steps": 100, "seconds": seconds,
+            "collectives": collectives or {}, "threads": threads}
+
+  reduce_count = {"CollectiveGatherV2": 2, "CollectiveReduceV2": 4}
+  return {
+      "command": "python -m benchmarks.across_workers --tasks 1,2",
+      "machine": "2 cores", "date": "2026-01-02", "batch": 384,
+      "hidden": [1024, 1024], "towers": 2, "steps": 100, "warmup": 20,
+      "repeats": 2, "probe_rounds": 10,
+      "cells": [["replicate", 1], ["replicate", 2], ["mwms", 1],
+                ["mwms", 2]],
+      "runs": {"replicate x1": [run(1.0), run(2.0)],
+               "replicate x2": [run(4.0, reduce_count, 1200),
+                                run(4.0, reduce_count, 1400)],
+               "mwms x1": [run(1.0), run(1.0)],
+               "mwms x2": [None, None]},
+      "failures": {"mwms x2": "chief exited with 1: ValueError: no"},
+      "probes": {"2": [{"tasks": 2, "threads": 150, "median_ms": {
+          "none": 0.5, "1": 1.5, "262144": 2.5, "2097152": 10.5,
+          "32x1": 32.5, "1 timed": 2.5, "32x1 timed": 33.5}}],
+                 "3": [None]},
+  }
+
+
+def test_across_workers_section_tables_and_round_trip():
+  data = _across_workers_data()
+  text = across_workers.section(data)
+  # 384 x 100 / 1 s and / 2 s: median 28,800 (19,200-38,400); x 1 task is
+  # paired: 1/4 and 2/4.
+  assert ("| replicate | 1 | 2 | 192 | 28,800 (19,200-38,400) | 15.0 "
+          "(10.0-20.0) | - | - | - |") in text
+  assert ("| replicate | 2 | 4 | 96 | 9,600 (9,600-9,600) | 40.0 (40.0-40.0) "
+          "| 0.38 (0.25-0.50) | - | 1,300 (1,200-1,400) |") in text
+  assert ("| mwms | 1 | 1 | 384 | 38,400 (38,400-38,400) | 10.0 (10.0-10.0) "
+          "| - | 1.50 (1.00-2.00) | - |") in text
+  assert "| mwms | 2 | 2 | 192 | failed: chief exited with 1" in text
+  # Over 1,000 threads at the end: the section says why.
+  assert "after 120 steps the replicate chief has 1,300-1,300 threads" in text
+  # Probe: overhead 1.5 - 0.5 = 1 ms; each further (32.5 - 1.5) / 31 = 1
+  # ms; timed 2.5 - 0.5 = 2 ms and (33.5 - 2.5) / 31 = 1 ms; 8 MiB over 2
+  # tasks is 8 MiB a member in 9 ms: 932 MB/s.
+  assert ("| 2 | 0.50 | 1.50 | 2.50 | 10.50 | 32.50 | 2.50 | 33.50 | 1.00 | "
+          "1.00 | 2.00 | 1.00 | 932 | 150 |") in text
+  assert "| 3 | failed |" in text
+  data["notes"] = ["a hand-written remark."]
+  data["runs"]["mwms x1"][0]["load"] = [1.5, 3.25]
+  text = across_workers.section(data)
+  assert "\nNote: a hand-written remark.\n" in text
+  assert "load average was 1.5 to 3.2 around the runs" in text
+  assert across_workers.read_data(text) == data
+
+
+def test_results_md_keeps_its_model_tables_beside_the_section():
+  with open(readme.RESULTS) as results:
+    original = results.read()
+  new = across_workers.section(_across_workers_data())
+  text = across_workers.replace_section(original, new)
+  assert readme.parse(text) == readme.parse(original)
+  assert readme.render(text) == readme.render(original)
+  assert plot.read_results(text) == plot.read_results(original)
+  # Replacing again changes nothing; the next `## ` heading ends it.
+  assert across_workers.replace_section(text, new) == text
+  later = text + "\n## another section\n\ntext\n"
+  assert across_workers.kept_section(later).strip() == new.strip()
+  assert across_workers.replace_section("# Results\n", new) == (
+      "# Results\n\n" + new.rstrip("\n") + "\n")
+
+
+def test_recording_keeps_the_rest_of_the_file(tmp_path):
+  path = tmp_path / "RESULTS.md"
+  path.write_text("# Benchmark results\n\n## mlp: MLP\n\n| config |\n")
+  across_workers._publish(str(path), _across_workers_data())  # pylint: disable=protected-access
+  text = path.read_text()
+  assert text.startswith("# Benchmark results\n\n## mlp: MLP\n\n| config |")
+  assert across_workers.read_data(text) == _across_workers_data()
+  assert across_workers.main(["--redraw", "--record", str(path)]) == 0
+  assert path.read_text() == text

@@ -1,0 +1,324 @@
+"""The job every task of `python -m benchmarks.across_workers` runs.
+
+    python benchmarks/across_workers_job.py MODE [options]
+
+MODE is how the cluster in `TF_CONFIG` trains (or, for `probe`, what it
+times):
+
+- `replicate`: `replicate.start_server(run_config)`, then
+  `replicate_model_fn(model_fn, variable_strategy="replicated")` with one
+  tower per virtual CPU (`--towers`) of each chief and worker task, no ps;
+- `mwms`: `tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy`
+  in `RunConfig(train_distribute=...)`, under
+  `tf.compat.v1.disable_eager_execution()`. On a CPU-only machine it runs
+  one replica per task, whatever `device_count` says (it asks for GPUs);
+- `ps-sync`: one ps task holds the variables; each chief and worker task
+  trains `--towers` towers with `replicate_model_fn` (the default
+  `parameter_server` strategy) and `SyncReplicasOptimizer` (one update per
+  round of every worker's gradients) wrapped in `replicate.TowerOptimizer`,
+  with its hook;
+- `probe`: no training. Every task times bare `CollectiveReduceV2`s across
+  the tasks (one device each, `tf.distribute.Server` with the chief as the
+  group leader in the server's own config), of `--probe-elements` float32
+  elements each, and `--probe-concurrent` 1-element ones in one run,
+  without an op timeout, then one and `--probe-concurrent` 1-element ones
+  with a timeout of `--probe-timeout` seconds (replicate's collectives have
+  one), `--probe-rounds` times, interleaved with runs of no collective.
+
+Each training task reads its own fixed batch of `--batch / tasks` rows
+(random, seeded by its rank) from `from_tensors(...).repeat()`, so the
+global batch is the same whatever the number of tasks, and the input costs
+nothing. The model is an MLP 784-`--hidden`-10 with plain gradient descent.
+
+The chief prints one line `across_workers: {json}`: for training, the
+global steps and seconds it timed after `--warmup` global steps (from the
+end of step `--warmup` to the end of the last), how many collective ops its
+training graph holds and how many threads it has at the end; for `probe`,
+the median milliseconds of each fetch.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+MODES = ("replicate", "mwms", "ps-sync", "probe")
+PREFIX = "across_workers: "
+FEATURES = 784
+CLASSES = 10
+# Fixed keys of the probe's collectives (its own processes, nothing else).
+_PROBE_GROUP_KEY = 1
+
+
+def main(argv=None):
+  args = _parse(argv)
+  if args.mode == "mwms":
+    # The V1 class with Estimator needs graph mode (its own error says so).
+    tf.compat.v1.disable_eager_execution()
+  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+  tf_config = json.loads(os.environ["TF_CONFIG"])
+  cluster = tf_config["cluster"]
+  task = (tf_config["task"]["type"], tf_config["task"]["index"])
+  ranks = [("chief", 0)] + [("worker", i)
+                            for i in range(len(cluster.get("worker", [])))]
+  if args.mode == "probe":
+    return _probe(args, cluster, task, ranks)
+  return _train(args, cluster, task, ranks)
+
+
+def _parse(argv):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("mode", choices=MODES)
+  parser.add_argument("--model-dir", default=None)
+  parser.add_argument("--hidden", default="1024,1024")
+  parser.add_argument("--batch", type=int, default=384)
+  parser.add_argument("--towers", type=int, default=2)
+  parser.add_argument("--warmup", type=int, default=20)
+  parser.add_argument("--steps", type=int, default=100)
+  parser.add_argument("--learning-rate", type=float, default=0.001)
+  parser.add_argument("--probe-elements", default="1,262144")
+  parser.add_argument("--probe-rounds", type=int, default=200)
+  parser.add_argument("--probe-concurrent", type=int, default=32)
+  parser.add_argument("--probe-timeout", type=float, default=2.0)
+  return parser.parse_args(argv)
+
+
+def _report(record):
+  print(PREFIX + json.dumps(record), flush=True)
+
+
+# --- training ---------------------------------------------------------------
+
+
+def _model_fn_for(hidden, learning_rate, wrap_sync):
+  """The MLP's model_fn; `wrap_sync(optimizer)` -> (optimizer, hooks)."""
+
+  def model_fn(features, labels, mode):
+    net = features
+    for index, units in enumerate(hidden):
+      net = tf.compat.v1.layers.dense(net, units, tf.nn.relu,
+                                      name="hidden_{}".format(index))
+    logits = tf.compat.v1.layers.dense(net, CLASSES, name="logits")
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+    optimizer, hooks = wrap_sync(
+        tf.compat.v1.train.GradientDescentOptimizer(learning_rate))
+    train_op = optimizer.minimize(
+        loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
+                                      training_hooks=hooks)
+
+  return model_fn
+
+
+def _input_fn_for(rank, rows):
+  """This task's one fixed batch of `rows` rows, repeated."""
+  random = np.random.RandomState(rank)
+  x = random.rand(rows, FEATURES).astype(np.float32)
+  y = random.randint(0, CLASSES, size=rows).astype(np.int64)
+  return lambda: tf.data.Dataset.from_tensors((x, y)).repeat()
+
+
+class _Timer(tf.compat.v1.train.SessionRunHook):
+  """Times the global steps after the warm-up, from one step's end on."""
+
+  def __init__(self, warmup):
+    self._warmup = warmup
+    self._step = None
+    self._local_steps = 0
+    self.start = None  # (time, global step) at the end of the warm-up
+    self.last = None  # (time, global step) at the end of the last step
+    self.collectives = None
+
+  def begin(self):
+    self._step = tf.compat.v1.train.get_global_step()
+    graph = tf.compat.v1.get_default_graph()
+    types = [op.type for op in graph.get_operations()]
+    self.collectives = {kind: types.count(kind) for kind in sorted(set(
+        types)) if kind.startswith("Collective")}
+
+  def before_run(self, run_context):
+    return tf.compat.v1.train.SessionRunArgs(self._step)
+
+  def after_run(self, run_context, run_values):
+    now = time.perf_counter()
+    self._local_steps += 1
+    # The global step read in the same run as the update: before or after
+    # it; either way the same each step, so the differences count steps.
+    point = (now, int(run_values.results))
+    if self.start is None and point[1] >= self._warmup:
+      self.start = point
+    self.last = point
+
+  @property
+  def local_steps(self):
+    return self._local_steps
+
+
+def _train(args, cluster, task, ranks):
+  tasks = len(ranks)
+  hidden = [int(units) for units in args.hidden.split(",") if units]
+  rows = args.batch // tasks
+  is_training_task = task in ranks
+  rank = ranks.index(task) if is_training_task else None
+  session_config = tf.compat.v1.ConfigProto(device_count={"CPU": args.towers})
+  kwargs = dict(model_dir=args.model_dir, save_checkpoints_steps=10**9,
+                save_checkpoints_secs=None, save_summary_steps=None,
+                log_step_count_steps=None,
+                experimental_max_worker_delay_secs=0)
+  import replicate  # pylint: disable=import-outside-toplevel
+
+  if args.mode == "mwms":
+    experimental = tf.compat.v1.distribute.experimental
+    strategy = experimental.MultiWorkerMirroredStrategy()
+    config = tf.estimator.RunConfig(train_distribute=strategy, **kwargs)
+    model_fn = _model_fn_for(hidden, args.learning_rate,
+                             lambda optimizer: (optimizer, []))
+  elif args.mode == "replicate":
+    config = tf.estimator.RunConfig(session_config=session_config, **kwargs)
+    replicate.start_server(config)
+    model_fn = replicate.replicate_model_fn(
+        _model_fn_for(hidden, args.learning_rate,
+                      lambda o: (replicate.TowerOptimizer(o), [])),
+        variable_strategy="replicated")
+  else:  # ps-sync
+    if is_training_task:
+      _serve_ps_cluster_task(task, cluster, args.towers)
+    config = tf.estimator.RunConfig(session_config=session_config, **kwargs)
+
+    def wrap_sync(optimizer):
+      sync = replicate.TowerOptimizer(
+          tf.compat.v1.train.SyncReplicasOptimizer(
+              optimizer, replicas_to_aggregate=tasks,
+              total_num_replicas=tasks))
+      return sync, [sync.make_session_run_hook(config.is_chief)]
+
+    model_fn = replicate.replicate_model_fn(
+        _model_fn_for(hidden, args.learning_rate, wrap_sync),
+        variable_strategy="parameter_server")
+  estimator = tf.estimator.Estimator(model_fn, config=config)
+  timer = _Timer(args.warmup)
+  input_fn = _input_fn_for(rank or 0, rows)
+  tf.estimator.train_and_evaluate(
+      estimator,
+      tf.estimator.TrainSpec(input_fn, max_steps=args.warmup + args.steps,
+                             hooks=[timer]),
+      tf.estimator.EvalSpec(input_fn, steps=1))
+  if task == ("chief", 0):
+    if timer.start is None or timer.last[1] <= timer.start[1]:
+      raise RuntimeError("The chief timed no global step after the {} "
+                         "warm-up steps.".format(args.warmup))
+    _report({"mode": args.mode, "tasks": tasks, "batch": args.batch,
+             "global_steps": timer.last[1] - timer.start[1],
+             "seconds": timer.last[0] - timer.start[0],
+             "local_steps": timer.local_steps,
+             "collectives": timer.collectives, "threads": _threads()})
+  return 0
+
+
+_SERVERS = []
+
+
+def _serve_ps_cluster_task(task, cluster, towers):
+  """A chief's or worker's server with `towers` virtual CPUs.
+
+  The Estimator starts a task's server with only the session config's
+  `gpu_options`, so virtual CPUs would not reach it (see
+  tests/cluster_job.py); the ps task keeps the Estimator's own server.
+  """
+  tf_config = json.loads(os.environ["TF_CONFIG"])
+  tf_config["environment"] = "google"
+  os.environ["TF_CONFIG"] = json.dumps(tf_config)
+  _SERVERS.append(tf.distribute.Server(
+      tf.train.ClusterSpec(cluster), job_name=task[0], task_index=task[1],
+      config=tf.compat.v1.ConfigProto(device_count={"CPU": towers})))
+
+
+# --- probe ------------------------------------------------------------------
+
+
+def _probe(args, cluster, task, ranks):
+  """Times bare cross-task all-reduces, one device per task."""
+  sizes = [int(size) for size in args.probe_elements.split(",") if size]
+  server_config = tf.compat.v1.ConfigProto(device_count={"CPU": 1})
+  server_config.experimental.collective_group_leader = (
+      "/job:chief/replica:0/task:0")
+  server = tf.distribute.Server(tf.train.ClusterSpec(cluster),
+                                job_name=task[0], task_index=task[1],
+                                config=server_config)
+  device = "/job:{}/replica:0/task:{}/device:CPU:0".format(*task)
+  graph = tf.Graph()
+  with graph.as_default(), tf.device(device):
+    fetches = {"none": tf.constant(0.0) + 1.0}  # a run without a collective
+    keys = iter(range(1, 10**6))
+
+    def all_reduce(size, timeout=0.0):
+      value = tf.ones([size], tf.float32) * float(ranks.index(task) + 1)
+      return tf.raw_ops.CollectiveReduceV2(
+          input=value, group_size=len(ranks), group_key=_PROBE_GROUP_KEY,
+          instance_key=next(keys), ordering_token=[], merge_op="Add",
+          final_op="Id", communication_hint="ring", timeout_seconds=timeout)
+
+    def concurrent(timeout=0.0):
+      """`--probe-concurrent` 1-element all-reduces in one run: what each
+      further collective of a step costs when they run side by side."""
+      return tf.math.add_n([all_reduce(1, timeout)[0] for _ in range(
+          args.probe_concurrent)]) / float(args.probe_concurrent)
+
+    for size in sizes:
+      fetches[str(size)] = all_reduce(size)[0]  # one element, not the sum
+    fetches["{}x1".format(args.probe_concurrent)] = concurrent()
+    if args.probe_timeout:
+      # With an op timeout, as replicate's collectives have: TensorFlow
+      # 2.15 then starts a thread per collective that sleeps for the
+      # timeout (tensorflow/tensorflow#62466), so keep it short here.
+      fetches["1 timed"] = all_reduce(1, args.probe_timeout)[0]
+      fetches["{}x1 timed".format(args.probe_concurrent)] = concurrent(
+          args.probe_timeout)
+  session = tf.compat.v1.Session(
+      server.target, graph=graph, config=tf.compat.v1.ConfigProto(
+          device_filters=["/job:{}/task:{}".format(*task)]))
+  expected = sum(range(1, len(ranks) + 1))
+  times = {name: [] for name in fetches}
+  # Every task runs the same collectives in the same order (their step ids
+  # come from the leader); the first rounds form the group and warm up.
+  for round_index in range(args.probe_rounds + 10):
+    for name, fetch in fetches.items():
+      start = time.perf_counter()
+      value = session.run(fetch)
+      elapsed = time.perf_counter() - start
+      if name != "none" and value != expected:
+        raise RuntimeError("The all-reduce of {} elements gave {}, not "
+                           "{}.".format(name, value, expected))
+      if round_index >= 10:
+        times[name].append(elapsed)
+  if task == ("chief", 0):
+    _report({"mode": "probe", "tasks": len(ranks),
+             "rounds": args.probe_rounds,
+             "concurrent": args.probe_concurrent,
+             "timeout": args.probe_timeout, "threads": _threads(),
+             "median_ms": {name: 1000 * statistics.median(values)
+                           for name, values in times.items()}})
+  return 0
+
+
+def _threads():
+  """This process's threads (Linux), or None."""
+  try:
+    with open("/proc/self/status") as status:
+      for line in status:
+        if line.startswith("Threads:"):
+          return int(line.split()[1])
+  except OSError:
+    pass
+  return None
+
+
+if __name__ == "__main__":
+  sys.exit(main())
