@@ -372,7 +372,12 @@ def probe_table(data):
 
 
 def cost_rows(untimed, timed, measured_bandwidth):
-  """The cost model's predictions for ResNet-50: one dict per row."""
+  """The cost model's predictions for ResNet-50: one dict per row.
+
+  `timed` (the overhead with an op timeout) is not used: no step's
+  collective has one.
+  """
+  del timed
   shapes, norms = cost.resnet50_shapes()
   gradient_bytes = cost.parameters(shapes) * cost.FLOAT32_BYTES
   collectives = sum(cost.replicate_collectives(shapes, 2 * norms).values())
@@ -387,9 +392,9 @@ def cost_rows(untimed, timed, measured_bandwidth):
                           cost.replicate_ring(machines, collectives)):
         if link == "loopback here" and arrangement.name != "replicate":
           continue
-        # replicate's collectives have an op timeout; a flat ring's not.
-        overhead = (timed or untimed) if arrangement.name == "replicate" \
-            else untimed
+        # A step's collectives have no op timeout, replicate's (only its
+        # start's have one) or a flat ring's.
+        overhead = untimed
         timing = cost.step(arrangement, gradient_bytes, bandwidth,
                            HOP_LATENCY, overhead, compute)
         rows.append({"cluster": "{} x {}".format(machines, gpus),
@@ -486,7 +491,8 @@ def section(data):
       "a 4-byte all-reduce's run less the empty run's. Of each further "
       "one: ({} concurrent 4-byte all-reduces in one run less one alone) "
       "/ {}. Timed: the same with an op timeout ({:g} s here), as "
-      "replicate's collectives have. Throughput: the bytes a ring member "
+      "replicate's start has (its step's collectives have none). "
+      "Throughput: the bytes a ring member "
       "sends for 8 MiB, 2(K-1)/K x 8 MiB, over (8 MiB run - 4 B "
       "run).".format(data.get("probe_rounds", "-"), _PROBE_CONCURRENT,
                      _PROBE_CONCURRENT - 1, _PROBE_TIMEOUT), "",
@@ -511,8 +517,9 @@ def cost_section(probe, resnet, collectives, norms):
       "in 64 MiB fusion buffers, one after the other). `replicate`: each "
       "machine sums its towers first, then one device a machine joins the "
       "ring (K = machines) with one collective per pack of small "
-      "gradients, per large gradient, per batch-norm statistic, for the "
-      "loss, and the rows' all-gather before the step ({} in all for "
+      "gradients, per large gradient, for the batch-norm statistics (one "
+      "pack), for the loss, and the rows' all-gather before the step ({} "
+      "in all for "
       "ResNet-50: {}), in 2 rounds. Efficiency is compute / step time; "
       "images/sec = GPUs x {} / step time.".format(
           sum(collectives.values()), _described(collectives), GPU_BATCH),
@@ -520,7 +527,8 @@ def cost_section(probe, resnet, collectives, norms):
       "Assumptions: ResNet-50 (v1.5, counted here: {:,} float32 parameters, "
       "S = {:.1f} MB; {} batch-norm layers, so {} statistics); each GPU "
       "computes a batch of {} in {:.1f} ms (the {:.0f} images/sec of one "
-      "V100 in float32 used as the brief's figure; TensorFlow's published "
+      "V100 in float32, an assumption not checked here against a "
+      "published table; TensorFlow's published "
       "tf_cnn_benchmarks table of May 2017 gives 219 images/sec on a P100 "
       "at batch 64, which would make communication matter less); backward "
       "is 2/3 of that compute; {:.0f} us a network hop; the bandwidth of "
@@ -540,9 +548,9 @@ def cost_section(probe, resnet, collectives, norms):
   untimed, timed = probe["untimed"], probe["timed"] or probe["untimed"]
   lines += [
       "Measured here (2 tasks, above): overhead of one collective {:.2f} "
-      "ms, of each further one {:.2f} ms, without an op timeout (the flat "
-      "ring's rows); {:.2f} and {:.2f} ms with one, as replicate's "
-      "collectives have (replicate's rows); loopback throughput {:,.0f} "
+      "ms, of each further one {:.2f} ms, without an op timeout, as both "
+      "arrangements' step collectives run ({:.2f} and {:.2f} ms with one, "
+      "as only replicate's start runs); loopback throughput {:,.0f} "
       "MB/s. These come from processes sharing 2 busy cores, so they are "
       "likely above what a dedicated machine pays; the `loopback here` "
       "rows show the prediction if TensorFlow's gRPC collectives moved "
@@ -556,7 +564,7 @@ def cost_section(probe, resnet, collectives, norms):
       "(https://github.com/horovod/horovod/blob/master/docs/benchmarks.rst); "
       "its paper (Sergeev and Del Balso, arXiv:1802.05799, 2018) reports "
       "about 90% for the same models up to 128 GPUs, ResNet-50 alike "
-      "(as quoted in the brief for this work, not re-read here). "
+      "(as the issue for this work quotes it; not re-read here). "
       "TensorFlow's tf_cnn_benchmarks page (tensorflow/docs_src/"
       "performance/benchmarks.md, May 2017, `distributed_replicated`, "
       "8 K80s a server on Amazon EC2, batch 64 a GPU, synthetic data) "
@@ -590,7 +598,7 @@ def _loopback_check(data, probe, mlp, collectives):
                                        for r in kept)
   if "replicate x1" not in medians:
     return ""
-  overhead = probe["timed"] or probe["untimed"]
+  overhead = probe["untimed"]  # the step's collectives have no timeout
   texts = []
   for tasks in sorted(t for a, t in data["cells"] if a == "replicate"
                       and t > 1 and _key(a, t) in medians):

@@ -29,8 +29,9 @@ Two arrangements of M machines of G GPUs each are modelled:
   ceil(S / 64 MiB) collectives, one after the other).
 - `replicate`: each machine first sums its towers' gradients locally, then
   one device per machine joins the ring (K = M), with one collective per
-  dtype pack of small gradients, one per large gradient, one per
-  statistic (batch-norm moving mean and variance), one for the loss, and
+  dtype pack of small gradients, one per large gradient, one for the
+  statistics (batch-norm moving means and variances, packed), one for the
+  loss, and
   an all-gather of the rows before the step (`replicate.communication
   .allreduce` and `replicate.cluster`): two rounds, the gather, then
   everything else.
@@ -105,13 +106,15 @@ def replicate_collectives(shapes: Sequence[Tuple[int, ...]],
   """The cross-task collectives of one `replicate` step, by what they sum.
 
   Dense float32 gradients of at most PACK_MAX_ELEMENTS elements share one
-  packed all-reduce, each larger one has its own; each statistic write
-  (UPDATE_OPS) has its own; the loss has one; the rows one all-gather.
+  packed all-reduce, each larger one has its own; the statistic writes
+  (UPDATE_OPS: `statistics` of them) share one; the loss has one; the rows
+  one all-gather.
   """
   large = sum(math.prod(shape) > PACK_MAX_ELEMENTS for shape in shapes)
   packs = 1 if large < len(shapes) else 0
   return {"packed gradients": packs, "large gradients": large,
-          "statistics": statistics, "loss": 1, "rows (all-gather)": 1}
+          "statistics": 1 if statistics else 0, "loss": 1,
+          "rows (all-gather)": 1}
 
 
 # --- the model ---------------------------------------------------------------

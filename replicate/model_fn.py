@@ -12,7 +12,7 @@ The build, per call of the wrapped `model_fn`, one sub-package a step:
 6. `outputs`: one `EstimatorSpec` from the towers'.
 Beside them: `variables` (where variables live, what a tower sees),
 `communication` (all-reduce), `batch_norm` (synchronized batch norm). Apart:
-`cluster` (a ps cluster from `TF_CONFIG`).
+`cluster` (`TF_CONFIG` clusters: synchronous, or with ps tasks).
 """
 
 import inspect
@@ -112,10 +112,16 @@ def replicate_model_fn(
   with no device placement, so the SavedModel loads on any machine and
   serves any batch size.
 
-  On clusters: with a `RunConfig` whose `TF_CONFIG` cluster has ps tasks,
-  each training task builds one tower per device of its own server, the
-  variables go to the ps tasks in turn, and each worker sums its towers'
-  gradients before sending one update (see `replicate.cluster.ps_cluster` and
+  On clusters: with a `RunConfig` whose `TF_CONFIG` cluster has chief and
+  worker tasks and no ps tasks, training is synchronous: with
+  `variable_strategy="replicated"` (and `replicate.start_server` called
+  first), every task builds one tower per device of its own server, and
+  what one machine combines over its towers is summed across tasks too,
+  so a step is one device's on the concatenation of every task's batch
+  (see `replicate.cluster`). With ps tasks, each training task builds one
+  tower per device of its own server, the variables go to the ps tasks in
+  turn, and each worker sums its towers' gradients before sending one
+  update (see `replicate.cluster.ps_cluster` and
   `replicate.cluster.session_hooks`).
 
   On batch norm: with `sync_batch_norm=True`, in TRAIN, every training-mode
@@ -129,7 +135,8 @@ def replicate_model_fn(
   cannot be synchronized is a `ValueError` with the fix: a tensor
   `training` argument on a fused layer, batch norm inside a `tf.function`,
   Keras masks, `virtual_batch_size`, a gradient through it not made by
-  `TowerOptimizer`, and a cluster of several training tasks.
+  `TowerOptimizer`, and a ps cluster of several training tasks (a
+  synchronous cluster synchronizes across its tasks).
 
   On `"replicated"`: in TRAIN, tower 0 creates the variables under their own
   names on its device, and tower i gets local copies named `tower_i/...` on

@@ -1,18 +1,22 @@
 """The job every task of the synchronous multi-worker tests runs.
 
   python tests/sync_job.py MODEL_DIR MAX_STEPS BATCHES [--hidden H[,H...]]
+      [--towers N[,N...]] [--batch-norm {fused,plain}] [--embedding]
 
 `BATCHES` gives, per task in rank order (chief, worker 0, 1, ...), the rows
 of each of its batches: `"6,5,0;5,4,3"` is a chief with batches of 6, 5
-and 0 rows and a worker with 5, 4 and 3; `"4*100"` is 100 batches of 4. A task's input ends after its
-last batch. Every batch's rows come from `batch(rank, step, rows)`, so the
-test builds the one-device reference on the same data; a job restarted
-from a checkpoint of global step s starts at batch s.
+and 0 rows and a worker with 5, 4 and 3; `"4*100"` is 100 batches of 4. A
+task's input ends after its last batch. Every batch's rows come from
+`batch(rank, step, rows)`, so the test builds the one-device reference on
+the same data; a job restarted from a checkpoint of global step s starts
+at batch s.
 
 The model (`model_fn`) has what a step must combine across tasks: a
 weighted mean loss (with `loss_denominator`), Adam, a moving mean of the
-features (`UPDATE_OPS`, as batch norm's statistics), an L2 regularizer, a `tower_local_scope("sum")` count of the rows seen and
-the global step. Each task has 2 towers (virtual CPUs; `--towers`), trained by
+features (`UPDATE_OPS`, as batch norm's statistics), an L2 regularizer, a
+`tower_local_scope("sum")` count of the rows seen and the global step;
+optionally a synchronized batch norm and an embedding (sparse gradients).
+Each task has 2 towers (virtual CPUs; `--towers`), trained by
 `tf.estimator.train_and_evaluate` after `replicate.start_server`.
 
 Each training task writes every global variable's value when it stops, to

@@ -273,8 +273,8 @@ def test_the_batch_is_taken_as_an_optional_that_ends_every_task(
 
 
 def test_a_task_whose_input_ended_stops_with_out_of_range():
-  stop = sync_input._StopIfAnyEnded([("chief", 0), ("worker", 0),  # pylint: disable=protected-access
-                                     ("worker", 1)])
+  tasks = [("chief", 0), ("worker", 0), ("worker", 1)]
+  stop = sync_input._StopIfAnyEnded(tasks)  # pylint: disable=protected-access
   assert stop(np.array([0, 0, 0])) == 0
   with pytest.raises(StopIteration, match="the input of worker:0, worker:1 "
                      "ended; every task of the synchronous cluster stops"):

@@ -1,19 +1,21 @@
 """Synchronous training across tasks (no ps), on loopback clusters.
 
 Every task runs `tests/sync_job.py` under `replicate.launch.LocalCluster`:
-2 towers per task, uneven batches across tasks, an empty batch, inputs
-that end at different steps. Each run is compared with the unwrapped
-`model_fn` on one device, on the concatenation of every task's batches
-(chief first), to 1e-5: every variable (weights, Adam slots and powers,
-the moving mean, the tower-local row count) and the global step, on every
+2 and 3 tasks of 2 towers (or 1, 2 and 1), uneven batches across tasks,
+empty batches, inputs that end at different steps, a resume, a one-device
+checkpoint, a synchronized batch norm, an embedding's sparse gradients.
+Each run is compared with the unwrapped `model_fn` on one device, on the
+concatenation of every task's batches (chief first), to 1e-5: every
+variable (weights, Adam slots and powers, the moving mean, the tower-local
+row count, batch norm's moving statistics) and the global step, on every
 task and in the chief's checkpoint.
 
 The faults kill (SIGKILL) or freeze (SIGSTOP) a task at a point its own
 log lines mark, and assert that the others exit with an error within the
 documented bound: `REPLICATE_SYNC_TIMEOUT_SECS` (8 s here) for a step or
 a start the others wait in, twice that plus 10 s for a worker whose chief
-is gone before its first step (the watchdog's bound on a start). The margin allows for
-2 shared cores starting up to 3 TensorFlow processes.
+is gone before its first step (the watchdog's bound on a start). The
+margin allows for 2 shared cores starting up to 3 TensorFlow processes.
 
 Slow (a cluster per test): run by `make test-multiworker`.
 """

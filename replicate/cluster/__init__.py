@@ -1,6 +1,18 @@
-"""Apart from the build: a `TF_CONFIG` cluster with parameter servers.
+"""Apart from the build: `TF_CONFIG` clusters and the launcher's processes.
 
+Synchronous clusters (chief and workers, no ps; every task's towers step
+together):
+- `server`: `replicate.start_server`, this task's server with the group
+  leader the collectives need;
+- `sync_cluster`: the tasks, and the collectives across them that the
+  build's sums go through (`CrossTask`);
+- `sync_input`: each task's batch taken so that an ended input stops all;
+- `sync_session`: the start of every session (guard, model check,
+  broadcast from the chief) and the watchdog.
+
+Clusters with parameter servers:
 - `ps_cluster`: this worker's towers, where it sums, its hooks and Saver.
 - `session_hooks`: around the cluster's sessions (shutdown, restarts).
+
 - `processes`: the launcher's tasks as processes (`replicate.launch`).
 """
