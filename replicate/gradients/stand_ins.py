@@ -67,11 +67,11 @@ def _open_dim0(tensor, name):
 def _pass_on(stand_in: tf.Tensor, value: tf.Tensor) -> None:
   """The stand-in (a `PlaceholderWithDefault`) now defaults to `value`."""
   _tf.update_input(stand_in.op, 0, value)
-  stand_in.op._replicate_connected = True  # pylint: disable=protected-access
+  stand_in.op.replicate_connected = True  # read by `is_connected`
 
 
 def is_connected(pending: Any) -> bool:
   """Whether `connect` gave the stand-in `pending` its value."""
   if isinstance(pending, tf.IndexedSlices):
     pending = pending.values
-  return getattr(pending.op, "_replicate_connected", False)
+  return getattr(pending.op, "replicate_connected", False)
