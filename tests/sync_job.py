@@ -2,6 +2,7 @@
 
   python tests/sync_job.py MODEL_DIR MAX_STEPS BATCHES [--hidden H[,H...]]
       [--towers N[,N...]] [--batch-norm {fused,plain}] [--embedding]
+      [--weight-decay]
 
 `BATCHES` gives, per task in rank order (chief, worker 0, 1, ...), the rows
 of each of its batches: `"6,5,0;5,4,3"` is a chief with batches of 6, 5
@@ -15,7 +16,8 @@ The model (`model_fn`) has what a step must combine across tasks: a
 weighted mean loss (with `loss_denominator`), Adam, a moving mean of the
 features (`UPDATE_OPS`, as batch norm's statistics), an L2 regularizer, a
 `tower_local_scope("sum")` count of the rows seen and the global step;
-optionally a synchronized batch norm and an embedding (sparse gradients).
+optionally a synchronized batch norm, an embedding (sparse gradients) and
+a second optimizer call whose gradient is not computed from the rows.
 Each task has 2 towers (virtual CPUs; `--towers`), trained by
 `tf.estimator.train_and_evaluate` after `replicate.start_server`.
 
@@ -72,10 +74,11 @@ def model_fn(features, labels, mode, params):
     ids = tf.cast(tf.abs(inputs[:, :2]) * 7, tf.int64) % VOCABULARY
     inputs = tf.concat([inputs, tf.reduce_sum(
         tf.nn.embedding_lookup(table, ids), axis=1)], axis=1)
-  hidden = tf.compat.v1.layers.dense(
-      inputs, params["hidden"], activation=tf.nn.tanh, name="hidden",
+  hidden_layer = tf.compat.v1.layers.Dense(
+      params["hidden"], activation=tf.nn.tanh, name="hidden",
       kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=1),
       kernel_regularizer=tf.keras.regularizers.l2(0.01))
+  hidden = hidden_layer(inputs)
   if params.get("batch_norm"):
     hidden = tf.compat.v1.layers.batch_normalization(
         hidden, training=mode == tf.estimator.ModeKeys.TRAIN, name="norm",
@@ -105,6 +108,13 @@ def model_fn(features, labels, mode, params):
       tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
     train_op = optimizer.minimize(
         loss, tf.compat.v1.train.get_or_create_global_step())
+  if params.get("weight_decay"):
+    # A second optimizer call whose gradient is not computed from the rows
+    # (decoupled weight decay): it must count once, not once per task.
+    decay = params["wrap"](tf.compat.v1.train.GradientDescentOptimizer(0.5))
+    with tf.control_dependencies([train_op]):
+      kernel = hidden_layer.kernel
+      train_op = decay.apply_gradients([(0.1 * kernel, kernel)])
   return tf.estimator.EstimatorSpec(mode, loss=loss,
                                     train_op=tf.group(train_op, count))
 
@@ -173,6 +183,8 @@ def main(argv):
                       help="hidden units, or per task in rank order: 4,5")
   parser.add_argument("--towers", default="2",
                       help="towers (virtual CPUs) a task, or per task: 1,2")
+  parser.add_argument("--weight-decay", action="store_true",
+                      help="a second optimizer call: decay not from rows")
   parser.add_argument("--embedding", action="store_true",
                       help="an embedding lookup: sparse gradients")
   parser.add_argument("--batch-norm", choices=["fused", "plain"],
@@ -198,6 +210,7 @@ def main(argv):
       params={"hidden": _of_task(arguments.hidden, rank),
               "batch_norm": arguments.batch_norm,
               "embedding": arguments.embedding,
+              "weight_decay": arguments.weight_decay,
               "wrap": replicate.TowerOptimizer})
   path = os.path.join(arguments.model_dir,
                       "values-{}-{}.npz".format(task["type"], task["index"]))

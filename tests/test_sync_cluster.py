@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
+from replicate import graph_walk
 from replicate.cluster import sync_cluster
 from replicate.cluster import sync_input
 from replicate.communication import allreduce
@@ -291,3 +292,139 @@ def test_slices_of_a_variable_of_unknown_shape_are_refused():
                        "known when the graph is built"):
       allreduce.all_reduce_grads([[slices]], ["/cpu:0"], allreduce.GATHER,
                                  cross=cross)
+
+
+def test_an_unwrapped_optimizer_on_a_task_of_one_tower_is_refused(
+    chief_config):
+  # With 2 towers tower 1's copy of the op is refused; with one tower,
+  # tower 0's is (but for TowerOptimizer's own update).
+  config, _ = chief_config
+
+  def extra(features, labels):
+    bias = tf.compat.v1.get_variable("extra_bias", [2])
+    loss = tf.reduce_sum(bias * tf.reduce_mean(features["x"]))
+    return tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, var_list=[bias])
+
+  for devices in (["/cpu:0"], ["/cpu:0", "/cpu:1"]):
+    with pytest.raises(ValueError, match=r"ResourceApplyGradientDescent.*is "
+                       r"an optimizer update made by the tower itself"):
+      _build(config, params={"extra": extra}, devices=devices)
+  graph, _ = _build(config, devices=["/cpu:0"])  # wrapped: one tower trains
+  assert any(op.type == "CollectiveReduceV2" and "all_reduce_over_tasks" in
+             op.name for op in graph.get_operations())
+
+
+@pytest.mark.parametrize("devices", [["/cpu:0"], ["/cpu:0", "/cpu:1"]])
+def test_sync_replicas_optimizer_is_refused_with_the_fix(chief_config,
+                                                         devices):
+  config, _ = chief_config
+
+  def sync_model_fn(features, labels, mode):
+    logits = tf.compat.v1.layers.dense(features["x"], 2)
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+    optimizer = replicate.TowerOptimizer(
+        tf.compat.v1.train.SyncReplicasOptimizer(
+            tf.compat.v1.train.GradientDescentOptimizer(0.1), 2, 2))
+    train_op = optimizer.minimize(
+        loss, tf.compat.v1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  with tf.Graph().as_default():
+    features, labels = _dataset_batch()
+    with pytest.raises(ValueError, match="wraps a SyncReplicasOptimizer.*"
+                       "trains synchronously already.*Wrap the "
+                       "SyncReplicasOptimizer's own optimizer"):
+      replicate.replicate_model_fn(
+          sync_model_fn, devices=devices, variable_strategy="replicated")(
+              features, labels, TRAIN, config=config)
+
+
+def test_summed_losses_with_regularization_are_refused(chief_config):
+  config, _ = chief_config
+
+  def regularized_model_fn(features, labels, mode):
+    logits = tf.compat.v1.layers.dense(
+        features["x"], 2, kernel_regularizer=tf.keras.regularizers.l2(0.1))
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
+        labels, logits, reduction=tf.compat.v1.losses.Reduction.SUM)
+    loss += tf.compat.v1.losses.get_regularization_loss()
+    train_op = replicate.TowerOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1)).minimize(loss)
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  with tf.Graph().as_default():
+    features, labels = _dataset_batch()
+    with pytest.raises(ValueError, match=r"Reduction.SUM with regularization "
+                       r"losses \('dense/kernel/Regularizer.*would count once "
+                       r"per task"):
+      replicate.replicate_model_fn(
+          regularized_model_fn, variable_strategy="replicated",
+          loss_reduction=tf.compat.v1.losses.Reduction.SUM)(
+              features, labels, TRAIN, config=config)
+
+
+def test_an_op_waiting_on_the_iterators_get_next_is_refused(chief_config):
+  config, _ = chief_config
+
+  def waiting_on_get_next():
+    features, labels = _dataset_batch()
+    with tf.control_dependencies([features["x"].op]):
+      zero = tf.zeros([], tf.int64, name="labels_after_get_next")
+    return features, labels + zero
+
+  with pytest.raises(ValueError, match=r"'labels_after_get_next' wait for "
+                     r"that op itself"):
+    _build(config, features_labels=waiting_on_get_next)
+
+
+def test_a_scaffold_with_its_own_readiness_or_a_string_variable_is_refused(
+    chief_config):
+  config, _ = chief_config
+
+  def own_scaffold_model_fn(features, labels, mode, params):
+    spec = _model_fn(features, labels, mode, params)
+    return spec._replace(scaffold=tf.compat.v1.train.Scaffold(
+        ready_for_local_init_op=tf.constant([], tf.string)))
+
+  with tf.Graph().as_default():
+    features, labels = _dataset_batch()
+    with pytest.raises(ValueError, match="has its own "
+                       "ready_for_local_init_op"):
+      replicate.replicate_model_fn(
+          own_scaffold_model_fn, variable_strategy="replicated")(
+              features, labels, TRAIN, params={}, config=config)
+
+  def name_variable(features, labels):
+    del features, labels
+    tf.compat.v1.get_variable("run_name", [], tf.string,
+                              initializer=tf.compat.v1.constant_initializer(
+                                  "a"), trainable=False)
+    return tf.no_op()
+
+  with pytest.raises(ValueError, match=r"float16/32/64 and int32/64 only.*"
+                     r"'run_name' \(string\)"):
+    _build(config, params={"extra": name_variable})
+
+
+def test_every_collective_of_the_step_runs_with_the_train_op(chief_config):
+  # A synchronized batch norm feeding only a summary: its all-gather would
+  # run on the chief alone (summaries are the chief's), and hang.
+  config, _ = chief_config
+
+  def summary_only(features, labels):
+    del labels
+    side = tf.compat.v1.layers.batch_normalization(
+        features["x"], training=True, name="side_norm")
+    tf.compat.v1.summary.histogram("side", side)
+    return tf.no_op()
+
+  graph, spec = _build(config, params={"extra": summary_only},
+                       sync_batch_norm=True)
+  step = [op for op in graph.get_operations()
+          if op.type.startswith("Collective") and
+          not op.name.startswith("start_of_cluster/")]
+  behind_train_op = set(graph_walk.ops_behind([spec.train_op],
+                                              follow_control=True))
+  assert any("side_norm" in op.name for op in step)
+  assert set(step) <= behind_train_op

@@ -76,7 +76,8 @@ class Lines(io.TextIOBase):
 
 
 def _cluster(model_dir, tasks, max_steps, batches, log, hidden="4",
-             batch_norm=None, chief_late=0, towers="2", embedding=False):
+             batch_norm=None, chief_late=0, towers="2", embedding=False,
+             weight_decay=False):
   command = [sys.executable, os.path.join(HERE, "sync_job.py"),
              str(model_dir), str(max_steps), batches, "--hidden", hidden,
              "--towers", towers]
@@ -84,6 +85,8 @@ def _cluster(model_dir, tasks, max_steps, batches, log, hidden="4",
     command += ["--batch-norm", batch_norm]
   if embedding:
     command += ["--embedding"]
+  if weight_decay:
+    command += ["--weight-decay"]
   if chief_late:  # the chief's process starts `chief_late` s after the rest
     command = ["sh", "-c", 'case "$TF_CONFIG" in *\'"type": "chief"\'*) '
                "sleep {};; esac; exec \"$@\"".format(chief_late), "sh"
@@ -99,17 +102,19 @@ def _task_names(tasks):
 
 
 def _run(model_dir, tasks, max_steps, batches, hidden="4", batch_norm=None,
-         towers="2", embedding=False):
+         towers="2", embedding=False, weight_decay=False):
   """Runs the job to its end; returns every task's exit code and the log."""
   log = Lines()
   with _cluster(model_dir, tasks, max_steps, batches, log, hidden,
-                batch_norm, towers=towers, embedding=embedding) as cluster:
+                batch_norm, towers=towers, embedding=embedding,
+                weight_decay=weight_decay) as cluster:
     codes = {"{}:{}".format(*task): cluster.wait(*task, timeout=240)
              for task in _task_names(tasks)}
   return codes, log
 
 
-def _reference(model_dir, batches, steps, batch_norm=None, embedding=False):
+def _reference(model_dir, batches, steps, batch_norm=None, embedding=False,
+               weight_decay=False):
   """The unwrapped model_fn on one device, on the concatenated batches."""
   per_task = sync_job.parse_batches(batches)
 
@@ -130,6 +135,7 @@ def _reference(model_dir, batches, steps, batch_norm=None, embedding=False):
   estimator = tf.estimator.Estimator(
       sync_job.model_fn, model_dir=str(model_dir),
       params={"hidden": 4, "batch_norm": batch_norm, "embedding": embedding,
+              "weight_decay": weight_decay,
               "wrap": lambda optimizer: optimizer})
   estimator.train(input_fn)
   reader = tf.train.load_checkpoint(str(model_dir))
@@ -210,14 +216,16 @@ def test_a_one_device_checkpoint_goes_on_training_on_the_cluster(tmp_path):
 
 @pytest.mark.parametrize("batch_norm", [None, "plain"])
 def test_tasks_of_one_tower_and_of_two_together(tmp_path, batch_norm):
-  # One GPU a machine is common: tasks of 1, 2 and 1 towers.
+  # One GPU a machine is common: tasks of 1, 2 and 1 towers. With a
+  # gradient not computed from the rows (weight decay as an optimizer call
+  # of its own): the chief's tower 0 counts it, once for every task.
   batches = "3,5,2;4,0,6;1,2,3"
   codes, log = _run(tmp_path / "cluster", 3, 10, batches,
-                    batch_norm=batch_norm, towers="1,2,1")
+                    batch_norm=batch_norm, towers="1,2,1", weight_decay=True)
   assert codes == {"chief:0": 0, "worker:0": 0, "worker:1": 0}, (
       log.text()[-3000:])
   _assert_every_task_like(tmp_path / "cluster", 3, _reference(
-      tmp_path / "reference", batches, 3, batch_norm))
+      tmp_path / "reference", batches, 3, batch_norm, weight_decay=True))
 
 
 def test_sparse_gradients_update_only_the_rows_looked_up(tmp_path):

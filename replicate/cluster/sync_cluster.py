@@ -5,18 +5,25 @@ On the cluster: a `TF_CONFIG` cluster of `chief` and `worker` tasks (no
 training task builds one tower per local device with a copy of every
 variable on each; what one machine combines over its towers (gradients,
 the loss, row counts, loss denominators, statistics, tower-local
-variables), each task sums over its own towers first, then across tasks
-with one `CollectiveReduceV2` per value, on its first tower's device. So a
-step is one device's on the concatenation of every task's batch, in rank
-order: the chief, then worker 0, 1, ....
+variables, synchronized batch norm's moments), each task sums over its own
+towers first, then across tasks with a `CollectiveReduceV2` (or
+`CollectiveGatherV2`) on its first CPU, a ring over gRPC. So a step is one
+device's on the concatenation of every task's batch, in rank order: the
+chief, then worker 0, 1, ....
 
-On keys: every cross-task collective uses one group (the first tower
-device of every task, `GROUP_KEY`) and an instance key given out in
-building order, per graph, from `FIRST_INSTANCE_KEY`. Every task builds
-the same graph, so the keys agree; the start-up check of the model
-(`replicate.cluster.sync_session`) uses fixed keys below that, so that
+On keys: every cross-task collective uses one group (the first CPU of
+every task, `GROUP_KEY`) and an instance key given out in building order,
+per graph, from `FIRST_INSTANCE_KEY`. Every task builds the same graph, so
+the keys agree; the start's check of the model
+(`replicate.cluster.sync_session`) uses a fixed key below that, so that
 tasks built differently meet there and say so, instead of waiting on
 different keys.
+
+On the step: its collectives run after the check that every task's input
+goes on (`after_check`, `replicate.cluster.sync_input`), and the step's
+`train_op` waits for every one of them (`step_ops`), so that every task
+runs each exactly once a step, whatever else a task fetches (the chief's
+summaries).
 
 On time: `timeout_seconds()` (`REPLICATE_SYNC_TIMEOUT_SECS`, default 120)
 bounds how long a task waits for the others: the bound on noticing a dead
@@ -29,6 +36,7 @@ cannot start another. A step is bounded by
 `replicate.cluster.sync_session.WatchdogHook` instead.
 """
 
+import contextlib
 import os
 import weakref
 from typing import List, NamedTuple, Optional, Sequence, Tuple
@@ -38,7 +46,7 @@ import tensorflow as tf
 TIMEOUT_ENV = "REPLICATE_SYNC_TIMEOUT_SECS"
 DEFAULT_TIMEOUT_SECONDS = 120.0
 
-GROUP_KEY = 7001  # the first tower device of every task
+GROUP_KEY = 7001  # the first CPU of every task
 FINGERPRINT_INSTANCE_KEY = 1
 FIRST_INSTANCE_KEY = 100
 
@@ -107,14 +115,20 @@ class TaskGroup(NamedTuple):
 
 
 class CrossTask:
-  """Collectives across tasks, from this task's first tower device."""
+  """Collectives across tasks, from `device`: this task's first CPU."""
 
   def __init__(self, group: TaskGroup, device: str, hint: str = "ring"):
     self.group = group
     self.device = device
     self._hint = hint
     self.timeout = timeout_seconds()
-    self.total_rows = None  # the step's rows over every task (sync_input)
+    # The step's collectives, in key order, and what they wait for: the
+    # check that every task's input goes on (`replicate.cluster.sync_input`).
+    self.step_ops: List[tf.Operation] = []
+    self.after_check: Optional[tf.Operation] = None
+    # Called, in this process, when the step stops every task at the end
+    # of an input (the watchdog's disarming).
+    self.on_stop: List = []
 
   def sum(self, tensor: tf.Tensor, name: str = "sum_over_tasks",
           timeout: float = 0) -> tf.Tensor:
@@ -122,11 +136,13 @@ class CrossTask:
 
     `timeout`: seconds the collective waits for the others (0: no limit).
     """
-    with tf.device(self.device), tf.name_scope(name):
-      return tf.raw_ops.CollectiveReduceV2(
+    with tf.device(self.device), tf.name_scope(name), self._in_step():
+      summed = tf.raw_ops.CollectiveReduceV2(
           input=tensor, merge_op="Add", final_op="Id", ordering_token=[],
           communication_hint=self._hint, timeout_seconds=timeout,
           **self._keys(next_instance_key(tensor.graph)))
+    self.step_ops.append(summed.op)
+    return summed
 
   def sum_all(self, tensors: Sequence[tf.Tensor], name: str = "sum_over_tasks"
              ) -> List[tf.Tensor]:
@@ -153,12 +169,20 @@ class CrossTask:
 
   def gather(self, tensor: tf.Tensor, instance_key: Optional[int] = None,
              timeout: float = 0) -> tf.Tensor:
-    """Every task's `tensor`, concatenated along dimension 0 in rank order."""
-    with tf.device(self.device):
-      return tf.raw_ops.CollectiveGatherV2(
+    """Every task's `tensor`, concatenated along dimension 0 in rank order.
+
+    With an `instance_key` of its own it is the start's, not the step's.
+    """
+    in_step = instance_key is None
+    with tf.device(self.device), (
+        self._in_step() if in_step else contextlib.nullcontext()):
+      gathered = tf.raw_ops.CollectiveGatherV2(
           input=tensor, ordering_token=[], communication_hint=self._hint,
           timeout_seconds=timeout,
           **self._keys(instance_key or next_instance_key(tensor.graph)))
+    if in_step:
+      self.step_ops.append(gathered.op)
+    return gathered
 
   def broadcast(self, tensor: tf.Tensor, timeout: float = 0) -> tf.Tensor:
     """The chief's `tensor` on every task (`tensor` must be alike on all)."""
@@ -172,6 +196,12 @@ class CrossTask:
           shape=tf.shape(tensor), T=tensor.dtype,
           communication_hint=self._hint, timeout_seconds=timeout, **keys)
 
+  def _in_step(self):
+    """After the check that every input goes on, once there is one."""
+    if self.after_check is None:
+      return contextlib.nullcontext()
+    return tf.control_dependencies([self.after_check])
+
   def _keys(self, instance_key):
     return dict(group_size=tf.constant(self.group.size),
                 group_key=tf.constant(GROUP_KEY),
@@ -183,8 +213,3 @@ def next_instance_key(graph: tf.Graph) -> int:
   key = _next_instance_key.get(graph, FIRST_INSTANCE_KEY)
   _next_instance_key[graph] = key + 1
   return key
-
-
-def instance_keys_used(graph: tf.Graph) -> int:
-  """How many instance keys `graph`'s cross-task collectives took so far."""
-  return _next_instance_key.get(graph, FIRST_INSTANCE_KEY) - FIRST_INSTANCE_KEY

@@ -69,9 +69,12 @@ def take_batch(features, labels, cross) -> Tuple[Any, Any, Optional[tf.Tensor]]:
     rows = _rows_if_any(optional, has_value, types, shapes)
     mine = tf.stack([1 - tf.cast(has_value, tf.int64), rows])[tf.newaxis]
     every_task = cross.gather(mine)  # [tasks, 2]: (ended, rows)
-    check = tf.numpy_function(
-        _StopIfAnyEnded(cross.group.tasks), [every_task[:, 0]], tf.int64,
-        stateful=True, name="stop_if_any_input_ended")
+    with tf.device(cross.device):  # this task's CPU: a Python function's
+      check = tf.numpy_function(
+          _StopIfAnyEnded(cross.group.tasks, cross.on_stop),
+          [every_task[:, 0]], tf.int64, stateful=True,
+          name="stop_if_any_input_ended")
+    cross.after_check = check.op  # every later collective of the step
     with tf.control_dependencies([check]):
       values = tf.raw_ops.OptionalGetValue(
           optional=optional, output_types=types, output_shapes=shapes)
@@ -82,6 +85,15 @@ def take_batch(features, labels, cross) -> Tuple[Any, Any, Optional[tf.Tensor]]:
       for index, tensor in enumerate(consumer.inputs):
         if tensor is old:
           _tf.update_input(consumer, index, new)
+  waiting = [op for op in get_next.graph.get_operations()
+             if get_next in op.control_inputs]
+  if waiting:
+    raise ValueError(
+        "In a synchronous cluster the batch is taken in place of the "
+        "input_fn's iterator's get_next, but {} wait for that op itself "
+        "(a control dependency), so it would still run and take a batch of "
+        "its own. Fix: make them depend on the features' values, not on "
+        "the op.".format(", ".join(repr(op.name) for op in waiting)))
   features, labels = tf.nest.map_structure(
       lambda leaf: replaced.get(leaf, leaf) if isinstance(leaf, tf.Tensor)
       else leaf, (features, labels), expand_composites=True)
@@ -110,14 +122,21 @@ def _rows_if_any(optional, has_value, types, shapes):
 
 
 class _StopIfAnyEnded:
-  """Raises StopIteration (OutOfRangeError) when some task's input ended."""
+  """Raises StopIteration (OutOfRangeError) when some task's input ended.
 
-  def __init__(self, tasks):
+  Calls each of `on_stop` first (a list filled later, while the session's
+  hooks are made).
+  """
+
+  def __init__(self, tasks, on_stop=()):
     self._tasks = ["{}:{}".format(job, index) for job, index in tasks]
+    self._on_stop = on_stop
 
   def __call__(self, ended):
     done = [task for task, flag in zip(self._tasks, ended) if flag]
     if done:
+      for callback in self._on_stop:
+        callback()
       message = ("replicate: the input of {} ended; every task of the "
                  "synchronous cluster stops at this step.".format(
                      ", ".join(done)))

@@ -62,7 +62,6 @@ def for_task(spec: tf.estimator.EstimatorSpec,
         "in a synchronous cluster replicate_model_fn uses to start every "
         "task alike (the chief's values broadcast to every task). Leave it "
         "out of the Scaffold.")
-  graph = tf.compat.v1.get_default_graph()
   saved = tf.compat.v1.global_variables()
   _check_dtypes(saved)
   with tf.name_scope("start_of_cluster"):
@@ -74,7 +73,7 @@ def for_task(spec: tf.estimator.EstimatorSpec,
       with tf.control_dependencies(steps):
         steps = [tf.compat.v1.variables_initializer(saved)]
     with tf.control_dependencies(steps):
-      checked = _check_alike(cross, saved, graph)
+      checked = _check_alike(cross, saved)
     with tf.control_dependencies([checked]):
       received = _broadcast(cross, saved)
     with tf.control_dependencies([received]):
@@ -85,9 +84,15 @@ def for_task(spec: tf.estimator.EstimatorSpec,
         ready = tf.constant([], tf.string)
   scaffold = tf.compat.v1.train.Scaffold(
       ready_for_local_init_op=ready, copy_from_scaffold=scaffold)
-  hooks = list(spec.training_hooks) + [WatchdogHook(
-      cross.group.name(), start_seconds(cross.timeout), cross.timeout)]
-  return spec._replace(scaffold=scaffold, training_hooks=hooks)
+  watchdog = WatchdogHook(cross.group.name(), start_seconds(cross.timeout),
+                          cross.timeout)
+  cross.on_stop.append(watchdog.disarm)  # the end of an input: no failure
+  # Every collective of the step runs once a step on every task, also one
+  # only a chief's summary would fetch.
+  with tf.name_scope("train_op_over_tasks"):
+    train_op = tf.group(spec.train_op, *cross.step_ops)
+  return spec._replace(scaffold=scaffold, train_op=train_op,
+                       training_hooks=list(spec.training_hooks) + [watchdog])
 
 
 def start_seconds(timeout: float) -> float:
@@ -112,20 +117,27 @@ def _check_dtypes(saved):
                       for v in refused)))
 
 
-def _fingerprint(saved, graph) -> np.ndarray:
-  """This task's model in numbers: hash, variables, elements, collectives."""
-  described = sorted("{}|{}|{}".format(v.op.name, v.shape, v.dtype.name)
-                     for v in saved)
+def _fingerprint(saved, step_ops) -> np.ndarray:
+  """This task's model in numbers: hash, variables, elements, collectives.
+
+  The hash is of the saved variables' names, shapes and dtypes in creation
+  order (the broadcast's and the gradient packs' order) and of the step's
+  collectives, in key order, by type, dtype and shape.
+  """
+  described = ["{}|{}|{}".format(v.op.name, v.shape, v.dtype.name)
+               for v in saved]
+  described += ["{}|{}|{}".format(op.type, op.inputs[0].dtype.name,
+                                  op.inputs[0].shape) for op in step_ops]
   digest = hashlib.sha256("\n".join(described).encode("utf-8")).digest()
   elements = sum(v.shape.num_elements() or 0 for v in saved)
   return np.array([int.from_bytes(digest[:7], "big"), len(saved), elements,
-                   sync_cluster.instance_keys_used(graph)], np.int64)
+                   len(step_ops)], np.int64)
 
 
-def _check_alike(cross, saved, graph) -> tf.Operation:
+def _check_alike(cross, saved) -> tf.Operation:
   """An all-gather of every task's fingerprint; raises if any differs."""
   # Every collective of the step is built by now: the model_fn is done.
-  mine = tf.constant(_fingerprint(saved, graph))
+  mine = tf.constant(_fingerprint(saved, cross.step_ops))
   mine = tf.reshape(mine, [1, _FINGERPRINT_SIZE])
   every_task = cross.gather(mine, sync_cluster.FINGERPRINT_INSTANCE_KEY,
                             timeout=cross.timeout)
@@ -240,6 +252,10 @@ class WatchdogHook(tf.compat.v1.train.SessionRunHook):
 
   def end(self, session):
     del session
+    self._stopped.set()
+
+  def disarm(self):
+    """No limit from now on: the job ends cleanly (an input ended)."""
     self._stopped.set()
 
   def _watch(self):

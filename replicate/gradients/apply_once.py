@@ -117,6 +117,7 @@ class Wrapping:
       return apply(self.optimizer, self._transformed(grads_and_vars))
     grads_and_vars = list(grads_and_vars)
     _check_not_in_control_flow(context)
+    _check_not_sync_replicas(context, self.optimizer)
     _check_own_copies(context, grads_and_vars)
     grads_and_vars = weighting.weighed_once(context, grads_and_vars)
     index = context.progress.tower_index
@@ -224,6 +225,18 @@ def checked(optimizer, family):
         "tf.compat.v1.train.Optimizer or a tf.keras.optimizers.legacy."
         "Optimizer. It returned: {!r}.".format(optimizer))
   return optimizer
+
+
+def _check_not_sync_replicas(context, optimizer):
+  """A synchronous cluster needs no `SyncReplicasOptimizer`: refused."""
+  if (context.layout.cross_task is not None and
+      isinstance(optimizer, tf.compat.v1.train.SyncReplicasOptimizer)):
+    raise ValueError(
+        "TowerOptimizer wraps a SyncReplicasOptimizer, but this RunConfig's "
+        "cluster (chief and workers, no ps tasks) trains synchronously "
+        "already: every task's towers apply the same sum each step. Wrap "
+        "the SyncReplicasOptimizer's own optimizer instead, and drop its "
+        "session hook.")
 
 
 def _active_context():

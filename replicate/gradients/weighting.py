@@ -70,9 +70,12 @@ def weighed_once(context, grads_and_vars: list) -> list:
   BERT does, a `GradientTape`), they are weighted here. A gradient not
   computed from the tower's rows (read back from an accumulator every
   tower added to, a constant) is the same in every tower: tower 0's
-  counts, once. "From the rows" is `replicate.shard.rows`'s rule.
+  counts, once (in a synchronous cluster, the chief's tower 0's). "From
+  the rows" is `replicate.shard.rows`'s rule.
   """
   index = context.progress.tower_index
+  # In a synchronous cluster, the chief's tower 0 is the one tower of all.
+  counts_once = context.layout.is_first_task
   weight = context.weights.of(index)
   weighted = _downstream_of(context.weights.weight_ops(index))
   rows = context.progress.rows_of(index)
@@ -82,7 +85,7 @@ def weighed_once(context, grads_and_vars: list) -> list:
       result.append((grad, variable))
     elif rows.depend([grad]):
       result.append((_scaled(grad, weight), variable))
-    elif index == 0:
+    elif index == 0 and counts_once:
       result.append((grad, variable))
     else:
       result.append((_nothing_like(grad), variable))

@@ -76,8 +76,10 @@ def classify(layout, progress, variables,
     classifier = _Classifier(
         layout.towers[index], frozenset(tower_ops),
         progress.update_ops[index], variables, by_op)
-    # A cluster's task of one tower has no tower 1 to refuse in its place.
-    strict = layout.num_towers == 1
+    # A cluster's task of one tower has no tower 1 to refuse in its place:
+    # tower 0's ops are refused as tower 1's would be, but for the update
+    # TowerOptimizer built of the sums.
+    strict = progress.update_built if layout.num_towers == 1 else None
     classes.append([classifier.change(op) if index else
                     classifier.tower0_change(op, strict) for op in in_step])
   return classes
@@ -98,18 +100,18 @@ class _Classifier:
       self._update_ops.update(graph_walk.ops_behind([update], within=tower_ops,
                                                 follow_control=True))
 
-  def tower0_change(self, op, strict: bool = False) -> Change:
+  def tower0_change(self, op, strict=None) -> Change:
     """Tower 0's ops run as built; only its statistic writes are sought.
 
     What would be refused in tower 0 is refused in tower 1, which made the
-    same op. With `strict` (a synchronous cluster's task of one tower: no
-    tower 1), it is refused here, except tower 0's optimizer update, which
-    applies the sums over every tower.
+    same op. With `strict`, the ops of `TowerOptimizer`'s update (a
+    synchronous cluster's task of one tower: no tower 1), it is refused
+    here, but for those, which apply the sums over every tower.
     """
     try:
       return self.change(op)
     except ValueError:
-      if strict and not _is_update(op):
+      if strict is not None and op not in strict:
         raise
       return Change(op, 0, ALLOWED, None)
 
@@ -203,7 +205,8 @@ class _Classifier:
     calls = _tf.called_functions(op)
     if calls is not None:
       return self._call_kind(op, calls, from_rows)
-    if _is_update(op):
+    if op.type.startswith(("Apply", "ResourceApply", "SparseApply",
+                           "ResourceSparseApply")):
       raise _refusal(self._index, op, None, (
           "is an optimizer update made by the tower itself"), (
               "wrap every optimizer in replicate.TowerOptimizer, whose "
@@ -243,12 +246,6 @@ class _Classifier:
     return (variable.op in variables.copy_ops(self._index) or
             (variable.op in self._tower_ops and
              not variables.is_shared(variable)))
-
-
-def _is_update(op) -> bool:
-  """Whether `op` is an optimizer's update of a variable."""
-  return op.type.startswith(("Apply", "ResourceApply", "SparseApply",
-                             "ResourceSparseApply"))
 
 
 def _changes_state(op) -> bool:
@@ -299,6 +296,7 @@ def _refusal(index, op, variable, why, fix) -> ValueError:
   if not target:
     subject += ","
   return ValueError(
-      "Tower {}'s op {} {}. Each of towers 1..N-1 runs it on its own rows, "
-      "and replicate_model_fn cannot make that equal to one device on the "
-      "whole batch. Fix: {}.".format(index, subject, why, fix))
+      "Tower {}'s op {} {}. Each tower (and, in a synchronous cluster, "
+      "each task) runs it on its own rows, and replicate_model_fn cannot "
+      "make that equal to one device on the whole batch. Fix: "
+      "{}.".format(index, subject, why, fix))

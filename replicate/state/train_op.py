@@ -86,16 +86,22 @@ def _check_over_tasks(classes, variables):
         continue
       if change.kind == _KEEP and (change.is_shared or
                                    change.variable is None):
+        if change.variable is None:
+          raise ValueError(
+              "The op {!r} ({}) changes a table or other state from the "
+              "tower's rows. In a synchronous cluster every task keeps its "
+              "own copy of that state, so each copy would hold only its "
+              "task's rows. Fix: make the change outside the train_op (in "
+              "the input_fn, or a hook), or train with ps tasks.".format(
+                  change.op.name, change.op.type))
         raise ValueError(
-            "The op {!r} ({}) adds to {} from the tower's rows. In a "
+            "The op {!r} ({}) adds to {!r} from the tower's rows. In a "
             "synchronous cluster every task keeps its own copy of that "
-            "state, so each copy would count only its task's rows. Fix: "
+            "variable, so each copy would count only its task's rows. Fix: "
             "create the variable inside replicate.tower_local_scope("
             "'sum'), which adds up every task's part each step, or keep "
             "the count outside the train_op.".format(
-                change.op.name, change.op.type,
-                repr(change.variable.op.name) if change.variable is not None
-                else "a table or other state"))
+                change.op.name, change.op.type, change.variable.op.name))
 
 
 def _keep(change, layout, runs):

@@ -59,6 +59,7 @@ class ReplicationContext:
     self._outer_variable_scope = tf.compat.v1.get_variable_scope()
     self._counters = name_counters.NameCounters(graph)
     sums_losses = loss_reduction == tf.compat.v1.losses.Reduction.SUM
+    self._sums_losses = sums_losses
     self.collections = tower_collections.TowerCollections(
         graph, layout.num_towers, sums_losses)
     # Loss weights per tower (1 for SUM, else the tower's share n_i / n,
@@ -140,11 +141,29 @@ class ReplicationContext:
     its counterparts.
     """
     self._counters.restore_end_of_tower0()
+    self._check_summed_regularization()
     self.collections.finish()
     with self.progress.building_own_ops():
       self.weights.finish()
     if self.batch_norm is not None:
       self.batch_norm.finish()
+
+  def _check_summed_regularization(self):
+    """With `Reduction.SUM` across tasks, regularization would count once a
+    task: refused (an averaging reduction weighs it by the shares)."""
+    if self.layout.cross_task is None or not self._sums_losses:
+      return
+    losses = self.collections.regularization()
+    if losses:
+      raise ValueError(
+          "loss_reduction=Reduction.SUM with regularization losses ({}) in "
+          "a synchronous cluster: the towers' losses are summed as they "
+          "are, and each task's tower 0 holds the regularization, so it "
+          "would count once per task. Fix: an averaging loss_reduction "
+          "(the default SUM_BY_NONZERO_WEIGHTS, or MEAN) for a loss "
+          "averaged over its rows, or train with ps tasks.".format(
+              ", ".join(repr(t.op.name) for t in losses[:3]) +
+              (", ..." if len(losses) > 3 else "")))
 
 
 @contextlib.contextmanager

@@ -83,6 +83,12 @@ class TowerLayout(NamedTuple):
     """Whether anything is combined: several towers, or several tasks."""
     return self.num_towers > 1 or self.cross_task is not None
 
+  @property
+  def is_first_task(self) -> bool:
+    """Whether this task's tower 0 is the first tower of all: always, but
+    in a synchronous cluster's tasks other than the chief."""
+    return self.cross_task is None or self.cross_task.group.is_chief
+
   def sum_over_tasks(self, tensor: tf.Tensor, name: str) -> tf.Tensor:
     """`tensor` summed over a synchronous cluster's tasks; else itself."""
     if self.cross_task is None:

@@ -37,6 +37,8 @@ class BuildProgress:
     # Whether tower 0's update (the optimizer's slots) is being built, for
     # the variable creator (`replicate.variables.matching`).
     self.is_applying = False
+    # The ops of tower 0's update, built by TowerOptimizer (`applying`).
+    self.update_built = set()
     # The local variables and tables there were when tower 0 was built (a
     # `replicate.towers.scaffolds.LocalState`), for a model_fn's own
     # local_init_op.
@@ -83,7 +85,9 @@ class BuildProgress:
   def applying(self):
     """Tower 0 builds its update: the optimizer's own variables are made."""
     self.is_applying = True
+    first_op = len(self._graph.get_operations())
     try:
       yield
     finally:
       self.is_applying = False
+      self.update_built.update(self._graph.get_operations()[first_op:])

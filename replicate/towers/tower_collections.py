@@ -69,6 +69,11 @@ class TowerCollections:
         start = len(now)  # towers 1..N-1 add none of their own
       self._added[key][index] = now[start:]
 
+  def regularization(self) -> list:
+    """The regularization losses tower 0 sees (and every tower with it)."""
+    return (list(self._outer[REGULARIZATION_LOSSES]) +
+            list(self._added[REGULARIZATION_LOSSES][0]))
+
   def finish(self) -> None:
     """Leaves each collection as the unwrapped model_fn would."""
     for key in _KEYS:

@@ -216,8 +216,9 @@ def _sync_cluster(variable_strategy, fixed_devices, config, all_reduce,
         "Received experimental_max_worker_delay_secs={!r}.".format(delay))
   server.check_started(config)
   tower_devices = ps_cluster.tower_devices(fixed_devices, config)
-  hint = "ring"
-  if allreduce.resolve_algorithm(all_reduce, tower_devices) == allreduce.NCCL:
-    hint = "nccl"
-  cross = sync_cluster.CrossTask(group, tower_devices[0], hint)
+  # Across tasks the ring runs over gRPC from the host, where the input,
+  # the start's Python functions and the iterator are; within a task,
+  # `all_reduce` is not used: the towers' sum is an add_n on tower 0.
+  allreduce.resolve_algorithm(all_reduce, tower_devices)  # checks "nccl"
+  cross = sync_cluster.CrossTask(group, devices_lib.cpu_of(tower_devices[0]))
   return tower_devices, SyncCluster(cross, compact)
