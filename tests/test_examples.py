@@ -95,16 +95,7 @@ def test_the_cluster_demo_script_refuses_negative_steps_before_training(
 def test_the_cluster_demo_prints_progress_and_no_deprecation_notices(
     tmp_path):
   # The chief alone with one ps task: the smallest cluster, a few seconds.
-  result = subprocess.run(
-      [sys.executable, "-m", "replicate.launch", "--ps", "1", "--workers",
-       "1", "--", sys.executable, str(EXAMPLES / "cluster_demo.py"),
-       "--model-dir", str(tmp_path / "model"), "--steps", "200",
-       "--progress-every", "50"],
-      capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path,
-      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-           "PYTHONPATH": str(EXAMPLES.parent)})
-  lines = result.stdout.splitlines()
-  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  lines = _launched_demo(tmp_path, ["--ps", "1", "--workers", "1"], 200, 50)
 
   assert lines[0].startswith("[launch] Starting 1 chief and 1 ps on ")
   chief = [line[len("[chief:0] "):] for line in lines
@@ -127,15 +118,7 @@ def test_the_cluster_demo_prints_progress_and_no_deprecation_notices(
 
 def test_the_cluster_demo_trains_a_synchronous_cluster_without_ps(tmp_path):
   # The launcher's default: the chief and 1 worker, no ps, 2 towers each.
-  result = subprocess.run(
-      [sys.executable, "-m", "replicate.launch", "--workers", "2", "--",
-       sys.executable, str(EXAMPLES / "cluster_demo.py"), "--model-dir",
-       str(tmp_path / "model"), "--steps", "50", "--progress-every", "20"],
-      capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path,
-      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-           "PYTHONPATH": str(EXAMPLES.parent)})
-  lines = result.stdout.splitlines()
-  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  lines = _launched_demo(tmp_path, ["--workers", "2"], 50, 20)
 
   assert lines[0].startswith("[launch] Starting 1 chief and 1 worker on ")
   # The worker may still print after the chief has exited: not lines[-1].
@@ -170,3 +153,17 @@ def test_the_cluster_demo_trains_a_synchronous_cluster_without_ps(tmp_path):
       ("[launch] ", "[chief:0] ", "[worker:0] "))] == []
   assert not [line for line in lines
               if "deprecat" in line.lower() or "WARNING" in line]
+
+
+def _launched_demo(tmp_path, launcher_args, steps, every):
+  """The cluster demo's output lines under the launcher; it must exit 0."""
+  result = subprocess.run(
+      [sys.executable, "-m", "replicate.launch"] + launcher_args + [
+          "--", sys.executable, str(EXAMPLES / "cluster_demo.py"),
+          "--model-dir", str(tmp_path / "model"), "--steps", str(steps),
+          "--progress-every", str(every)],
+      capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path,
+      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+           "PYTHONPATH": str(EXAMPLES.parent)})
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  return result.stdout.splitlines()
