@@ -59,6 +59,15 @@ def take_batch(features, labels, cross) -> Tuple[Any, Any, Optional[tf.Tensor]]:
   if not sources:
     return features, labels, None
   get_next = sources[0]
+  waiting = [op for op in get_next.graph.get_operations()
+             if get_next in op.control_inputs]
+  if waiting:
+    raise ValueError(
+        "In a synchronous cluster the batch is taken in place of the "
+        "input_fn's iterator's get_next, but {} wait for that op itself "
+        "(a control dependency), so it would still run and take a batch of "
+        "its own. Fix: make them depend on the features' values, not on "
+        "the op.".format(", ".join(repr(op.name) for op in waiting)))
   types = get_next.get_attr("output_types")
   shapes = [tf.TensorShape(s) for s in get_next.get_attr("output_shapes")]
   with tf.device(cross.device), tf.name_scope("take_batch"):
@@ -69,11 +78,10 @@ def take_batch(features, labels, cross) -> Tuple[Any, Any, Optional[tf.Tensor]]:
     rows = _rows_if_any(optional, has_value, types, shapes)
     mine = tf.stack([1 - tf.cast(has_value, tf.int64), rows])[tf.newaxis]
     every_task = cross.gather(mine)  # [tasks, 2]: (ended, rows)
-    with tf.device(cross.device):  # this task's CPU: a Python function's
-      check = tf.numpy_function(
-          _StopIfAnyEnded(cross.group.tasks, cross.on_stop),
-          [every_task[:, 0]], tf.int64, stateful=True,
-          name="stop_if_any_input_ended")
+    check = tf.numpy_function(  # on the task's CPU, as Python functions are
+        _StopIfAnyEnded(cross.group.tasks, cross.on_stop),
+        [every_task[:, 0]], tf.int64, stateful=True,
+        name="stop_if_any_input_ended")
     cross.after_check = check.op  # every later collective of the step
     with tf.control_dependencies([check]):
       values = tf.raw_ops.OptionalGetValue(
@@ -85,15 +93,6 @@ def take_batch(features, labels, cross) -> Tuple[Any, Any, Optional[tf.Tensor]]:
       for index, tensor in enumerate(consumer.inputs):
         if tensor is old:
           _tf.update_input(consumer, index, new)
-  waiting = [op for op in get_next.graph.get_operations()
-             if get_next in op.control_inputs]
-  if waiting:
-    raise ValueError(
-        "In a synchronous cluster the batch is taken in place of the "
-        "input_fn's iterator's get_next, but {} wait for that op itself "
-        "(a control dependency), so it would still run and take a batch of "
-        "its own. Fix: make them depend on the features' values, not on "
-        "the op.".format(", ".join(repr(op.name) for op in waiting)))
   features, labels = tf.nest.map_structure(
       lambda leaf: replaced.get(leaf, leaf) if isinstance(leaf, tf.Tensor)
       else leaf, (features, labels), expand_composites=True)
