@@ -428,3 +428,36 @@ def test_every_collective_of_the_step_runs_with_the_train_op(chief_config):
                                               follow_control=True))
   assert any("side_norm" in op.name for op in step)
   assert set(step) <= behind_train_op
+
+
+def test_input_from_two_iterators_is_refused(chief_config):
+  config, _ = chief_config
+
+  def two_iterators():
+    features, _ = _dataset_batch()
+    _, labels = _dataset_batch()
+    return features, labels
+
+  with pytest.raises(ValueError, match=r"straight from one iterator.*"
+                     r"IteratorGetNext.*IteratorGetNext"):
+    _build(config, features_labels=two_iterators)
+
+
+def test_a_task_outside_the_training_tasks_is_refused(monkeypatch):
+  cluster = dict(CLUSTER, reader=["127.0.0.1:{}".format(_free_port())])
+  _set_tf_config(monkeypatch, "reader", 0, cluster=cluster)
+  with pytest.raises(ValueError, match=r"task reader:0 is not a training "
+                     r"task of its cluster \(chief:0, worker:0\)"):
+    replicate.start_server(_run_config())
+
+
+def test_a_worker_whose_chief_never_starts_gives_up_after_the_timeout(
+    monkeypatch):
+  # This worker's chief (a port nobody listens on) never starts.
+  cluster = {"chief": ["127.0.0.1:{}".format(_free_port())],
+             "worker": ["127.0.0.1:{}".format(_free_port())]}
+  _set_tf_config(monkeypatch, "worker", 0, cluster=cluster)
+  monkeypatch.setenv(sync_cluster.TIMEOUT_ENV, "0.5")
+  with pytest.raises(RuntimeError, match=r"the group leader chief:0 .* did "
+                     r"not start its server within 0.5 s"):
+    replicate.start_server(_run_config())
