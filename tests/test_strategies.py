@@ -67,7 +67,7 @@ class _WorkerConfig:
 
 _STRATEGY_CLASSES = [strategies.ParameterServer, strategies.RoundRobin,
                      strategies.Replicated, strategies.PsCluster,
-                     strategies._SharedVariables]
+                     strategies.SyncCluster, strategies._SharedVariables]
 
 
 def _protocol_members():
@@ -79,7 +79,8 @@ def _protocol_members():
 
 def test_the_protocol_lists_what_the_build_asks():
   members, methods = _protocol_members()
-  assert members == {"copies_variables", "variable_device", "combine"}
+  assert members == {"copies_variables", "cross_task", "variable_device",
+                     "combine"}
   assert methods == {"variable_device", "combine"}
 
 

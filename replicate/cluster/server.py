@@ -46,8 +46,12 @@ def start_server(run_config) -> Optional[tf.distribute.Server]:
     checkpoints in a local session.
 
   Raises:
-    ValueError: `run_config` is not a `RunConfig`, or its cluster has ps
-      tasks (the Estimator starts those servers itself).
+    ValueError: `run_config` is not a `RunConfig`, its cluster has ps
+      tasks (the Estimator starts those servers itself), or its task is not
+      one of the cluster's training tasks.
+    RuntimeError: on a worker, the chief's server did not take connections
+      within `REPLICATE_SYNC_TIMEOUT_SECS` (default 120 s), which also
+      bounds how long any task waits for the others later.
   """
   if not isinstance(run_config, tf.estimator.RunConfig):
     raise ValueError(

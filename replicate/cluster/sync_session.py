@@ -9,10 +9,11 @@ start of the cluster, in order:
 1. the guard: a second run in this process is an error (below);
 2. on a worker, its own variables' initialisers;
 3. the check of the model: an all-gather of each task's fingerprint (its
-   saved variables' names, shapes and dtypes, and how many collectives
-   its step makes) on keys fixed apart from the model's, so that tasks
-   built differently meet there and all raise the same `ValueError`,
-   instead of waiting on keys the others do not have;
+   saved variables' names, shapes and dtypes in creation order, and its
+   step's collectives in key order, by type, dtype and shape) on a key
+   fixed apart from the model's, so that tasks built differently meet
+   there and all raise the same `ValueError`, instead of waiting on keys
+   the others do not have;
 4. the broadcast of every saved variable (weights, optimizer slots,
    `global_step`, statistics), packed per dtype, from the chief;
 then it reports what is left uninitialised (nothing, on a worker), and the
@@ -25,8 +26,13 @@ leaves TensorFlow's collectives in this process aborted for good, while a
 preemption and makes a new session, which would fail at once, forever.
 The guard ends that: the new session raises a `RuntimeError` saying what
 happened and what to do (restart every task; the chief's last checkpoint
-resumes). A wait no TensorFlow timeout bounds (a worker asking a dead
-chief for step ids before its first step) is ended by `WatchdogHook`.
+resumes). Waits no TensorFlow timeout bounds (a step's collectives, which
+carry none; a worker asking a dead chief for step ids before its first
+step) are ended by `WatchdogHook`.
+
+On the step: its `train_op` also waits for every collective of the step
+(`CrossTask.step_ops`), so each runs once a step on every task, whatever
+else one task fetches.
 
 On checkpoints and summaries: the Estimator gives the saver and summary
 hooks to the chief only. The Saver is the Estimator's default, over the

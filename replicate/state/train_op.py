@@ -245,14 +245,6 @@ def _as_dtype_of(value, like):
 
 
 def _check_optimizer_calls(records):
-  for call in records.calls[0]:
-    for pending, variable in call.pending or []:
-      if pending is not None and not stand_ins.is_connected(pending):
-        # Fail closed: unconnected, it passes tower 0's own gradient on.
-        raise AssertionError(
-            "replicate: the sum over towers of the gradient for {!r} was "
-            "never built (a bug in replicate; please report it).".format(
-                variable.op.name))
   counts = records.counts()
   if not any(counts):
     raise ValueError(
@@ -268,6 +260,14 @@ def _check_optimizer_calls(records):
         "optimizer calls in the same order. Make the calls independent of "
         "the tower's data.".format(", ".join(
             "tower {}: {}".format(i, n) for i, n in enumerate(counts))))
+  for call in records.calls[0]:
+    for pending, variable in call.pending or []:
+      if pending is not None and not stand_ins.is_connected(pending):
+        # Fail closed: unconnected, it passes tower 0's own gradient on.
+        raise AssertionError(
+            "replicate: the sum over towers of the gradient for {!r} was "
+            "never built (a bug in replicate; please report it).".format(
+                variable.op.name))
 
 
 def _check_rewritable(op):
