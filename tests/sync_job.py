@@ -2,7 +2,7 @@
 
   python tests/sync_job.py MODEL_DIR MAX_STEPS BATCHES [--hidden H[,H...]]
       [--towers N[,N...]] [--batch-norm {fused,plain}] [--embedding]
-      [--weight-decay]
+      [--weight-decay] [--static]
 
 `BATCHES` gives, per task in rank order (chief, worker 0, 1, ...), the rows
 of each of its batches: `"6,5,0;5,4,3"` is a chief with batches of 6, 5
@@ -119,7 +119,7 @@ def model_fn(features, labels, mode, params):
                                     train_op=tf.group(train_op, count))
 
 
-def input_fn_for(batches, model_dir):
+def input_fn_for(batches, model_dir, static=False):
   """An input_fn yielding task `rank`'s batches, then ending.
 
   A job resumed from a checkpoint of global step s starts at batch s, so
@@ -135,11 +135,14 @@ def input_fn_for(batches, model_dir):
         x, labels, weights = batch(rank, step, rows)
         yield {"x": x, "w": weights}, labels
 
+    # A static batch (every batch of the task the same size, known when
+    # the graph is built), or one known only at run time.
+    rows = batches[rank][0] if static else None
     return tf.data.Dataset.from_generator(
         generate, output_signature=(
-            {"x": tf.TensorSpec([None, FEATURES], tf.float32),
-             "w": tf.TensorSpec([None], tf.float32)},
-            tf.TensorSpec([None], tf.int64)))
+            {"x": tf.TensorSpec([rows, FEATURES], tf.float32),
+             "w": tf.TensorSpec([rows], tf.float32)},
+            tf.TensorSpec([rows], tf.int64)))
 
   return input_fn
 
@@ -183,6 +186,8 @@ def main(argv):
                       help="hidden units, or per task in rank order: 4,5")
   parser.add_argument("--towers", default="2",
                       help="towers (virtual CPUs) a task, or per task: 1,2")
+  parser.add_argument("--static", action="store_true",
+                      help="static batch shapes (a task's batches alike)")
   parser.add_argument("--weight-decay", action="store_true",
                       help="a second optimizer call: decay not from rows")
   parser.add_argument("--embedding", action="store_true",
@@ -215,7 +220,7 @@ def main(argv):
   path = os.path.join(arguments.model_dir,
                       "values-{}-{}.npz".format(task["type"], task["index"]))
   input_fn = input_fn_for(parse_batches(arguments.batches),
-                          arguments.model_dir)
+                          arguments.model_dir, arguments.static)
   tf.estimator.train_and_evaluate(
       estimator,
       tf.estimator.TrainSpec(lambda: input_fn(rank),

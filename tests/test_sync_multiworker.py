@@ -77,7 +77,7 @@ class Lines(io.TextIOBase):
 
 def _cluster(model_dir, tasks, max_steps, batches, log, hidden="4",
              batch_norm=None, chief_late=0, towers="2", embedding=False,
-             weight_decay=False):
+             weight_decay=False, static=False):
   command = [sys.executable, os.path.join(HERE, "sync_job.py"),
              str(model_dir), str(max_steps), batches, "--hidden", hidden,
              "--towers", towers]
@@ -87,6 +87,8 @@ def _cluster(model_dir, tasks, max_steps, batches, log, hidden="4",
     command += ["--embedding"]
   if weight_decay:
     command += ["--weight-decay"]
+  if static:
+    command += ["--static"]
   if chief_late:  # the chief's process starts `chief_late` s after the rest
     command = ["sh", "-c", 'case "$TF_CONFIG" in *\'"type": "chief"\'*) '
                "sleep {};; esac; exec \"$@\"".format(chief_late), "sh"
@@ -102,12 +104,12 @@ def _task_names(tasks):
 
 
 def _run(model_dir, tasks, max_steps, batches, hidden="4", batch_norm=None,
-         towers="2", embedding=False, weight_decay=False):
+         towers="2", embedding=False, weight_decay=False, static=False):
   """Runs the job to its end; returns every task's exit code and the log."""
   log = Lines()
   with _cluster(model_dir, tasks, max_steps, batches, log, hidden,
                 batch_norm, towers=towers, embedding=embedding,
-                weight_decay=weight_decay) as cluster:
+                weight_decay=weight_decay, static=static) as cluster:
     codes = {"{}:{}".format(*task): cluster.wait(*task, timeout=240)
              for task in _task_names(tasks)}
   return codes, log
@@ -238,6 +240,17 @@ def test_sparse_gradients_update_only_the_rows_looked_up(tmp_path):
   expected = _reference(tmp_path / "reference", batches, 3, embedding=True)
   assert "embedding/Adam" in expected
   _assert_every_task_like(tmp_path / "cluster", 2, expected)
+
+
+def test_static_batches_of_different_sizes_on_each_task(tmp_path):
+  # Each task's batch size known when its graph is built (7 rows on the
+  # chief's 2 towers: 4 + 3; 3 on the worker's), different across tasks;
+  # the worker's input ends first.
+  batches = "7*4;3*3"
+  codes, log = _run(tmp_path / "cluster", 2, 10, batches, static=True)
+  assert codes == {"chief:0": 0, "worker:0": 0}, log.text()[-3000:]
+  _assert_every_task_like(tmp_path / "cluster", 2,
+                          _reference(tmp_path / "reference", batches, 3))
 
 
 def test_three_tasks_stop_together_when_one_input_ends(tmp_path):

@@ -51,6 +51,7 @@ FINGERPRINT_INSTANCE_KEY = 1
 FIRST_INSTANCE_KEY = 100
 
 _TRAINING_JOBS = ("chief", "worker", "master")
+_HINT = "ring"  # over gRPC, from each task's CPU
 
 # Per graph, the next free instance key of the cross-task group.
 _next_instance_key = weakref.WeakKeyDictionary()
@@ -117,10 +118,9 @@ class TaskGroup(NamedTuple):
 class CrossTask:
   """Collectives across tasks, from `device`: this task's first CPU."""
 
-  def __init__(self, group: TaskGroup, device: str, hint: str = "ring"):
+  def __init__(self, group: TaskGroup, device: str):
     self.group = group
     self.device = device
-    self._hint = hint
     self.timeout = timeout_seconds()
     # The step's collectives, in key order, and what they wait for: the
     # check that every task's input goes on (`replicate.cluster.sync_input`).
@@ -139,7 +139,7 @@ class CrossTask:
     with tf.device(self.device), tf.name_scope(name), self._in_step():
       summed = tf.raw_ops.CollectiveReduceV2(
           input=tensor, merge_op="Add", final_op="Id", ordering_token=[],
-          communication_hint=self._hint, timeout_seconds=timeout,
+          communication_hint=_HINT, timeout_seconds=timeout,
           **self._keys(next_instance_key(tensor.graph)))
     self.step_ops.append(summed.op)
     return summed
@@ -177,7 +177,7 @@ class CrossTask:
     with tf.device(self.device), (
         self._in_step() if in_step else contextlib.nullcontext()):
       gathered = tf.raw_ops.CollectiveGatherV2(
-          input=tensor, ordering_token=[], communication_hint=self._hint,
+          input=tensor, ordering_token=[], communication_hint=_HINT,
           timeout_seconds=timeout,
           **self._keys(instance_key or next_instance_key(tensor.graph)))
     if in_step:
@@ -190,11 +190,11 @@ class CrossTask:
     with tf.device(self.device):
       if self.group.is_chief:
         return tf.raw_ops.CollectiveBcastSendV2(
-            input=tensor, communication_hint=self._hint,
+            input=tensor, communication_hint=_HINT,
             timeout_seconds=timeout, **keys)
       return tf.raw_ops.CollectiveBcastRecvV2(
           shape=tf.shape(tensor), T=tensor.dtype,
-          communication_hint=self._hint, timeout_seconds=timeout, **keys)
+          communication_hint=_HINT, timeout_seconds=timeout, **keys)
 
   def _in_step(self):
     """After the check that every input goes on, once there is one."""

@@ -52,6 +52,7 @@ def combine_train_op(tower_specs, layout, progress, records,
   classes = rule.classify(layout, progress, variables, tower_specs)
   if layout.cross_task is not None:
     _check_over_tasks(classes, variables)
+    _after_the_check(classes, layout.cross_task.after_check)
   runs = set(graph_walk.ops_behind(
       [tower_specs[0].train_op] +
       [spec.loss for spec in tower_specs if spec.loss is not None],
@@ -102,6 +103,26 @@ def _check_over_tasks(classes, variables):
             "'sum'), which adds up every task's part each step, or keep "
             "the count outside the train_op.".format(
                 change.op.name, change.op.type, change.variable.op.name))
+
+
+def _after_the_check(classes, check):
+  """Every state change of the step waits for the end-of-input check.
+
+  A change computed from no collective (a count of a static batch, which
+  TensorFlow folds to a constant) would otherwise run in a step that then
+  stops every task because an input ended, and count a batch no one
+  trained on. Changes inside control flow wait with their enclosing op.
+  """
+  if check is None:
+    return
+  for tower in classes:
+    for change in tower:
+      op = change.op
+      if change.kind == rule.ALLOWED:
+        continue  # changes nothing that outlives the step (a handle, a read)
+      if not (_tf.built_in_control_flow(op) or op.graph.building_function or
+              check in op.control_inputs):
+        _tf.add_control_input(op, check)
 
 
 def _keep(change, layout, runs):
