@@ -8,22 +8,48 @@ with the `model_fn`'s optimizer wrapped in `replicate.TowerOptimizer`.
 
 The distribution is `replicate-model-fn`; `pip install replicate` is the
 unrelated Replicate.com API client (see `replicate._identity`).
+
+`import replicate` checks that TensorFlow is installed but does not import
+it: each public name below imports its module, and so TensorFlow (and its
+version check), the first time it is used (PEP 562), so that `python -m
+replicate.launch`, which needs no TensorFlow, starts at once.
 """
 
-from replicate import _identity
+# Read by replicate._identity: this file is this library's, not the API
+# client's (whose install may overwrite it).
+__distribution__ = "replicate-model-fn"
+
+from replicate import _identity  # noqa: E402
 
 # First, so that a mix of the two `replicate`s says so before it breaks.
 _identity.warn_if_api_client()
-
-from replicate.model_fn import replicate_model_fn  # noqa: E402
-from replicate.gradients.optimizer import TowerOptimizer  # noqa: E402
-from replicate.variables.tower_local import tower_local_scope  # noqa: E402
-from replicate.gradients.weighting import loss_denominator  # noqa: E402
-from replicate.cluster.server import start_server  # noqa: E402
+_identity.check_tensorflow_installed()
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "replicate_model_fn", "TowerOptimizer", "tower_local_scope",
-    "loss_denominator", "start_server", "__version__"
-]
+# Every public name, with the module that defines it: one line a name.
+_PUBLIC = {
+    "replicate_model_fn": "replicate.model_fn",
+    "TowerOptimizer": "replicate.gradients.optimizer",
+    "tower_local_scope": "replicate.variables.tower_local",
+    "loss_denominator": "replicate.gradients.weighting",
+    "start_server": "replicate.cluster.server",
+}
+
+__all__ = list(_PUBLIC) + ["__version__"]
+
+
+def __getattr__(name):
+  """Imports a public name's module the first time the name is used."""
+  if name not in _PUBLIC:
+    raise AttributeError("module 'replicate' has no attribute {!r}".format(
+        name))
+  import importlib  # pylint: disable=import-outside-toplevel
+  value = getattr(importlib.import_module(_PUBLIC[name]), name)
+  globals()[name] = value  # later uses skip this function
+  return value
+
+
+def __dir__():
+  """The public names only, not the sub-packages imported so far."""
+  return sorted(__all__)

@@ -24,6 +24,10 @@ from typing import Any, Callable, Iterator, List, Optional, Set, Tuple
 
 import tensorflow as tf
 
+# Raises ImportError, with the fix, if the package `replicate` was imported
+# from an install whose `__init__.py` the Replicate.com client replaced.
+from replicate import _identity  # noqa: F401,E402  pylint: disable=unused-import
+
 # The supported TensorFlow --------------------------------------------------
 
 SUPPORTED_TENSORFLOW = "2.15"

@@ -55,6 +55,9 @@ import threading
 import time
 from typing import Dict, Optional, Sequence, TextIO, Tuple
 
+# Checks the install (see replicate._identity) and imports no TensorFlow:
+# the launcher needs none, so `--help` answers at once.
+from replicate import _identity  # noqa: F401  pylint: disable=unused-import
 from replicate.cluster import processes
 
 Task = Tuple[str, int]
