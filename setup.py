@@ -16,15 +16,29 @@ _VERSION = re.search(r'^__version__ = "([^"]+)"',
                      (_HERE / "replicate" / "__init__.py").read_text(),
                      re.MULTILINE).group(1)
 _URL = "https://github.com/replicate-model-fn/replicate-model-fn"
+# A link of the README to a file of the repository (`docs/api.md`), made
+# absolute for the package index, where relative links lead nowhere.
+_RELATIVE_LINK = re.compile(r"\]\((?!https?://|#)([^)\s]+)\)")
+
+
+def long_description():
+  """The README, its links to the repository's files made absolute."""
+  return _RELATIVE_LINK.sub(
+      lambda link: "]({}/blob/main/{})".format(_URL, link.group(1)),
+      (_HERE / "README.md").read_text())
+
 
 setuptools.setup(
     name="replicate-model-fn",
     version=_VERSION,
     description=("Train one tf.estimator model_fn on every device of a "
                  "machine: towers, one update per step."),
-    long_description=(_HERE / "README.md").read_text(),
+    long_description=long_description(),
     long_description_content_type="text/markdown",
     author="The replicate authors",
+    # An SPDX expression, the only statement of the license: a "License ::"
+    # classifier beside it makes setuptools >= 77 print a page of
+    # deprecation warnings on every install.
     license="Apache-2.0",
     url=_URL,
     project_urls={
@@ -44,13 +58,13 @@ setuptools.setup(
         # has (CPU-only or with CUDA).
         "cpu": ["tensorflow-cpu==2.15.*"],
         "gpu": ["tensorflow[and-cuda]==2.15.*"],
-        "demo": ["scikit-learn"],
+        # No "demo" extra: the examples are not in the wheel; a checkout
+        # runs them with requirements-test.txt (`make demo`).
     },
     classifiers=[
         "Development Status :: 3 - Alpha",
         "Intended Audience :: Developers",
         "Intended Audience :: Science/Research",
-        "License :: OSI Approved :: Apache Software License",
         "Programming Language :: Python :: 3",
         "Programming Language :: Python :: 3 :: Only",
         "Programming Language :: Python :: 3.11",

@@ -397,3 +397,26 @@ def test_signal_to_launcher_stops_all_tasks(stop_signal, code):
   assert process.returncode == code
   for pid in pids:
     wait_until_gone(pid)
+
+
+def test_help_imports_no_tensorflow():
+  # The launcher needs no TensorFlow, so `--help` answers at once (3.5 s
+  # behind TensorFlow's import before `import replicate` became lazy).
+  program = ("import runpy, sys\n"
+             "sys.argv = ['python -m replicate.launch', '--help']\n"
+             "try:\n"
+             "  runpy.run_module('replicate.launch', run_name='__main__')\n"
+             "except SystemExit as done:\n"
+             "  assert done.code == 0, done.code\n"
+             "print('tensorflow' in sys.modules, "
+             "sorted(m for m in sys.modules if m.startswith('replicate')))\n")
+  result = subprocess.run(
+      [sys.executable, "-c", program], capture_output=True, text=True,
+      timeout=TIMEOUT, cwd=REPOSITORY,
+      env={**os.environ, "PYTHONPATH": str(REPOSITORY)})
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.splitlines()
+  assert lines[0].startswith("usage: python -m replicate.launch ")
+  assert lines[-1] == ("False ['replicate', 'replicate._identity', "
+                       "'replicate.cluster', 'replicate.cluster.processes']")
+  assert result.stderr == ""

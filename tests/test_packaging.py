@@ -10,6 +10,7 @@ import importlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -93,8 +94,30 @@ def test_the_wheel_is_replicate_model_fn_with_every_module(wheel):
   assert info + "LICENSE" in names
   assert "Name: replicate-model-fn" in metadata
   assert "License: Apache-2.0" in metadata
-  assert ("Classifier: License :: OSI Approved :: Apache Software License"
-          in metadata)
+  # The SPDX expression alone: a license classifier beside it is deprecated
+  # (setuptools >= 77 prints a page of warnings on every install).
+  assert not [line for line in metadata
+              if line.startswith("Classifier: License ::")]
+  # Extras that install what the wheel uses: TensorFlow's builds only (the
+  # examples, which a "demo" extra was for, are not in the wheel).
+  assert sorted(line.split(": ")[1] for line in metadata
+                if line.startswith("Provides-Extra: ")) == ["cpu", "gpu"]
+
+
+def test_the_long_description_links_only_to_absolute_addresses(wheel):
+  with zipfile.ZipFile(wheel) as archive:
+    info = "replicate_model_fn-{}.dist-info/".format(replicate.__version__)
+    text = archive.read(info + "METADATA").decode()
+  description = text.split("\n\n", 1)[1]
+  assert description.startswith("# replicate\n")
+  links = re.findall(r"\]\(([^)]+)\)", description)
+  assert len(links) >= 10
+  prefix = "https://github.com/replicate-model-fn/replicate-model-fn/blob/main/"
+  relative = [link for link in links if not link.startswith("https://")]
+  assert relative == []
+  for link in links:  # each names a file of this checkout
+    assert link.startswith(prefix), link
+    assert (REPOSITORY / link[len(prefix):]).is_file(), link
 
 
 def test_every_module_imports_from_the_unpacked_wheel(wheel, tmp_path):
@@ -187,3 +210,125 @@ def test_the_api_client_is_any_replicate_distribution_but_this_one(
     _identity.warn_if_api_client(distributions)
   assert [str(w.message) for w in caught] == (
       [_identity.MESSAGE] if expected else [])
+
+
+# A copy of the package as pip leaves it, then `replicate/__init__.py` as the
+# Replicate.com client's install leaves it (its own) or its uninstall (none).
+FAKE_CLIENT_INIT = '''"""The Replicate.com client's module (a stand-in)."""
+from replicate.client import Client
+default_client = Client()
+'''
+
+
+def _broken_install(folder, how):
+  site = folder / "site"
+  shutil.copytree(REPOSITORY / "replicate", site / "replicate",
+                  ignore=shutil.ignore_patterns("__pycache__"))
+  init = site / "replicate" / "__init__.py"
+  if how == "overwritten":
+    init.write_text(FAKE_CLIENT_INIT)
+    (site / "replicate" / "client.py").write_text("class Client:\n  pass\n")
+  else:
+    init.unlink()
+  return site
+
+
+def _run(site, *arguments):
+  env = {key: value for key, value in os.environ.items()
+         if key != "PYTHONPATH"}
+  return subprocess.run(
+      [sys.executable] + list(arguments), cwd=site.parent,
+      capture_output=True, text=True, timeout=TIMEOUT,
+      env={**env, "PYTHONPATH": str(site), "TF_CPP_MIN_LOG_LEVEL": "3"})
+
+
+@pytest.mark.parametrize("how, what", [
+    ("overwritten", "replicate/__init__.py` at {site}/replicate/__init__.py "
+     "is another project's"),
+    ("deleted", "replicate/__init__.py` is missing (an empty namespace "
+     "package was imported)"),
+])
+def test_a_broken_install_is_an_import_error_with_the_recipe(tmp_path, how,
+                                                             what):
+  site = _broken_install(tmp_path, how)
+  # The launcher (no TensorFlow) and a module of the library (TensorFlow).
+  for arguments in (["-m", "replicate.launch", "--help"],
+                    ["-c", "import replicate.model_fn"]):
+    result = _run(site, *arguments)
+    assert result.returncode == 1, (arguments, result.stdout)
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: The package `replicate` in this "
+                           "environment is not the library "
+                           "`replicate-model-fn`"), (arguments, last)
+    assert what.format(site=site) in last
+    assert "installed after this library or uninstalled after it" in last
+    assert last.endswith(_identity.RECIPE)
+  # The warning about the client gives the same recipe.
+  assert _identity.MESSAGE.endswith(_identity.RECIPE)
+  assert _identity.RECIPE == (
+      "Run `pip uninstall replicate`, then install this library again as "
+      "`replicate-model-fn` (from its checkout: `pip install '.[cpu]'`).")
+
+
+def test_the_readme_gives_the_recipe_of_the_warning():
+  readme = " ".join((REPOSITORY / "README.md").read_text().split())
+  assert _identity.RECIPE in readme
+  assert "AttributeError: module 'replicate' has no attribute" in readme
+
+
+def test_without_tensorflow_import_replicate_names_the_extras(tmp_path):
+  # -S: no site-packages, so no TensorFlow, as after `pip install .`.
+  result = subprocess.run(
+      [sys.executable, "-S", "-c", "import replicate"], cwd=tmp_path,
+      capture_output=True, text=True, timeout=TIMEOUT,
+      env={**os.environ, "PYTHONPATH": str(REPOSITORY)})
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1] == (
+      "ModuleNotFoundError: " + _identity.NO_TENSORFLOW_MESSAGE)
+  for words in ("No module named 'tensorflow'", "pip install '.[cpu]'",
+                "pip install '.[gpu]'", "'replicate-model-fn[cpu]'",
+                "'replicate-model-fn[gpu]'"):
+    assert words in _identity.NO_TENSORFLOW_MESSAGE
+
+
+def test_import_replicate_imports_no_tensorflow_and_shows_public_names():
+  result = subprocess.run(
+      [sys.executable, "-c", IMPORT_ONLY], capture_output=True, text=True,
+      timeout=TIMEOUT, env={**os.environ, "PYTHONPATH": str(REPOSITORY),
+                            "TF_CPP_MIN_LOG_LEVEL": "3"})
+  assert result.returncode == 0, result.stderr[-3000:]
+  found = json.loads(result.stdout.splitlines()[-1])
+  public = ["TowerOptimizer", "__version__", "loss_denominator",
+            "replicate_model_fn", "start_server", "tower_local_scope"]
+  assert found["before"] == {"tensorflow": False, "dir": public}
+  # Every public name resolves (importing TensorFlow), and dir() still shows
+  # no sub-package the imports brought in.
+  assert found["after"] == {"tensorflow": True, "dir": public}
+  assert found["names"] == {"TowerOptimizer": "class",
+                            "loss_denominator": "function",
+                            "replicate_model_fn": "function",
+                            "start_server": "function",
+                            "tower_local_scope": "function"}
+  assert found["missing"] == ["AttributeError", "module 'replicate' has no "
+                              "attribute 'no_such_name'"]
+  assert set(public) <= set(replicate.__all__)
+
+
+IMPORT_ONLY = r"""
+import inspect, json, sys
+import replicate
+seen = lambda: {"tensorflow": "tensorflow" in sys.modules,
+                "dir": [n for n in dir(replicate) if n in replicate.__all__
+                        or not n.startswith("__")]}
+before = seen()
+names = {name: "class" if inspect.isclass(getattr(replicate, name))
+         else "function" for name in replicate.__all__
+         if name != "__version__"}
+from replicate import replicate_model_fn
+try:
+  replicate.no_such_name
+except AttributeError as error:
+  missing = (type(error).__name__, str(error))
+print(json.dumps({"before": before, "after": seen(), "names": names,
+                  "missing": missing}))
+"""
