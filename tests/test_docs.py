@@ -3,6 +3,12 @@
 - `python` blocks run, in the order they appear, as one program per file
   (a fresh process, in an empty working directory, on 2 virtual CPU devices
   where a block asks for them);
+- but a `python` block whose first line is `# train.py: ...` is a cluster's
+  program: the file's first `python` block (its imports and definitions)
+  and that block run as `train.py` under the launcher, as a user runs it
+  (`python -m replicate.launch --workers 2 -- python train.py`), and the
+  launcher must exit 0 with every line the block's text says the chief
+  prints;
 - `sh` blocks are commands: `make X` must be a target (`make -n X`), and
   `python -m module ...` / `python path.py ...` must answer `--help`;
 - `json` blocks parse;
@@ -50,13 +56,55 @@ def test_every_block_says_what_it_is(path):
         language == "python" for language, _ in blocks(p))]))
 def test_python_blocks_run(path, tmp_path):
   program = "\n\n".join(code for language, code in blocks(path)
-                        if language == "python")
+                        if language == "python" and not _is_cluster(code))
   done = subprocess.run(
       [sys.executable, "-c", program], cwd=tmp_path, capture_output=True,
-      text=True, timeout=900,
-      env=dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=str(REPOSITORY)))
+      text=True, timeout=900, env=_ENV)
   assert done.returncode == 0, done.stderr[-3000:]
+
+
+_ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3",
+            PYTHONPATH=str(REPOSITORY))
+_CLUSTER_MARK = "# train.py: "
+
+
+def _is_cluster(code):
+  return code.startswith(_CLUSTER_MARK)
+
+
+def _clusters():
+  """[(path, definitions, program)]: each cluster block and its file's first."""
+  found = []
+  for path in DOCUMENTS:
+    python = [code for language, code in blocks(path) if language == "python"]
+    found += [(path, python[0], code) for code in python if _is_cluster(code)]
+  return found
+
+
+def test_the_readme_has_a_cluster_program():
+  assert [path.name for path, _, _ in _clusters()].count("README.md") == 1
+
+
+@pytest.mark.parametrize("path, definitions, program", _clusters(),
+                         ids=_ids([path for path, _, _ in _clusters()]))
+def test_cluster_programs_run_under_the_launcher(path, definitions, program,
+                                                 tmp_path):
+  (tmp_path / "train.py").write_text(definitions + "\n\n" + program)
+  done = subprocess.run(
+      [sys.executable, "-m", "replicate.launch", "--workers", "2", "--",
+       sys.executable, "train.py"], cwd=tmp_path, capture_output=True,
+      text=True, timeout=300, env=_ENV)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  lines = done.stdout.splitlines()
+  # What the text after the block says the chief prints, as `... prints `X``.
+  text = " ".join(path.read_text().split(program, 1)[1].split())
+  promised = re.findall(r"the chief prints `([^`]+)`", text)
+  assert promised
+  for line in promised:
+    assert "[chief:0] " + line in lines, (line, lines[-20:])
+  # One shared model_dir: only the chief's checkpoints, at the last step.
+  [model_dir] = [folder for folder in tmp_path.iterdir() if folder.is_dir()]
+  assert (model_dir / "checkpoint").is_file()
 
 
 def _commands():
