@@ -25,11 +25,17 @@ docs/multi-worker.md). The chief prints what it trains, then every
 examples/sec, and at the end the test accuracy from its last checkpoint;
 each training task prints, as a JSON line, how many steps it ran, the
 global step at its end and the global steps per second (which `python -m
-benchmarks.cluster` reads).
+benchmarks.cluster` reads; null when it trained fewer than 2 steps).
+
+Run again with the same --model-dir, it resumes from the chief's last
+checkpoint and trains up to --steps global steps in all: if that
+checkpoint is at --steps already, the chief says so, trains nothing and
+evaluates it.
 """
 
 import argparse
 import json
+import math
 import os
 import time
 
@@ -51,7 +57,9 @@ class GlobalStepsPerSecondHook(tf.estimator.SessionRunHook):
   def __init__(self):
     self._global_step = None
     self._first = None
-    self.rate = float("nan")  # an evaluator never trains: it stays NaN
+    # An evaluator never trains, nor a task whose checkpoint is at the
+    # last step already: it stays NaN (printed as null).
+    self.rate = float("nan")
     self.steps = 0
     self.last_global_step = None
 
@@ -145,7 +153,15 @@ def main():
   estimator = tf.estimator.Estimator(
       model_fn=model_fn_with_progress, config=config,
       params={"hidden_units": [128, 64], "learning_rate": 0.002})
-  if config.is_chief and sync:
+  # A model dir trained before: Estimator.train trains only up to --steps,
+  # so a checkpoint already there trains nothing, which the chief says.
+  already = _checkpoint_step(args.model_dir)
+  if config.is_chief and already is not None and already >= args.steps:
+    print("Nothing to train: the checkpoint in {} is at global step {:,} "
+          "already, and --steps is {:,}. Evaluating it; to train again, give "
+          "a new --model-dir or more --steps.".format(
+              args.model_dir, already, args.steps), flush=True)
+  elif config.is_chief and sync:
     print("Training {:,} global steps of {} rows on {} (the chief "
           "included), synchronously: {} rows a step, 2 towers a worker; "
           "checkpoints in {}".format(
@@ -172,10 +188,14 @@ def main():
                             steps=None, start_delay_secs=0, throttle_secs=0))
   task = "{}:{}".format(config.task_type, config.task_id)
   if config.task_type != "evaluator":
-    print(json.dumps({"task": task, "steps": speed.steps,
-                      "last_global_step": speed.last_global_step,
-                      "global_steps_per_second": round(speed.rate, 1)}),
-          flush=True)
+    # Valid JSON: no rate (fewer than 2 steps trained) is null, not NaN.
+    print(json.dumps({
+        "task": task, "steps": speed.steps,
+        "last_global_step": (already if speed.last_global_step is None
+                             else speed.last_global_step),
+        "global_steps_per_second": (None if math.isnan(speed.rate) else
+                                    round(speed.rate, 1))},
+                     allow_nan=False), flush=True)
   if config.is_chief:
     local = tf.estimator.Estimator(
         model_fn=replicate.replicate_model_fn(model_fn),
@@ -185,6 +205,14 @@ def main():
                                               args.batch_size))
     print("test accuracy {:.4f} at global step {}".format(
         metrics["accuracy"], metrics["global_step"]), flush=True)
+
+
+def _checkpoint_step(model_dir):
+  """The global step of `model_dir`'s latest checkpoint; None without one."""
+  checkpoint = tf.train.latest_checkpoint(model_dir)
+  if checkpoint is None:
+    return None
+  return int(tf.train.load_variable(checkpoint, "global_step"))
 
 
 def _is_synchronous_cluster():

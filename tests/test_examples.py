@@ -155,6 +155,37 @@ def test_the_cluster_demo_trains_a_synchronous_cluster_without_ps(tmp_path):
               if "deprecat" in line.lower() or "WARNING" in line]
 
 
+def test_the_cluster_demo_run_again_on_its_model_dir_says_it_is_done(
+    tmp_path):
+  # The chief alone with one ps task, twice into the same model dir.
+  first = _launched_demo(tmp_path, ["--ps", "1", "--workers", "1"], 20, 10)
+  again = _launched_demo(tmp_path, ["--ps", "1", "--workers", "1"], 20, 10)
+
+  def records(lines):
+    return [json.loads(line[len("[chief:0] "):],
+                       parse_constant=_no_constant)
+            for line in lines if line.startswith("[chief:0] {")]
+
+  [record] = records(first)
+  assert (record["steps"], record["last_global_step"]) == (20, 20)
+  assert record["global_steps_per_second"] > 0
+  chief = [line[len("[chief:0] "):] for line in again
+           if line.startswith("[chief:0] ")]
+  assert chief[0] == (
+      "Nothing to train: the checkpoint in {} is at global step 20 "
+      "already, and --steps is 20. Evaluating it; to train again, give a "
+      "new --model-dir or more --steps.".format(tmp_path / "model"))
+  assert records(again) == [{"task": "chief:0", "steps": 0,
+                             "last_global_step": 20,
+                             "global_steps_per_second": None}]
+  assert re.fullmatch(r"test accuracy 0\.\d{4} at global step 20",
+                      chief[-1])
+
+
+def _no_constant(name):
+  raise AssertionError("not JSON: {}".format(name))
+
+
 def _launched_demo(tmp_path, launcher_args, steps, every):
   """The cluster demo's output lines under the launcher; it must exit 0."""
   result = subprocess.run(
