@@ -8,7 +8,8 @@ pinned by `tests/test_tf_internals.py` to its TensorFlow 2.15 behaviour
 for them).
 
 Grouped by what they are for:
-- the supported TensorFlow (checked on `import replicate`);
+- the supported TensorFlow (checked when a public name of `replicate` is
+  first used, which imports TensorFlow);
 - the Estimator: how it calls a `model_fn`, its export, canned heads;
 - devices: the session's devices, placing an op after the fact;
 - editing built ops: inputs, control inputs, TF 1 control flow;
