@@ -10,20 +10,27 @@ The distribution is `replicate-model-fn`; `pip install replicate` is the
 unrelated Replicate.com API client (see `replicate._identity`).
 
 `import replicate` checks that TensorFlow is installed but does not import
-it: each public name below imports its module, and so TensorFlow (and its
-version check), the first time it is used (PEP 562), so that `python -m
-replicate.launch`, which needs no TensorFlow, starts at once.
+it: each public name below imports its module, and so TensorFlow, the first
+time it is used (PEP 562), so that `python -m replicate.launch`, which needs
+no TensorFlow, starts at once. TensorFlow's version is checked when it is
+imported (by `replicate._tf`), or at once if it was imported before.
 """
 
 # Read by replicate._identity: this file is this library's, not the API
 # client's (whose install may overwrite it).
 __distribution__ = "replicate-model-fn"
 
+import sys as _sys  # noqa: E402
+
 from replicate import _identity  # noqa: E402
 
 # First, so that a mix of the two `replicate`s says so before it breaks.
 _identity.warn_if_api_client()
 _identity.check_tensorflow_installed()
+if "tensorflow" in _sys.modules:
+  # TensorFlow is imported already (`import tensorflow as tf` first, as
+  # usual): its version is checked now, as on its first use otherwise.
+  from replicate import _tf  # noqa: F401,E402  pylint: disable=unused-import
 
 __version__ = "0.1.0"
 
