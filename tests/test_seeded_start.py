@@ -105,9 +105,9 @@ def _unwrapped():
 def test_tower_0_starts_where_the_unwrapped_model_starts(strategy, towers):
   expected = _unwrapped()
   actual = _build(towers, strategy)
-  # Random ops: 2 dropouts, the normal, and under TF 1 behaviour the v1
-  # dense kernels' and w's uniform initializers (under TF 2 the dense
-  # kernels are Keras's stateless ones, compared by value below).
+  # Random ops: 2 dropouts, the normal, w's uniform initializer, and under
+  # TF 1 behaviour the dense kernels' (under TF 2 they are Keras's
+  # stateless ones, whose seed is a constant: compared by value below).
   assert len(expected["seeds"]) >= 3
   for name, seeds in expected["seeds"].items():
     assert actual["seeds"].get(name) == seeds, name
@@ -127,11 +127,13 @@ def test_tower_0_starts_where_the_unwrapped_model_starts(strategy, towers):
   assert actual["next_random"] == expected["next_random"]
 
 
-def test_without_the_keras_seed_two_unwrapped_starts_differ_under_tf2():
-  # Why a comparison needs tf.keras.utils.set_random_seed: tf_random_seed
-  # alone leaves Keras v2 initializers (and, under TF 2 behaviour, the
-  # default kernel of tf.compat.v1.layers.dense) to Python's random.
-  def kernels():
+def test_tf_random_seed_alone_reaches_only_graph_seeded_initializers():
+  # Why a comparison needs tf.keras.utils.set_random_seed: under TF 2
+  # behaviour tf_random_seed leaves Keras v2 initializers (a Keras Dense's
+  # and the default kernel of tf.compat.v1.layers.dense) to Python's random
+  # or Keras's generator, so two unwrapped runs start apart. Under TF 1
+  # behaviour both are v1 initializers, graph-seeded.
+  def initial_values():
     with tf.Graph().as_default():
       tf.compat.v1.set_random_seed(GRAPH_SEED)
       x = tf.ones([2, 5])
@@ -144,15 +146,10 @@ def test_without_the_keras_seed_two_unwrapped_starts_differ_under_tf2():
                 for v in tf.compat.v1.global_variables()}
 
   tf.keras.utils.set_random_seed(1)
-  first = kernels()
+  first = initial_values()
   tf.keras.utils.set_random_seed(2)
-  second = kernels()
-  # The graph-seeded v1 initializer of w agrees...
-  np.testing.assert_array_equal(first["w"], second["w"])
-  # ...the Keras initializer does not, whatever tf_random_seed says.
-  assert not np.array_equal(first["keras_dense/kernel"],
-                            second["keras_dense/kernel"])
-  if tf.compat.v1.executing_eagerly_outside_functions():  # TF 2 behaviour
-    assert not np.array_equal(first["v1_a/kernel"], second["v1_a/kernel"])
-  else:  # TF 1 behaviour: the v1 layer's default kernel is graph-seeded
-    np.testing.assert_array_equal(first["v1_a/kernel"], second["v1_a/kernel"])
+  second = initial_values()
+  np.testing.assert_array_equal(first["w"], second["w"])  # graph-seeded
+  keras_seeded = tf.compat.v1.executing_eagerly_outside_functions()
+  for name in ("keras_dense/kernel", "v1_a/kernel"):
+    assert np.array_equal(first[name], second[name]) != keras_seeded, name
