@@ -14,7 +14,7 @@ or Keras's own generator, never from the graph seed):
 - tower 0's dropout masks are the first rows of the unwrapped ones
   (towers 1..N-1 draw their own);
 - the wrapper draws nothing from Python's `random` (the next draw after
-  the build is the unwrapped build's).
+  the build is the unwrapped build's), and builds no random op of its own.
 For every variable strategy and 2 and 3 towers, on 7 rows (4 + 3,
 3 + 2 + 2) of a size known only at run time; also under TF 1 behaviour
 (Makefile TF1_TESTS). See ../shared/notes/seeded-start-findings.md.
@@ -111,6 +111,11 @@ def test_tower_0_starts_where_the_unwrapped_model_starts(strategy, towers):
   assert len(expected["seeds"]) >= 3
   for name, seeds in expected["seeds"].items():
     assert actual["seeds"].get(name) == seeds, name
+  # The wrapper builds no random op of its own: every other one is a
+  # tower's. (One it builds must take an explicit op seed, which leaves
+  # the graph's count alone; then list it here.)
+  assert [name for name in actual["seeds"] if name not in expected["seeds"]
+          and not name.startswith("tower_")] == []
   # Initial values: every variable, and every replicated copy.
   for name, value in actual["values"].items():
     original = name.split("/", 1)[1] if name.startswith("tower_") else name
