@@ -14,7 +14,8 @@ On configurations:
 |                         | that `ring` was before (`benchmarks.hand_ring`)          |
 | `replicate-N-nccl`      | N towers, `replicated`, `all_reduce="nccl"` (GPUs only)  |
 | `replicate-N-V-sync`    | any replicate configuration above with                   |
-|                         | `sync_batch_norm=True` (e.g. `replicate-2-ps-sync`)      |
+|                         | `sync_batch_norm=True`, replicate's default (e.g.        |
+|                         | `replicate-2-ps-sync`); without `-sync`, `False`         |
 | `mirrored-N-default`    | `MirroredStrategy` over N devices, default cross-device ops |
 | `mirrored-N-r1d`        | `MirroredStrategy` with `ReductionToOneDevice`           |
 
@@ -69,7 +70,7 @@ class Config(NamedTuple):
   variant: str  # ps/rr/gather/ring/handring/nccl, or default/r1d mirrored
   pipeline: str = "dynamic"  # or "static"
   is_again: bool = False  # an A/A twin: the configuration measured again
-  sync_batch_norm: bool = False  # replicate's sync_batch_norm=True
+  sync_batch_norm: bool = False  # replicate's sync_batch_norm (else False)
 
   @property
   def measured(self) -> str:
@@ -93,8 +94,9 @@ class Config(NamedTuple):
   def replicate_arguments(self) -> dict:
     """replicate_model_fn's keyword arguments, for a replicate variant."""
     arguments = dict(_REPLICATE_ARGUMENTS[self.variant])
-    if self.sync_batch_norm:
-      arguments["sync_batch_norm"] = True
+    # Explicit either way: True is replicate's default, and a name without
+    # -sync means per-tower batch norm (SYNC_BN.md compares the two).
+    arguments["sync_batch_norm"] = self.sync_batch_norm
     return arguments
 
 

@@ -114,8 +114,8 @@ def test_a_sync_configuration_passes_sync_batch_norm():
       True, sync_batch_norm=True)
   assert config.replicate_arguments == {"variable_strategy": "round_robin",
                                         "sync_batch_norm": True}
-  assert "sync_batch_norm" not in configs.parse_config(
-      "replicate-2-ps").replicate_arguments
+  assert configs.parse_config("replicate-2-ps").replicate_arguments == {
+      "variable_strategy": "parameter_server", "sync_batch_norm": False}
   for name in ("single-sync", "mirrored-2-default-sync",
                "replicate-2-ps-static-sync"):
     with pytest.raises(ValueError, match="Unknown configuration"):

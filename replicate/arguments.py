@@ -60,6 +60,6 @@ def check_takes_features(model_fn, model_fn_args):
 def check_sync_batch_norm(sync_batch_norm):
   if not isinstance(sync_batch_norm, bool):
     raise ValueError(
-        "sync_batch_norm must be True (batch norm in training mode "
-        "normalizes with the whole batch's moments) or False (each tower's "
-        "own rows). Received: {!r}.".format(sync_batch_norm))
+        "sync_batch_norm must be True (the default: batch norm in training "
+        "mode normalizes with the whole batch's moments) or False (each "
+        "tower's own rows). Received: {!r}.".format(sync_batch_norm))

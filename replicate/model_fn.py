@@ -56,7 +56,7 @@ def replicate_model_fn(
     loss_reduction: str = Reduction.SUM_BY_NONZERO_WEIGHTS,
     devices: Optional[Sequence[str]] = None,
     variable_strategy: str = strategies.PARAMETER_SERVER,
-    sync_batch_norm: bool = False,
+    sync_batch_norm: bool = True,
     *,
     all_reduce: str = allreduce.AUTO,
     compact_gradients: bool = False) -> Callable:
@@ -79,9 +79,11 @@ def replicate_model_fn(
       tower devices in turn, in creation order. `"replicated"`: each tower
       trains its own copy of every variable on its own device; gradients
       are all-reduced and every copy gets the same update (see below).
-    sync_batch_norm: with True, every batch norm in training mode
-      normalizes with the whole batch's moments, as on one device (see
-      below). False (the default): each tower's with its own shard's.
+    sync_batch_norm: True (the default): every batch norm in training
+      mode normalizes with the whole batch's moments, as on one device, or
+      the call is refused with the fix (see below). False, only when asked
+      for: each tower's with its own shard's moments, and each TRAIN call
+      logs one INFO line naming the layers so normalized.
     all_reduce: keyword only. With `"replicated"`, how gradients are
       summed across towers: `"gather"` (on tower 0's device, copied back),
       `"ring"` (TensorFlow's collective all-reduce, `CollectiveReduceV2`),
@@ -124,19 +126,26 @@ def replicate_model_fn(
   update (see `replicate.cluster.ps_cluster` and
   `replicate.cluster.session_hooks`).
 
-  On batch norm: with `sync_batch_norm=True`, in TRAIN, every training-mode
-  batch norm (`tf.compat.v1.layers.batch_normalization` and
-  `tf.keras.layers.BatchNormalization`, fused or not) normalizes with the
-  whole batch's mean and variance, combined from the towers' by their row
-  counts, and its gradient through them is summed over towers, so the loss,
-  the gradients, every variable and the moving statistics are one device's
-  on the whole batch (see `replicate.batch_norm.sync_batch_norm`). A Keras layer
-  declared `synchronized=True` is synchronized without the flag. What
-  cannot be synchronized is a `ValueError` with the fix: a tensor
-  `training` argument on a fused layer, batch norm inside a `tf.function`,
-  Keras masks, `virtual_batch_size`, a gradient through it not made by
-  `TowerOptimizer`, and a ps cluster of several training tasks (a
-  synchronous cluster synchronizes across its tasks).
+  On batch norm: by default (`sync_batch_norm=True`), in TRAIN, every
+  training-mode batch norm (`tf.compat.v1.layers.batch_normalization` and
+  `tf.keras.layers.BatchNormalization`, fused or not, its moving-average
+  updates through `UPDATE_OPS`, the layer's `updates` or control
+  dependencies of its output) normalizes with the whole batch's mean and
+  variance, combined from the towers' by their row counts, and its
+  gradient through them is summed over towers, so the loss, the gradients,
+  every variable and the moving statistics are one device's on the whole
+  batch (see `replicate.batch_norm.sync_batch_norm`). What cannot be
+  synchronized is a `ValueError` naming the layer and the fix (often
+  `sync_batch_norm=False`): a tensor `training` argument, batch norm
+  inside a `tf.function`, Keras masks, `virtual_batch_size`, a gradient
+  through it not made by `TowerOptimizer`, and a ps cluster of several
+  training tasks (a synchronous cluster synchronizes across its tasks).
+  A model without batch norm is never refused for it and builds the same
+  graph either way; one tower, EVAL, PREDICT and export graphs are
+  unchanged. With `sync_batch_norm=False` each tower normalizes with its
+  own shard's moments (moving statistics still combined by the shares)
+  and each TRAIN call logs one INFO line naming those layers; a Keras
+  layer declared `synchronized=True` is synchronized either way.
 
   On `"replicated"`: in TRAIN, tower 0 creates the variables under their own
   names on its device, and tower i gets local copies named `tower_i/...` on
@@ -258,6 +267,9 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
                 tower.index, type(spec).__name__))
       tower_specs.append(spec)
     context.finish_towers()
+    if context.batch_norm is not None:
+      report.log_per_tower_batch_norm(context.batch_norm.per_tower_labels,
+                                      num_towers)
     return specs_lib.combine_specs(
         mode, tower_specs, layout=layout, progress=context.progress,
         records=context.records, weights=context.weights,

@@ -4,9 +4,13 @@ A `tf.compat.v1.estimator.DNNClassifier` (a numeric column and an embedding
 column) is wrapped with `devices=None` and a session config of 2 virtual CPUs,
 so the wrapper finds 2 towers the way an Estimator user would get them. It
 and the unwrapped classifier both warm-start from one shared checkpoint, so
-they start from the same variables (initial values cannot be shared through
-`tf_random_seed` alone: op-level seeds follow op creation order, which
-wrapping changes), and must then train, evaluate and predict alike.
+they start from the same variables, and must then train, evaluate and
+predict alike. (Wrapping does not move op seeds: the wrapper takes no op
+seed and no Python random draw before or inside tower 0, see
+test_seeded_start.py. The warm start makes the comparison independent of
+Keras's seeding: Keras v2 initializers, which in TF 2 behaviour include a
+`tf.compat.v1.layers.dense` default kernel, take their seeds from Python's
+`random` or `tf.keras.utils.set_random_seed`, not from `tf_random_seed`.)
 
 The data: 11 rows in batches of 4, i.e. 4, 4, 3 (the last one split 2, 1);
 prediction on 9 rows, i.e. 4, 4, 1 (the last one leaves tower 1 empty).

@@ -250,7 +250,7 @@ def test_float64_is_one_device_to_rounding():
 
 
 def test_per_shard_batch_norm_is_not_one_device():
-  actual = _train(_v1_cnn_model_fn, 13, 2)
+  actual = _train(_v1_cnn_model_fn, 13, 2, sync_batch_norm=False)
   assert max_differences(unwrapped("v1_cnn", 13), actual)["logits"] > 0.05
 
 
@@ -474,16 +474,36 @@ _CHIEF_SERVER = []
 
 def test_a_ps_cluster_of_several_workers_is_refused(monkeypatch):
   # Its workers step on their own (a synchronous cluster, without ps,
-  # synchronizes across tasks: test_sync_multiworker.py).
+  # synchronizes across tasks: test_sync_multiworker.py). Refused at the
+  # first batch norm, with the default too.
   config = _ps_cluster_config(monkeypatch)
-  with pytest.raises(ValueError, match="sync_batch_norm=True, but this "
-                     "RunConfig's cluster has 2 training tasks .* and ps "
-                     "tasks.*or a synchronous cluster"):
-    _build(_v1_cnn_model_fn, config=config)
+  for wrap_kwargs in ({}, {"sync_batch_norm": True}):
+    with pytest.raises(ValueError, match="batch norm 'bn1' is synchronized "
+                       r"by sync_batch_norm=True \(the default\), but this "
+                       "RunConfig's cluster has 2 training tasks .* and ps "
+                       "tasks.*Fix: sync_batch_norm=False.*or a synchronous "
+                       "cluster"):
+      _build(_v1_cnn_model_fn, config=config, **wrap_kwargs)
   with pytest.raises(ValueError, match="batch norm 'bn' is declared "
                      "synchronized=True, but .* 2 training tasks"):
     _build(_model_fn_with(_keras_bn(synchronized=True)), config=config,
            sync_batch_norm=False)
+
+
+def _dense_model_fn(features, labels, mode):
+  logits = tf.compat.v1.layers.dense(tf.compat.v1.layers.flatten(
+      features["x"]), 3, kernel_initializer=_init(1))
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_minimize(loss))
+
+
+def test_a_ps_cluster_trains_a_model_without_batch_norm_by_default(
+    monkeypatch):
+  # On 2c8ec8c an explicit sync_batch_norm=True was refused here for every
+  # model; with True the default, a model without batch norm must build.
+  graph = _build(_dense_model_fn, config=_ps_cluster_config(monkeypatch),
+                 sync_batch_norm=True)
+  assert "tower_1/dense/MatMul" in [op.name for op in graph.get_operations()]
 
 
 @pytest.mark.parametrize("sync", [True, False])

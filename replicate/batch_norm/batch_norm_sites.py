@@ -46,6 +46,8 @@ class BatchNormSync:
     # A synchronous cluster's collectives across tasks, or None.
     self._cross_task = cross_task
     self._sites = [[] for _ in range(num_towers)]
+    # Tower 0's layers normalized per tower (sync_all False), in call order.
+    self.per_tower_labels = []
     # "tower" or "extra" while TowerOptimizer differentiates (`backward`).
     self._backward = None
 
@@ -63,6 +65,11 @@ class BatchNormSync:
       yield
     finally:
       self._backward = previous
+
+  def per_tower(self, label: str) -> None:
+    """Tower 0 calls the batch norm `label` with its shard's moments."""
+    if label not in self.per_tower_labels:
+      self.per_tower_labels.append(label)
 
   def synced(self, context, label: str, x, axes, mean, variance):
     """The whole batch's (count, mean, variance) for tower i's site."""

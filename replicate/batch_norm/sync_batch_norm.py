@@ -1,4 +1,5 @@
-"""`sync_batch_norm`: batch norm in training mode on the whole batch's moments.
+"""`sync_batch_norm` (default True): batch norm in training mode on the whole
+batch's moments.
 
 On where: while TRAIN towers are built, `replicate._tf.batch_norm_swapped`
 sends every training-mode moments call of a Keras batch norm
@@ -6,9 +7,13 @@ sends every training-mode moments call of a Keras batch norm
 to `calculate_mean_and_var`, and every `fused_batch_norm(is_training=True)`
 to `fused_batch_norm`. With `sync_batch_norm=True` each becomes a site (see
 `replicate.batch_norm.batch_norm_sites`); a Keras layer declared `synchronized=True` is
-one whatever the flag. Anything else (one tower, EVAL and PREDICT, a layer
-whose input is not computed from the tower's rows, such as Keras's
-construction call on `tf.keras.Input`) calls TensorFlow's own.
+one whatever the flag. With `sync_batch_norm=False` the others stay per
+tower, and tower 0 records their names for the call's INFO line
+(`replicate.towers.report`). Anything else (one tower, EVAL and PREDICT, a
+layer whose input is not computed from the tower's rows, such as Keras's
+construction call on `tf.keras.Input`) calls TensorFlow's own; a model
+without batch norm never reaches this module, so the default builds the
+same graph for it as `sync_batch_norm=False`.
 
 On moving statistics: with sync every tower's moving-average write is the
 whole batch's; `replicate.state.train_op` still combines the towers' writes by
@@ -23,7 +28,13 @@ tensor, or a `tf.function`), a Keras mask, `virtual_batch_size`, and a
 ps cluster of several training tasks are refused with the fix, never left
 per-tower in silence; so is a gradient through a site not made by
 `TowerOptimizer` (see `replicate.batch_norm.batch_norm_sites`), a gradient penalty's
-`tf.gradients` included.
+`tf.gradients` included. With the default these refusals reach users who
+never asked for synchronization; they stay refusals, each naming the layer
+and `sync_batch_norm=False` among the fixes, because the alternative is a
+step unlike one device's in silence. Each is raised only at a batch norm in
+training mode, so a model without one is never refused. A batch norm built
+outside a `tf.cond` and picked by it (DeepFM's training and inference
+branches) is synchronized, not refused.
 """
 
 import contextlib
@@ -44,31 +55,27 @@ def check_cluster(sync_all: bool, config, mode: str) -> Callable:
 
   Only TRAIN synchronizes. In a synchronous cluster (no ps tasks) the
   moments and their gradients are combined across tasks too. In a ps
-  cluster of several training tasks, whose workers step on their own,
-  `sync_batch_norm=True` is refused here, and a layer declared
-  `synchronized=True` where it is built.
+  cluster of several training tasks, whose workers step on their own, a
+  batch norm that would be synchronized (every one with
+  `sync_batch_norm=True`, the default; else a layer declared
+  `synchronized=True`) is refused where it is built, naming the layer: a
+  model without batch norm trains there with the default.
   """
   if mode != tf.estimator.ModeKeys.TRAIN:
     return lambda layout: None
   tasks = ps_cluster.num_training_tasks(config)
   refusal = None
   if tasks > 1 and not sync_cluster.is_sync_cluster(config):
-    if sync_all:
-      raise ValueError(
-          "sync_batch_norm=True, but this RunConfig's cluster has {} "
-          "training tasks (chief and workers) and ps tasks, where each "
-          "worker steps on its own: batch-norm moments can be combined "
-          "over one task's towers only. Fix: sync_batch_norm=False (each "
-          "tower normalizes with its own rows), or a synchronous cluster "
-          "(no ps tasks, variable_strategy='replicated').".format(tasks))
     refusal = (
-        "The batch norm {{}} is declared synchronized=True, but this "
-        "RunConfig's cluster has {} training tasks (chief and workers) and "
-        "ps tasks, where each worker steps on its own: batch-norm moments "
-        "can be combined over one task's towers only. Fix: "
-        "synchronized=False (each tower normalizes with its own rows), or "
-        "a synchronous cluster (no ps tasks, "
-        "variable_strategy='replicated').".format(tasks))
+        "The batch norm {{}} {}, but this RunConfig's cluster has {} "
+        "training tasks (chief and workers) and ps tasks, where each worker "
+        "steps on its own: batch-norm moments can be combined over one "
+        "task's towers only. Fix: {} (each tower normalizes with its own "
+        "rows), or a synchronous cluster (no ps tasks, "
+        "variable_strategy='replicated').".format(*(
+            ("is synchronized by sync_batch_norm=True (the default)", tasks,
+             "sync_batch_norm=False") if sync_all else
+            ("is declared synchronized=True", tasks, "synchronized=False"))))
   return lambda layout: batch_norm_sites.BatchNormSync(
       layout.num_towers, layout.has_rows, sync_all, refusal,
       layout.cross_task)
@@ -86,13 +93,14 @@ def calculate_mean_and_var(original, layer, inputs, reduction_axes,
   """Keras `_calculate_mean_and_var`, on the whole batch at a site."""
   call_original = lambda: original(layer, inputs, reduction_axes, keep_dims,
                                    mask=mask)
-  active = _active(bool(getattr(layer, "synchronized", False)))
-  if active is None or 0 not in reduction_axes:
-    return call_original()  # one tower, or not a batch's moments
+  if 0 not in reduction_axes:
+    return call_original()  # not a batch's moments
+  active = _active(bool(getattr(layer, "synchronized", False)),
+                   lambda: repr(_variables_scope(layer)), inputs)
+  if active is None:
+    return call_original()  # one tower, per tower, or not from the rows
   context, batch_norm = active
   label = repr(layer.name)
-  if not _from_rows(context, inputs):
-    return call_original()
   _check_not_nested(context, label)
   if mask is not None:
     raise _cannot_sync(label, "is called with a mask (Keras masking)",
@@ -117,8 +125,9 @@ def fused_batch_norm(original, x, scale, offset, mean=None, variance=None,
   the batch's unbiased variance (Keras moves a fused layer's moving
   variance towards that one).
   """
-  active = _active(False) if is_training else None
-  if active is None or not _from_rows(active[0], x):
+  active = _active(False, lambda: repr(_scope_name(
+      batch_norm_sites.outer_context())), x) if is_training else None
+  if active is None:
     return original(x, scale, offset, mean=mean, variance=variance,
                     epsilon=epsilon, data_format=data_format,
                     is_training=is_training, name=name,
@@ -143,15 +152,34 @@ def fused_batch_norm(original, x, scale, offset, mean=None, variance=None,
   return y, batch_mean, batch_moments.unbiased(batch_variance, count)
 
 
-def _active(is_declared):
-  """(context, its BatchNormSync) while a site may be made, else None."""
+def _active(is_declared, label, inputs):
+  """(context, its BatchNormSync) while a site is to be made, else None.
+
+  None for one tower, outside a TRAIN build, for inputs not computed from
+  the tower's rows, and for a layer left per tower (`sync_batch_norm=False`
+  and not declared `synchronized=True`), whose `label()` tower 0 records
+  for the call's INFO line.
+  """
   context = batch_norm_sites.outer_context()
   if (context is None or context.progress.tower_index is None or
-      not context.layout.combines or context.batch_norm is None):
+      not context.layout.combines or context.batch_norm is None or
+      not _from_rows(context, inputs)):
     return None
   if not (context.batch_norm.sync_all or is_declared):
+    if context.progress.tower_index == 0:
+      context.batch_norm.per_tower(label())
     return None
   return context, context.batch_norm
+
+
+def _variables_scope(layer):
+  """Where a layer's variables are (`bn_0/batch_normalization`), as its
+  checkpoint names them; else its name."""
+  moving_mean = getattr(layer, "moving_mean", None)
+  name = getattr(moving_mean, "name", "")
+  if name.endswith("/moving_mean:0"):
+    return name[:-len("/moving_mean:0")]
+  return layer.name
 
 
 def _scope_name(context):

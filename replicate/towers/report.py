@@ -4,7 +4,10 @@ On the lines: one INFO line per call (how many towers, on which devices,
 which strategy), and a WARNING when one tower trains on a machine that has
 more devices than the Estimator's session sees, with the fix: the usual
 surprise is a CPU-only machine, whose cores TensorFlow counts as one device
-unless the session config asks for more.
+unless the session config asks for more. With `sync_batch_norm=False`, one
+more INFO line per TRAIN call names the batch-norm layers each tower
+normalizes with its own shard's moments (none: no line), since their
+training differs from one device's.
 """
 
 import os
@@ -49,3 +52,15 @@ def _one_tower_hint(session_config) -> Optional[str]:
             "Estimator tf.estimator.RunConfig(session_config=tf.compat.v1."
             "ConfigProto(device_count={{'CPU': {}}})).".format(cores, cores))
   return None
+
+
+def log_per_tower_batch_norm(labels: Sequence[str], num_towers: int) -> None:
+  """One INFO line naming the batch norms normalized per tower, if any."""
+  if not labels:
+    return
+  tf.compat.v1.logging.info(
+      "replicate: sync_batch_norm=False: %d batch-norm layer%s normalized "
+      "per tower, each of the %d towers with its own shard's moments (not "
+      "one device's; sync_batch_norm=True, the default, uses the whole "
+      "batch's): %s.", len(labels), "" if len(labels) == 1 else "s",
+      num_towers, ", ".join(labels))
