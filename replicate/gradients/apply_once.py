@@ -119,26 +119,36 @@ class Wrapping:
     _check_not_in_control_flow(context)
     _check_not_sync_replicas(context, self.optimizer)
     _check_own_copies(context, grads_and_vars)
-    grads_and_vars = weighting.weighed_once(context, grads_and_vars)
+    whole = weighting.whole_batch(context, grads_and_vars)
+    grads_and_vars = weighting.weighed_once(context, grads_and_vars, whole)
     index = context.progress.tower_index
     if index == 0:
-      update = self._build_update(context, grads_and_vars, apply)
+      update = self._build_update(context, grads_and_vars, apply, whole)
       if context.progress.is_last_tower:
         # One tower (a synchronous cluster's task): its sums are its own
         # gradients, summed across tasks.
         optimizer_calls.connect_sums(context,
                                      len(context.records.calls[0]) - 1)
       return update
-    position = context.records.record(index, self, grads_and_vars, None)
+    position = context.records.record(index, self, grads_and_vars, None,
+                                      whole=whole)
     tower0_call = optimizer_calls.tower0_call(context, position)
+    _check_same_whole(context, tower0_call, whole, grads_and_vars)
     if context.progress.is_last_tower:
       optimizer_calls.connect_sums(context, position)
     return tower0_call.result
 
-  def _build_update(self, context, grads_and_vars, apply):
-    """Tower 0's update, on stand-ins for the sums over towers."""
-    per_tower = [[(stand_ins.stand_in(grad, "pending_gradient"), variable)
-                  for grad, variable in grads_and_vars]]
+  def _build_update(self, context, grads_and_vars, apply, whole):
+    """Tower 0's update, on stand-ins for the sums over towers.
+
+    A gradient that is already the whole batch's (`whole`) is applied as
+    it is; a replicated copy's stand-in for it is connected to its tower's.
+    """
+    tower0 = [(grad if is_whole else stand_ins.stand_in(
+        grad, "pending_gradient"), variable)
+              for is_whole, (grad, variable) in zip(whole, grads_and_vars)]
+    pending = [pair for is_whole, pair in zip(whole, tower0) if not is_whole]
+    per_tower = [tower0]
     if context.layout.is_replicated:
       # Every copy gets the same update in the same apply_gradients, so
       # that the optimizer's own step (Adam's beta powers) moves once.
@@ -151,13 +161,44 @@ class Wrapping:
           if copy is not variable:
             copies.append((stand_ins.stand_in(grad, "pending_gradient"), copy))
         per_tower.append(copies)
+        pending.extend(copies)
     with context.progress.applying():
       update = apply(self.optimizer, [
           pair for tower in per_tower for pair in self._transformed(tower)])
-    context.records.record(
-        0, self, grads_and_vars, update,
-        pending=[pair for tower in per_tower for pair in tower])
+    context.records.record(0, self, grads_and_vars, update, pending=pending,
+                           whole=whole)
     return update
+
+  def _whole_batch(self, grads_and_vars):
+    """Stand-ins for the sums over towers of this tower's gradients.
+
+    What `compute_gradients` returns inside `replicate_model_fn`: code
+    between it and `apply_gradients` (clipping by global norm, scaling,
+    noise, logging the norm) sees the whole batch's gradients, as on one
+    device. Each stand-in passes the tower's own weighted gradient on until
+    the last tower's call connects the sums (see
+    `optimizer_calls.connect_whole_batch`).
+    """
+    context = _active_context()
+    grads_and_vars = list(grads_and_vars)
+    graph = tf.compat.v1.get_default_graph()
+    if (context is None or graph.building_function or
+        _tf.in_control_flow(graph)):
+      return grads_and_vars  # apply_gradients there is refused anyway
+    whole = [(stand_ins.stand_in(grad, "whole_batch_gradient"), variable)
+             for grad, variable in grads_and_vars]
+    index = context.progress.tower_index
+    position = context.records.record_gradients(index, grads_and_vars, whole)
+    if index > 0 and len(context.records.gradient_calls[0]) <= position:
+      raise ValueError(
+          "Tower {} made {} TowerOptimizer.compute_gradients calls, more than "
+          "tower 0's {}: each tower's model_fn was supposed to make the same "
+          "optimizer calls in the same order. Make the calls independent of "
+          "the tower's data.".format(
+              index, position + 1, len(context.records.gradient_calls[0])))
+    if context.progress.is_last_tower:
+      optimizer_calls.connect_whole_batch(context, position)
+    return whole
 
   def _tower_gradients(self, compute, loss, variables):
     """`compute(loss, variables)` for this tower, as (gradient, variable).
@@ -301,6 +342,24 @@ def _check_not_in_control_flow(context):
         "tower when any tower's gradients are not finite (global_step does "
         "not advance on a skipped step) and leaves the gradients "
         "unscaled.".format(context.progress.tower_index))
+
+
+def _check_same_whole(context, tower0_call, whole, grads_and_vars):
+  """Tower i's whole-batch gradients are where tower 0's are."""
+  if tower0_call.whole == tuple(whole):
+    return
+  for position, (is_whole, (_, variable)) in enumerate(
+      zip(whole, grads_and_vars)):
+    if position >= len(tower0_call.whole) or (
+        is_whole != tower0_call.whole[position]):
+      raise ValueError(
+          "Tower {}'s gradient for {!r} is {}computed from what "
+          "TowerOptimizer.compute_gradients returned (the whole batch's "
+          "gradients), but tower 0's is {}: each tower's model_fn was "
+          "supposed to compute its gradients the same way. Make the "
+          "gradient code independent of the tower's data.".format(
+              context.progress.tower_index, variable.op.name,
+              "" if is_whole else "not ", "not" if is_whole else ""))
 
 
 def _check_own_copies(context, grads_and_vars):

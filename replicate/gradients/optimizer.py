@@ -97,13 +97,13 @@ class TowerOptimizer(apply_once.Wrapping, _V1Optimizer):
     variables = apply_once.tower_variables(var_list)
     if not isinstance(variables, list):
       with apply_once.backward_pass():
-        return self.optimizer.compute_gradients(loss, variables, *args,
-                                                **kwargs)
-    return self._tower_gradients(
+        return self._whole_batch(self.optimizer.compute_gradients(
+            loss, variables, *args, **kwargs))
+    return self._whole_batch(self._tower_gradients(
         lambda loss_, variables_: [g for g, _ in self.optimizer.
                                    compute_gradients(loss_, variables_, *args,
                                                      **kwargs)],
-        loss, variables)
+        loss, variables))
 
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
     """Tower 0 builds the one update; every tower's gradients are summed in."""
@@ -144,9 +144,9 @@ class KerasTowerOptimizer(apply_once.Wrapping, _KerasOptimizer):
     super().__init__(name=name or "TowerOptimizer")
 
   def get_gradients(self, loss, params):
-    return [grad for grad, _ in self._tower_gradients(
+    return [grad for grad, _ in self._whole_batch(self._tower_gradients(
         self.optimizer.get_gradients, self._weighted_loss(loss),
-        list(apply_once.tower_variables(params)))]
+        list(apply_once.tower_variables(params))))]
 
   def get_updates(self, loss, params):
     params = list(apply_once.tower_variables(params))  # a replicated tower's copies
