@@ -29,6 +29,7 @@ from replicate.gradients import aggregation
 from replicate.towers import current
 from replicate.gradients import optimizer_calls
 from replicate.gradients import stand_ins
+from replicate.gradients import touched
 from replicate.shard import sharding
 from replicate.gradients import weighting
 
@@ -119,11 +120,17 @@ class Wrapping:
     _check_not_in_control_flow(context)
     _check_not_sync_replicas(context, self.optimizer)
     _check_own_copies(context, grads_and_vars)
+    index = context.progress.tower_index
+    grads_and_vars, touched_here = touched.made_whole(
+        context, grads_and_vars, lambda grad: weighting.weighed_once(
+            context, [(grad, None)])[0][0],
+        set(context.records.whole_ops(index)))
+    context.records.add_whole(index, [t.stand_in for t in touched_here])
     whole = weighting.whole_batch(context, grads_and_vars)
     grads_and_vars = weighting.weighed_once(context, grads_and_vars, whole)
-    index = context.progress.tower_index
     if index == 0:
-      update = self._build_update(context, grads_and_vars, apply, whole)
+      update = self._build_update(context, grads_and_vars, apply, whole,
+                                  touched_here)
       if context.progress.is_last_tower:
         # One tower (a synchronous cluster's task): its sums are its own
         # gradients, summed across tasks.
@@ -131,14 +138,14 @@ class Wrapping:
                                      len(context.records.calls[0]) - 1)
       return update
     position = context.records.record(index, self, grads_and_vars, None,
-                                      whole=whole)
+                                      whole=whole, touched=touched_here)
     tower0_call = optimizer_calls.tower0_call(context, position)
     _check_same_whole(context, tower0_call, whole, grads_and_vars)
     if context.progress.is_last_tower:
       optimizer_calls.connect_sums(context, position)
     return tower0_call.result
 
-  def _build_update(self, context, grads_and_vars, apply, whole):
+  def _build_update(self, context, grads_and_vars, apply, whole, touched_here):
     """Tower 0's update, on stand-ins for the sums over towers.
 
     A gradient that is already the whole batch's (`whole`) is applied as
@@ -166,7 +173,7 @@ class Wrapping:
       update = apply(self.optimizer, [
           pair for tower in per_tower for pair in self._transformed(tower)])
     context.records.record(0, self, grads_and_vars, update, pending=pending,
-                           whole=whole)
+                           whole=whole, touched=touched_here)
     return update
 
   def _whole_batch(self, grads_and_vars):

@@ -23,6 +23,7 @@ from typing import Any, List, NamedTuple, Optional
 import tensorflow as tf
 
 from replicate.gradients import stand_ins
+from replicate.gradients import touched
 
 
 class OptimizerCall(NamedTuple):
@@ -37,6 +38,9 @@ class OptimizerCall(NamedTuple):
   # Per pair, whether the gradient is already the whole batch's (computed
   # from `GradientCall` stand-ins): applied as it is, never summed again.
   whole: tuple = ()
+  # The gradients from tf.gradients or a GradientTape that the user's code
+  # read before this call, made the whole batch's (see `touched`).
+  touched: tuple = ()
 
 
 class GradientCall(NamedTuple):
@@ -55,28 +59,32 @@ class OptimizerRecords:
     self.calls: List[List[OptimizerCall]] = [[] for _ in range(num_towers)]
     self.gradient_calls: List[List[GradientCall]] = [
         [] for _ in range(num_towers)]
+    self._whole = [[] for _ in range(num_towers)]  # stand-ins, per tower
 
   def record(self, index: int, optimizer, grads_and_vars, result,
-             pending=None, whole=()) -> int:
+             pending=None, whole=(), touched=()) -> int:
     """Records tower `index`'s call; returns its position in the tower."""
     calls = self.calls[index]
     calls.append(OptimizerCall(optimizer, list(grads_and_vars),
                                self._graph.get_name_scope(), result, pending,
-                               tuple(whole)))
+                               tuple(whole), tuple(touched)))
     return len(calls) - 1
+
+  def add_whole(self, index: int, whole_stand_ins) -> None:
+    """`whole_stand_ins` (tower `index`'s) will read sums over towers."""
+    self._whole[index].extend(g for g in whole_stand_ins if g is not None)
 
   def record_gradients(self, index: int, own, whole) -> int:
     """Records tower `index`'s `compute_gradients`; returns its position."""
     calls = self.gradient_calls[index]
     calls.append(GradientCall(list(own), list(whole),
                               self._graph.get_name_scope()))
+    self.add_whole(index, [grad for grad, _ in whole])
     return len(calls) - 1
 
   def whole_ops(self, index: int) -> List[tf.Operation]:
     """The ops of tower `index`'s stand-ins for whole-batch gradients."""
-    return [op for call in self.gradient_calls[index]
-            for grad, _ in call.whole if grad is not None
-            for op in _ops_of(grad)]
+    return [op for grad in self._whole[index] for op in _ops_of(grad)]
 
   def counts(self) -> List[int]:
     """How many `apply_gradients` calls each tower made.
@@ -153,6 +161,9 @@ def connect_sums(context, position):
   per_tower = [[(None if is_whole else grad, variable)
                 for is_whole, (grad, variable) in zip(whole, tower)]
                for tower in per_tower]
+  touched.connect(context, [calls[position].touched
+                            for calls in context.records.calls],
+                  _scopes_of(tower0_call, context.layout, context.progress))
   with _scopes_of(tower0_call, context.layout, context.progress):
     # Whether each tower counts: it has rows and its loss denominator, if
     # stated, is not 0 (else its gradients may be NaN: see `weighting`).
