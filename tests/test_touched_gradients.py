@@ -67,8 +67,14 @@ def _optimizer(kind):
   return _AdamW(0.1)
 
 
-def _model_fn(way, kind, norms):
-  """`way`: where the gradients come from and what touches them."""
+def _halved(grad):
+  if isinstance(grad, tf.IndexedSlices):
+    return tf.IndexedSlices(grad.values * 0.5, grad.indices, grad.dense_shape)
+  return grad * 0.5
+
+
+def _model_fn(way, kind, norms, touch="clip"):
+  """`way`: where the gradients come from; `touch`: what changes them."""
 
   def model_fn(features, labels, mode):
     x = features["x"]
@@ -103,9 +109,9 @@ def _model_fn(way, kind, norms):
       grads = tape.gradient(loss, variables)
     else:
       grads = tf.gradients(loss, variables)
-    if way == "scale":
+    if touch == "scale":
       norm = tf.linalg.global_norm(grads)
-      grads = [g * 0.5 for g in grads]
+      grads = [_halved(g) for g in grads]
     else:
       grads, norm = tf.clip_by_global_norm(grads, CLIP)
     norms.append(norm)
@@ -116,10 +122,10 @@ def _model_fn(way, kind, norms):
   return model_fn
 
 
-def _train(way, kind, rows=7, towers=None, **wrap_kwargs):
+def _train(way, kind, rows=7, towers=None, touch="clip", **wrap_kwargs):
   """({variable: value}, the norm tower 0 logged at each step)."""
   norms = []
-  model_fn = _model_fn(way, kind, norms)
+  model_fn = _model_fn(way, kind, norms, touch)
   with tf.Graph().as_default():
     tf.compat.v1.train.get_or_create_global_step()
     x = tf.compat.v1.placeholder(tf.float32, [None, 3])
@@ -140,11 +146,11 @@ def _train(way, kind, rows=7, towers=None, **wrap_kwargs):
   return values, logged
 
 
-def _assert_one_device(way, kind, towers, rows=7, **wrap_kwargs):
-  expected, expected_norms = _train(way, kind, rows)
-  if way != "scale":
-    assert min(expected_norms) > 4 * CLIP  # the clip is active
-  values, norms = _train(way, kind, rows, towers, **wrap_kwargs)
+def _assert_one_device(way, kind, towers, rows=7, touch="clip",
+                       **wrap_kwargs):
+  expected, expected_norms = _train(way, kind, rows, touch=touch)
+  assert min(expected_norms) > 4 * CLIP  # the clip is active
+  values, norms = _train(way, kind, rows, towers, touch, **wrap_kwargs)
   np.testing.assert_allclose(norms, expected_norms, rtol=1e-5)
   assert sorted(values) == sorted(expected)
   for name, value in expected.items():
@@ -154,9 +160,16 @@ def _assert_one_device(way, kind, towers, rows=7, **wrap_kwargs):
 
 @pytest.mark.parametrize("strategy", [PS, REPLICATED])
 @pytest.mark.parametrize("towers", [2, 3])
-@pytest.mark.parametrize("way", ["compute", "gradients", "tape"])
+@pytest.mark.parametrize("way", ["compute", "gradients"])
 def test_clip_by_global_norm_clips_the_batch(way, towers, strategy):
   _assert_one_device(way, "sgd", towers, variable_strategy=strategy)
+
+
+@pytest.mark.parametrize("towers", [2, 3])
+def test_clip_after_a_gradient_tape(towers):
+  # Not "replicated": a tape watches trainable variables only, and a
+  # tower's copies are not in the trainable collection.
+  _assert_one_device("tape", "sgd", towers)
 
 
 @pytest.mark.parametrize("kind", ["adam", "adamw"])
@@ -172,7 +185,7 @@ def test_a_tower_without_rows(way, strategy):
   _assert_one_device(way, "sgd", 3, rows=2, variable_strategy=strategy)
 
 
-@pytest.mark.parametrize("way", ["compute", "gradients"])
+@pytest.mark.parametrize("way", ["compute", "gradients", "tape"])
 def test_a_logged_norm_and_a_scale_are_the_batchs(way):
-  # `scale` logs tf.linalg.global_norm of the gradients and halves them.
-  _assert_one_device("scale" if way == "compute" else "scale", "adam", 2)
+  # Logs tf.linalg.global_norm of the gradients, then halves them.
+  _assert_one_device(way, "adam", 2, touch="scale")
