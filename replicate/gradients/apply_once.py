@@ -4,8 +4,15 @@ On the wrapped optimizer: one per graph (the Estimator builds a graph per
 train, evaluate and export call), made from the instance or function given.
 
 On towers: computing gradients weights the tower's loss by its weight (see
-`replicate.gradients.weighting`); gradients made otherwise are weighted when they
-reach `apply_gradients` (`weighting.weighed_once`), so each counts its share once. Tower 0's `apply_gradients` builds the one update of
+`replicate.gradients.weighting`) and returns stand-ins for the sums over
+towers (`Wrapping._whole_batch`), so that the `model_fn`'s code between
+`compute_gradients` and `apply_gradients` sees the whole batch's gradients;
+what `apply_gradients` receives computed from them is applied once, as it
+is (a replicated copy gets its own tower's). Gradients made otherwise are
+weighted when they reach `apply_gradients` (`weighting.weighed_once`), so
+each counts its share once, and the user's ops that changed them are made
+to read sums too (`replicate.gradients.touched`). Tower 0's
+`apply_gradients` builds the one update of
 the step with the wrapped optimizer, in tower 0's scopes, on stand-ins for
 the summed gradients (see `replicate.gradients.stand_ins`), so it returns the real update
 and the optimizer's slots exist once it returns. Towers 1..N-1 record their

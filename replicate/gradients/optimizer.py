@@ -63,10 +63,15 @@ class TowerOptimizer(apply_once.Wrapping, _V1Optimizer):
   On gradients: gradients are summed over towers (dense: `add_n`;
   `IndexedSlices`: concatenated). Since each tower's loss was weighted by its
   share of the batch, the sum is the gradient of the whole batch's loss.
+  `compute_gradients` returns the sums (stand-ins for them until the last
+  tower is built), so code between it and `apply_gradients`
+  (`tf.clip_by_global_norm`, a scale, a logged norm) sees one device's
+  gradients, and what `apply_gradients` receives from them is applied once.
   Gradients you compute yourself (`tf.gradients(loss, tvars)`, a
-  `GradientTape`) are weighted when they reach `apply_gradients`, once;
-  gradients not computed from the tower's rows (read back from an
-  accumulator) count once, tower 0's.
+  `GradientTape`) are weighted when they reach `apply_gradients`, once, and
+  the ops that changed them on the way read the sums too (see
+  `replicate.gradients.touched`); gradients not computed from the tower's
+  rows (read back from an accumulator) count once, tower 0's.
   """
 
   _family = _V1Optimizer
@@ -88,10 +93,13 @@ class TowerOptimizer(apply_once.Wrapping, _V1Optimizer):
     super().__init__(use_locking=False, name=name or "TowerOptimizer")
 
   def compute_gradients(self, loss, var_list=None, *args, **kwargs):
-    """Weights the loss by this tower's weight, then differentiates.
+    """The whole batch's gradients: stand-ins for the sums over towers.
 
-    With replicated variables, tower i differentiates with respect to its
-    own copies of `var_list` (default: the trainable variables).
+    Weights the loss by this tower's weight, differentiates, and returns
+    stand-ins that read the sums over towers once the last tower has made
+    this call. With replicated variables, tower i differentiates with
+    respect to its own copies of `var_list` (default: the trainable
+    variables) and reads the sums on its own device.
     """
     loss = self._weighted_loss(loss)
     variables = apply_once.tower_variables(var_list)
