@@ -189,3 +189,60 @@ def test_a_tower_without_rows(way, strategy):
 def test_a_logged_norm_and_a_scale_are_the_batchs(way):
   # Logs tf.linalg.global_norm of the gradients, then halves them.
   _assert_one_device(way, "adam", 2, touch="scale")
+
+
+def _two_calls_model_fn(features, labels, mode):
+  # Two optimizers, each clipping its own part of the model, and an
+  # accumulator of the first part's clipped gradients (state written from
+  # a whole-batch value: once).
+  x = features["x"]
+  first = tf.compat.v1.get_variable(
+      "first", [3, 4], initializer=tf.compat.v1.constant_initializer(
+          np.linspace(-1, 1, 12).reshape(3, 4)))
+  second = tf.compat.v1.get_variable(
+      "second", [4, 3], initializer=tf.compat.v1.constant_initializer(
+          np.linspace(1, -1, 12).reshape(4, 3)))
+  logits = tf.matmul(tf.nn.tanh(tf.matmul(x, first)), second)
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  accumulator = tf.compat.v1.get_variable(
+      "accumulator", [3, 4], trainable=False,
+      initializer=tf.compat.v1.zeros_initializer())
+  ops = []
+  for variables, rate in (([first], 1.0), ([second], 0.5)):
+    optimizer = replicate.TowerOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(rate))
+    grads, variables = zip(*optimizer.compute_gradients(loss, variables))
+    grads, _ = tf.clip_by_global_norm(grads, CLIP)
+    if rate == 1.0:
+      ops.append(accumulator.assign_add(grads[0]))
+    ops.append(optimizer.apply_gradients(zip(grads, variables)))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=tf.group(*ops))
+
+
+@pytest.mark.parametrize("strategy", [PS, REPLICATED])
+def test_two_optimizers_and_an_accumulator_of_clipped_gradients(strategy):
+  expected = _train_model_fn(_two_calls_model_fn)
+  values = _train_model_fn(_two_calls_model_fn, towers=3,
+                           variable_strategy=strategy)
+  assert sorted(values) == sorted(expected)
+  for name, value in expected.items():
+    np.testing.assert_allclose(values[name], value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+
+
+def _train_model_fn(model_fn, towers=None, **wrap_kwargs):
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    x = tf.compat.v1.placeholder(tf.float32, [None, 3])
+    y = tf.compat.v1.placeholder(tf.int32, [None])
+    if towers is not None:
+      model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(towers),
+                                              **wrap_kwargs)
+    spec = model_fn(features={"x": x}, labels=y, mode=TRAIN)
+    with tf.compat.v1.Session(config=session_config(4)) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      session.run(tf.compat.v1.local_variables_initializer())
+      for batch_x, batch_y in _batches(7):
+        session.run(spec.train_op, {x: batch_x, y: batch_y})
+      return {v.op.name: session.run(v)
+              for v in tf.compat.v1.global_variables()}

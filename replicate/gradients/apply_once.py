@@ -199,7 +199,7 @@ class Wrapping:
     if (context is None or graph.building_function or
         _tf.in_control_flow(graph)):
       return grads_and_vars  # apply_gradients there is refused anyway
-    whole = [(stand_ins.stand_in(grad, "whole_batch_gradient"), variable)
+    whole = [(stand_ins.whole_batch(grad), variable)
              for grad, variable in grads_and_vars]
     index = context.progress.tower_index
     position = context.records.record_gradients(index, grads_and_vars, whole)

@@ -79,7 +79,7 @@ def made_whole(context, grads_and_vars: list, weigh, whole_ops) -> tuple:
     # The user's readers, before this module adds its own.
     readers = [list(raw.consumers()) for raw in _parts(own)]
     weighted = weigh(own)
-    stand_in = stand_ins.stand_in(weighted, "whole_batch_gradient")
+    stand_in = stand_ins.whole_batch(weighted)
     touched.append(Touched(_key(_parts(own)[0]), weighted, stand_in))
     for raw, new, consumers in zip(_parts(own), _parts(stand_in), readers):
       replaced[raw.ref()] = new
