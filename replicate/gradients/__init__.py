@@ -3,6 +3,7 @@
 - `optimizer`: `TowerOptimizer` and `KerasTowerOptimizer`.
 - `apply_once`: what both share: each tower's gradients weighted once,
   tower 0's one update built on stand-ins, the others recorded.
+- `call_checks`: what each `apply_gradients` call is checked for.
 - `optimizer_calls`: the towers' calls matched by position, their gradients
   combined and connected to tower 0's update.
 - `stand_ins`: values that exist only once every tower is built.

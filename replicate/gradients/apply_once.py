@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from replicate import _tf
 from replicate.gradients import aggregation
+from replicate.gradients import call_checks
 from replicate.towers import current
 from replicate.gradients import optimizer_calls
 from replicate.gradients import stand_ins
@@ -124,9 +125,9 @@ class Wrapping:
     if context is None:
       return apply(self.optimizer, self._transformed(grads_and_vars))
     grads_and_vars = list(grads_and_vars)
-    _check_not_in_control_flow(context)
-    _check_not_sync_replicas(context, self.optimizer)
-    _check_own_copies(context, grads_and_vars)
+    call_checks.not_in_control_flow(context)
+    call_checks.not_sync_replicas(context, self.optimizer)
+    call_checks.own_copies(context, grads_and_vars)
     index = context.progress.tower_index
     grads_and_vars, touched_here = touched.made_whole(
         context, grads_and_vars, lambda grad: weighting.weighed_once(
@@ -147,7 +148,7 @@ class Wrapping:
     position = context.records.record(index, self, grads_and_vars, None,
                                       whole=whole, touched=touched_here)
     tower0_call = optimizer_calls.tower0_call(context, position)
-    _check_same_whole(context, tower0_call, whole, grads_and_vars)
+    call_checks.same_whole(context, tower0_call, whole, grads_and_vars)
     if context.progress.is_last_tower:
       optimizer_calls.connect_sums(context, position)
     return tower0_call.result
@@ -282,18 +283,6 @@ def checked(optimizer, family):
   return optimizer
 
 
-def _check_not_sync_replicas(context, optimizer):
-  """A synchronous cluster needs no `SyncReplicasOptimizer`: refused."""
-  if (context.layout.cross_task is not None and
-      isinstance(optimizer, tf.compat.v1.train.SyncReplicasOptimizer)):
-    raise ValueError(
-        "TowerOptimizer wraps a SyncReplicasOptimizer, but this RunConfig's "
-        "cluster (chief and workers, no ps tasks) trains synchronously "
-        "already: every task's towers apply the same sum each step. Wrap "
-        "the SyncReplicasOptimizer's own optimizer instead, and drop its "
-        "session hook.")
-
-
 def _active_context():
   """The replication context, when more than one tower is being built."""
   context = current.current_context()
@@ -331,72 +320,3 @@ def tower_variables(var_list):
   index = context.progress.tower_index
   return [context.variables.in_tower(index, v)
           for v in tf.nest.flatten(var_list)]
-
-
-def _check_not_in_control_flow(context):
-  """An optimizer call inside a tower's tf.cond or tf.function is refused.
-
-  The one update of the step sums every tower's gradients; a call inside
-  one tower's `tf.cond` branch (a NaN guard) or `tf.function` lives in
-  that tower's own function graph, which no other tower's gradients can
-  reach.
-  """
-  graph = tf.compat.v1.get_default_graph()
-  if graph.building_function or _tf.in_control_flow(graph):
-    raise ValueError(
-        "Tower {} calls TowerOptimizer.apply_gradients (or minimize) inside "
-        "a tf.cond, a tf.while_loop or a tf.function. The step's one update "
-        "sums every tower's gradients, which a call inside one tower's "
-        "branch cannot reach, so replicate_model_fn cannot make it. Fix: "
-        "call the optimizer unconditionally. For a NaN guard, wrap the "
-        "optimizer, inside TowerOptimizer, in tf.compat.v1.train."
-        "experimental.MixedPrecisionLossScaleOptimizer(optimizer, "
-        "tf.compat.v1.mixed_precision.DynamicLossScale("
-        "initial_loss_scale=1, multiplier=1)): it skips the update on every "
-        "tower when any tower's gradients are not finite (global_step does "
-        "not advance on a skipped step) and leaves the gradients "
-        "unscaled.".format(context.progress.tower_index))
-
-
-def _check_same_whole(context, tower0_call, whole, grads_and_vars):
-  """Tower i's whole-batch gradients are where tower 0's are."""
-  if tower0_call.whole == tuple(whole):
-    return
-  for position, (is_whole, (_, variable)) in enumerate(
-      zip(whole, grads_and_vars)):
-    if position >= len(tower0_call.whole) or (
-        is_whole != tower0_call.whole[position]):
-      raise ValueError(
-          "Tower {}'s gradient for {!r} is {}computed from what "
-          "TowerOptimizer.compute_gradients returned (the whole batch's "
-          "gradients), but tower 0's is {}: each tower's model_fn was "
-          "supposed to compute its gradients the same way. Make the "
-          "gradient code independent of the tower's data.".format(
-              context.progress.tower_index, variable.op.name,
-              "" if is_whole else "not ", "not" if is_whole else ""))
-
-
-def _check_own_copies(context, grads_and_vars):
-  """A replicated tower must bring gradients for its copies, not tower 0's.
-
-  Its loss was computed from its copies, so a gradient it took with respect
-  to tower 0's variable (`tf.gradients(loss, tf.trainable_variables())`) is
-  None or wrong; training on it would leave the copies behind unnoticed.
-  """
-  index = context.progress.tower_index
-  if not context.layout.is_replicated or index == 0:
-    return
-  for _, variable in grads_and_vars:
-    copy = context.variables.in_tower(index, variable)
-    if copy is not variable:
-      raise ValueError(
-          "variable_strategy='replicated': tower {} applies a gradient for "
-          "tower 0's variable {!r}, but it computes with its own copy {!r}. "
-          "Take gradients with TowerOptimizer.compute_gradients(loss) (or "
-          "minimize), which differentiates with respect to each tower's "
-          "copies, and zip them with the variables compute_gradients "
-          "returns, not with tf.compat.v1.trainable_variables() (tower "
-          "0's); or differentiate with respect to the variables the "
-          "tower's layers hold. Then clip or change them and call "
-          "apply_gradients.".format(
-              index, variable.op.name, copy.op.name))
