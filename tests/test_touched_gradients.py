@@ -246,3 +246,49 @@ def _train_model_fn(model_fn, towers=None, **wrap_kwargs):
         session.run(spec.train_op, {x: batch_x, y: batch_y})
       return {v.op.name: session.run(v)
               for v in tf.compat.v1.global_variables()}
+
+
+def test_a_gradient_of_whole_batch_and_tower_values_is_refused():
+  def model_fn(features, labels, mode):
+    kernel = tf.compat.v1.get_variable("kernel", [3, 3])
+    logits = tf.matmul(features["x"], kernel)
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+    optimizer = replicate.TowerOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(1.0))
+    (grad, variable), = optimizer.compute_gradients(loss, [kernel])
+    # Scaled by a value of the tower's rows: neither the batch's nor the
+    # tower's gradient.
+    grad *= tf.reduce_mean(features["x"] ** 2)
+    train_op = optimizer.apply_gradients([(grad, variable)])
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  with pytest.raises(ValueError, match=(
+      r"Tower 0's gradient for 'kernel' passed to apply_gradients is "
+      r"computed both from the whole batch's gradients .* and from the "
+      r"tower's own rows .* Fix: compute the gradients of the total loss in "
+      r"one compute_gradients call")):
+    _train_model_fn(model_fn, towers=2)
+
+
+def _second_loss_model_fn(features, labels, mode):
+  kernel = tf.compat.v1.get_variable(
+      "kernel", [3, 3], initializer=tf.compat.v1.constant_initializer(
+          np.linspace(-1, 1, 9).reshape(3, 3)))
+  logits = tf.matmul(features["x"], kernel)
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  optimizer = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(1.0))
+  (grad, variable), = optimizer.compute_gradients(loss, [kernel])
+  # A second loss's gradient from tf.gradients, added: the batch's too.
+  grad += tf.gradients(tf.reduce_mean(logits ** 2), [kernel])[0]
+  grad, _ = tf.clip_by_global_norm([grad], CLIP)
+  train_op = optimizer.apply_gradients([(grad[0], variable)])
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_a_second_losss_gradient_added_to_compute_gradients_ones():
+  expected = _train_model_fn(_second_loss_model_fn)
+  values = _train_model_fn(_second_loss_model_fn, towers=3)
+  for name, value in expected.items():
+    np.testing.assert_allclose(values[name], value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)

@@ -68,13 +68,31 @@ def whole_batch(context, grads_and_vars: list) -> tuple:
   returned this tower (stand-ins for the sums over towers, see
   `replicate.gradients.apply_once`): clipped, scaled or passed on as it is,
   it is the same in every tower and is applied once, never summed again.
+  One computed from those and from the tower's rows too (scaled by a
+  value of the tower's rows) is neither, and is refused. (A gradient from
+  `tf.gradients` added to it was made the whole batch's already, by
+  `replicate.gradients.touched`.)
   """
-  ops = context.records.whole_ops(context.progress.tower_index)
+  index = context.progress.tower_index
+  ops = context.records.whole_ops(index)
   if not ops:
     return (False,) * len(grads_and_vars)
   whole = _downstream_of(ops)
-  return tuple(grad is not None and bool(_ops_of(grad) & whole)
-               for grad, _ in grads_and_vars)
+  result = tuple(grad is not None and bool(_ops_of(grad) & whole)
+                 for grad, _ in grads_and_vars)
+  rows = context.progress.rows_of(index)
+  for is_whole, (grad, variable) in zip(result, grads_and_vars):
+    if is_whole and rows.depend([grad]):
+      raise ValueError(
+          "Tower {}'s gradient for {!r} passed to apply_gradients is "
+          "computed both from the whole batch's gradients that "
+          "TowerOptimizer.compute_gradients returned and from the tower's "
+          "own rows (e.g. scaled by a value of the tower's rows), so it "
+          "is neither the whole batch's nor the tower's. Fix: compute the "
+          "gradients of the total loss in one compute_gradients call, then "
+          "change them; or pass the change as TowerOptimizer(..., "
+          "gradient_transformers=[...]).".format(index, variable.op.name))
+  return result
 
 
 def weighed_once(context, grads_and_vars: list, whole=()) -> list:
