@@ -25,6 +25,7 @@ received gradient keeps its values, computed from the stand-in's, and gets
 the stand-in's indices.
 """
 
+import contextlib
 import re
 from typing import Any, List, NamedTuple
 
@@ -118,7 +119,9 @@ def connect(context, touched_per_tower: List[List[Touched]], scopes) -> None:
           per_tower, context.layout.devices, strategy.algorithm,
           strategy.compact, strategy.cross_task)
     else:
-      with tf.device(getattr(strategy, "sum_device", None)):
+      # With tower 0 (the scopes), or where a ps cluster's worker sums.
+      device = getattr(strategy, "sum_device", None)
+      with tf.device(device) if device else contextlib.nullcontext():
         totals = [aggregation.add_gradients(
             [tower[p] for tower in per_tower if tower[p] is not None])
                   for p in range(len(keys))]
