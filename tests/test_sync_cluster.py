@@ -461,3 +461,48 @@ def test_a_worker_whose_chief_never_starts_gives_up_after_the_timeout(
   with pytest.raises(RuntimeError, match=r"the group leader chief:0 .* did "
                      r"not start its server within 0.5 s"):
     replicate.start_server(_run_config())
+
+
+@pytest.mark.parametrize("way", ["compute_gradients", "tf.gradients"])
+def test_a_clip_reads_the_gradients_summed_across_tasks_once(chief_config,
+                                                             way):
+  # API.md: gradients the model_fn touches are the whole batch's, every
+  # task's rows included; what apply_gradients then gets is not summed
+  # across tasks again (the same collectives as a plain minimize).
+  config, _ = chief_config
+
+  def clipping_model_fn(features, labels, mode):
+    # get_variable gives a replicated tower its copies.
+    variables = [tf.compat.v1.get_variable("w", [3, 2]),
+                 tf.compat.v1.get_variable("b", [2])]
+    logits = tf.matmul(features["x"], variables[0]) + variables[1]
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+    optimizer = replicate.TowerOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1))
+    if way == "compute_gradients":
+      grads, variables = zip(*optimizer.compute_gradients(loss, variables))
+    else:
+      grads = tf.gradients(loss, variables)
+    grads, _ = tf.clip_by_global_norm(grads, 1.0)
+    train_op = optimizer.apply_gradients(
+        zip(grads, variables), tf.compat.v1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  def reduces(model_fn):
+    with tf.Graph().as_default() as graph:
+      features, labels = _dataset_batch()
+      replicate.replicate_model_fn(model_fn, variable_strategy="replicated")(
+          features, labels, TRAIN, params={}, config=config)
+    return graph, sorted(op.type for op in graph.get_operations()
+                         if op.type.startswith("Collective"))
+
+  graph, clipped = reduces(lambda features, labels, mode, params:
+                           clipping_model_fn(features, labels, mode))
+  _, plain = reduces(_model_fn)
+  assert clipped == plain
+  norms = [op for op in graph.get_operations()
+           if op.name.endswith("global_norm/global_norm")]
+  assert len(norms) == 2  # one per tower of the chief
+  for norm in norms:
+    assert "CollectiveReduceV2" in {op.type for op in graph_walk.ops_behind(
+        [norm])}

@@ -4,8 +4,15 @@ On the wrapped optimizer: one per graph (the Estimator builds a graph per
 train, evaluate and export call), made from the instance or function given.
 
 On towers: computing gradients weights the tower's loss by its weight (see
-`replicate.gradients.weighting`); gradients made otherwise are weighted when they
-reach `apply_gradients` (`weighting.weighed_once`), so each counts its share once. Tower 0's `apply_gradients` builds the one update of
+`replicate.gradients.weighting`) and returns stand-ins for the sums over
+towers (`Wrapping._whole_batch`), so that the `model_fn`'s code between
+`compute_gradients` and `apply_gradients` sees the whole batch's gradients;
+what `apply_gradients` receives computed from them is applied once, as it
+is (a replicated copy gets its own tower's). Gradients made otherwise are
+weighted when they reach `apply_gradients` (`weighting.weighed_once`), so
+each counts its share once, and the user's ops that changed them are made
+to read sums too (`replicate.gradients.touched`). Tower 0's
+`apply_gradients` builds the one update of
 the step with the wrapped optimizer, in tower 0's scopes, on stand-ins for
 the summed gradients (see `replicate.gradients.stand_ins`), so it returns the real update
 and the optimizer's slots exist once it returns. Towers 1..N-1 record their
@@ -26,9 +33,11 @@ import tensorflow as tf
 
 from replicate import _tf
 from replicate.gradients import aggregation
+from replicate.gradients import call_checks
 from replicate.towers import current
 from replicate.gradients import optimizer_calls
 from replicate.gradients import stand_ins
+from replicate.gradients import touched
 from replicate.shard import sharding
 from replicate.gradients import weighting
 
@@ -116,29 +125,45 @@ class Wrapping:
     if context is None:
       return apply(self.optimizer, self._transformed(grads_and_vars))
     grads_and_vars = list(grads_and_vars)
-    _check_not_in_control_flow(context)
-    _check_not_sync_replicas(context, self.optimizer)
-    _check_own_copies(context, grads_and_vars)
-    grads_and_vars = weighting.weighed_once(context, grads_and_vars)
+    call_checks.not_in_control_flow(context)
+    call_checks.not_sync_replicas(context, self.optimizer)
+    call_checks.own_copies(context, grads_and_vars)
     index = context.progress.tower_index
+    grads_and_vars, touched_here = touched.made_whole(
+        context, grads_and_vars, lambda grad: weighting.weighed_once(
+            context, [(grad, None)])[0][0],
+        set(context.records.whole_ops(index)))
+    context.records.add_whole(index, [t.stand_in for t in touched_here])
+    whole = weighting.whole_batch(context, grads_and_vars)
+    grads_and_vars = weighting.weighed_once(context, grads_and_vars, whole)
     if index == 0:
-      update = self._build_update(context, grads_and_vars, apply)
+      update = self._build_update(context, grads_and_vars, apply, whole,
+                                  touched_here)
       if context.progress.is_last_tower:
         # One tower (a synchronous cluster's task): its sums are its own
         # gradients, summed across tasks.
         optimizer_calls.connect_sums(context,
                                      len(context.records.calls[0]) - 1)
       return update
-    position = context.records.record(index, self, grads_and_vars, None)
+    position = context.records.record(index, self, grads_and_vars, None,
+                                      whole=whole, touched=touched_here)
     tower0_call = optimizer_calls.tower0_call(context, position)
+    call_checks.same_whole(context, tower0_call, whole, grads_and_vars)
     if context.progress.is_last_tower:
       optimizer_calls.connect_sums(context, position)
     return tower0_call.result
 
-  def _build_update(self, context, grads_and_vars, apply):
-    """Tower 0's update, on stand-ins for the sums over towers."""
-    per_tower = [[(stand_ins.stand_in(grad, "pending_gradient"), variable)
-                  for grad, variable in grads_and_vars]]
+  def _build_update(self, context, grads_and_vars, apply, whole, touched_here):
+    """Tower 0's update, on stand-ins for the sums over towers.
+
+    A gradient that is already the whole batch's (`whole`) is applied as
+    it is; a replicated copy's stand-in for it is connected to its tower's.
+    """
+    tower0 = [(grad if is_whole else stand_ins.stand_in(
+        grad, "pending_gradient"), variable)
+              for is_whole, (grad, variable) in zip(whole, grads_and_vars)]
+    pending = [pair for is_whole, pair in zip(whole, tower0) if not is_whole]
+    per_tower = [tower0]
     if context.layout.is_replicated:
       # Every copy gets the same update in the same apply_gradients, so
       # that the optimizer's own step (Adam's beta powers) moves once.
@@ -151,13 +176,44 @@ class Wrapping:
           if copy is not variable:
             copies.append((stand_ins.stand_in(grad, "pending_gradient"), copy))
         per_tower.append(copies)
+        pending.extend(copies)
     with context.progress.applying():
       update = apply(self.optimizer, [
           pair for tower in per_tower for pair in self._transformed(tower)])
-    context.records.record(
-        0, self, grads_and_vars, update,
-        pending=[pair for tower in per_tower for pair in tower])
+    context.records.record(0, self, grads_and_vars, update, pending=pending,
+                           whole=whole, touched=touched_here)
     return update
+
+  def _whole_batch(self, grads_and_vars):
+    """Stand-ins for the sums over towers of this tower's gradients.
+
+    What `compute_gradients` returns inside `replicate_model_fn`: code
+    between it and `apply_gradients` (clipping by global norm, scaling,
+    noise, logging the norm) sees the whole batch's gradients, as on one
+    device. Each stand-in passes the tower's own weighted gradient on until
+    the last tower's call connects the sums (see
+    `optimizer_calls.connect_whole_batch`).
+    """
+    context = _active_context()
+    grads_and_vars = list(grads_and_vars)
+    graph = tf.compat.v1.get_default_graph()
+    if (context is None or graph.building_function or
+        _tf.in_control_flow(graph)):
+      return grads_and_vars  # apply_gradients there is refused anyway
+    whole = [(stand_ins.whole_batch(grad), variable)
+             for grad, variable in grads_and_vars]
+    index = context.progress.tower_index
+    position = context.records.record_gradients(index, grads_and_vars, whole)
+    if index > 0 and len(context.records.gradient_calls[0]) <= position:
+      raise ValueError(
+          "Tower {} made {} TowerOptimizer.compute_gradients calls, more than "
+          "tower 0's {}: each tower's model_fn was supposed to make the same "
+          "optimizer calls in the same order. Make the calls independent of "
+          "the tower's data.".format(
+              index, position + 1, len(context.records.gradient_calls[0])))
+    if context.progress.is_last_tower:
+      optimizer_calls.connect_whole_batch(context, position)
+    return whole
 
   def _tower_gradients(self, compute, loss, variables):
     """`compute(loss, variables)` for this tower, as (gradient, variable).
@@ -227,18 +283,6 @@ def checked(optimizer, family):
   return optimizer
 
 
-def _check_not_sync_replicas(context, optimizer):
-  """A synchronous cluster needs no `SyncReplicasOptimizer`: refused."""
-  if (context.layout.cross_task is not None and
-      isinstance(optimizer, tf.compat.v1.train.SyncReplicasOptimizer)):
-    raise ValueError(
-        "TowerOptimizer wraps a SyncReplicasOptimizer, but this RunConfig's "
-        "cluster (chief and workers, no ps tasks) trains synchronously "
-        "already: every task's towers apply the same sum each step. Wrap "
-        "the SyncReplicasOptimizer's own optimizer instead, and drop its "
-        "session hook.")
-
-
 def _active_context():
   """The replication context, when more than one tower is being built."""
   context = current.current_context()
@@ -276,54 +320,3 @@ def tower_variables(var_list):
   index = context.progress.tower_index
   return [context.variables.in_tower(index, v)
           for v in tf.nest.flatten(var_list)]
-
-
-def _check_not_in_control_flow(context):
-  """An optimizer call inside a tower's tf.cond or tf.function is refused.
-
-  The one update of the step sums every tower's gradients; a call inside
-  one tower's `tf.cond` branch (a NaN guard) or `tf.function` lives in
-  that tower's own function graph, which no other tower's gradients can
-  reach.
-  """
-  graph = tf.compat.v1.get_default_graph()
-  if graph.building_function or _tf.in_control_flow(graph):
-    raise ValueError(
-        "Tower {} calls TowerOptimizer.apply_gradients (or minimize) inside "
-        "a tf.cond, a tf.while_loop or a tf.function. The step's one update "
-        "sums every tower's gradients, which a call inside one tower's "
-        "branch cannot reach, so replicate_model_fn cannot make it. Fix: "
-        "call the optimizer unconditionally. For a NaN guard, wrap the "
-        "optimizer, inside TowerOptimizer, in tf.compat.v1.train."
-        "experimental.MixedPrecisionLossScaleOptimizer(optimizer, "
-        "tf.compat.v1.mixed_precision.DynamicLossScale("
-        "initial_loss_scale=1, multiplier=1)): it skips the update on every "
-        "tower when any tower's gradients are not finite (global_step does "
-        "not advance on a skipped step) and leaves the gradients "
-        "unscaled.".format(context.progress.tower_index))
-
-
-def _check_own_copies(context, grads_and_vars):
-  """A replicated tower must bring gradients for its copies, not tower 0's.
-
-  Its loss was computed from its copies, so a gradient it took with respect
-  to tower 0's variable (`tf.gradients(loss, tf.trainable_variables())`) is
-  None or wrong; training on it would leave the copies behind unnoticed.
-  """
-  index = context.progress.tower_index
-  if not context.layout.is_replicated or index == 0:
-    return
-  for _, variable in grads_and_vars:
-    copy = context.variables.in_tower(index, variable)
-    if copy is not variable:
-      raise ValueError(
-          "variable_strategy='replicated': tower {} applies a gradient for "
-          "tower 0's variable {!r}, but it computes with its own copy {!r}. "
-          "Take gradients with TowerOptimizer.compute_gradients(loss) (or "
-          "minimize), which differentiates with respect to each tower's "
-          "copies, and zip them with the variables compute_gradients "
-          "returns, not with tf.compat.v1.trainable_variables() (tower "
-          "0's); or differentiate with respect to the variables the "
-          "tower's layers hold. Then clip or change them and call "
-          "apply_gradients.".format(
-              index, variable.op.name, copy.op.name))

@@ -63,10 +63,15 @@ class TowerOptimizer(apply_once.Wrapping, _V1Optimizer):
   On gradients: gradients are summed over towers (dense: `add_n`;
   `IndexedSlices`: concatenated). Since each tower's loss was weighted by its
   share of the batch, the sum is the gradient of the whole batch's loss.
+  `compute_gradients` returns the sums (stand-ins for them until the last
+  tower is built), so code between it and `apply_gradients`
+  (`tf.clip_by_global_norm`, a scale, a logged norm) sees one device's
+  gradients, and what `apply_gradients` receives from them is applied once.
   Gradients you compute yourself (`tf.gradients(loss, tvars)`, a
-  `GradientTape`) are weighted when they reach `apply_gradients`, once;
-  gradients not computed from the tower's rows (read back from an
-  accumulator) count once, tower 0's.
+  `GradientTape`) are weighted when they reach `apply_gradients`, once, and
+  the ops that changed them on the way read the sums too (see
+  `replicate.gradients.touched`); gradients not computed from the tower's
+  rows (read back from an accumulator) count once, tower 0's.
   """
 
   _family = _V1Optimizer
@@ -88,22 +93,25 @@ class TowerOptimizer(apply_once.Wrapping, _V1Optimizer):
     super().__init__(use_locking=False, name=name or "TowerOptimizer")
 
   def compute_gradients(self, loss, var_list=None, *args, **kwargs):
-    """Weights the loss by this tower's weight, then differentiates.
+    """The whole batch's gradients: stand-ins for the sums over towers.
 
-    With replicated variables, tower i differentiates with respect to its
-    own copies of `var_list` (default: the trainable variables).
+    Weights the loss by this tower's weight, differentiates, and returns
+    stand-ins that read the sums over towers once the last tower has made
+    this call. With replicated variables, tower i differentiates with
+    respect to its own copies of `var_list` (default: the trainable
+    variables) and reads the sums on its own device.
     """
     loss = self._weighted_loss(loss)
     variables = apply_once.tower_variables(var_list)
     if not isinstance(variables, list):
       with apply_once.backward_pass():
-        return self.optimizer.compute_gradients(loss, variables, *args,
-                                                **kwargs)
-    return self._tower_gradients(
+        return self._whole_batch(self.optimizer.compute_gradients(
+            loss, variables, *args, **kwargs))
+    return self._whole_batch(self._tower_gradients(
         lambda loss_, variables_: [g for g, _ in self.optimizer.
                                    compute_gradients(loss_, variables_, *args,
                                                      **kwargs)],
-        loss, variables)
+        loss, variables))
 
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
     """Tower 0 builds the one update; every tower's gradients are summed in."""
@@ -144,9 +152,9 @@ class KerasTowerOptimizer(apply_once.Wrapping, _KerasOptimizer):
     super().__init__(name=name or "TowerOptimizer")
 
   def get_gradients(self, loss, params):
-    return [grad for grad, _ in self._tower_gradients(
+    return [grad for grad, _ in self._whole_batch(self._tower_gradients(
         self.optimizer.get_gradients, self._weighted_loss(loss),
-        list(apply_once.tower_variables(params)))]
+        list(apply_once.tower_variables(params))))]
 
   def get_updates(self, loss, params):
     params = list(apply_once.tower_variables(params))  # a replicated tower's copies

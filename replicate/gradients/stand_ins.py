@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from replicate import _tf
 from replicate.gradients import aggregation
+from replicate.shard import rows
 
 
 def stand_in(value: Any, name: str = "pending") -> Any:
@@ -40,6 +41,20 @@ def stand_in(value: Any, name: str = "pending") -> Any:
         _open_dim0(value.indices, name + "_indices"), value.dense_shape)
   value = tf.convert_to_tensor(value)
   return tf.compat.v1.placeholder_with_default(value, value.shape, name=name)
+
+
+def whole_batch(value: Any, name: str = "whole_batch_gradient") -> Any:
+  """A `stand_in` for a sum over towers that is the same in every tower.
+
+  Marked for `replicate.shard.rows`: what is computed from it is not the
+  tower's rows (state written from it is written once).
+  """
+  pending = stand_in(value, name)
+  if pending is not None:
+    for tensor in ([pending.values, pending.indices] if isinstance(
+        pending, tf.IndexedSlices) else [pending]):
+      setattr(tensor.op, rows.WHOLE_BATCH, True)
+  return pending
 
 
 def connect(pending: Any, value: Any) -> None:

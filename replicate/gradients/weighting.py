@@ -61,7 +61,41 @@ def loss_denominator(denominator: Any) -> tf.Tensor:
                                          denominator)
 
 
-def weighed_once(context, grads_and_vars: list) -> list:
+def whole_batch(context, grads_and_vars: list) -> tuple:
+  """Per pair, whether the gradient is already the whole batch's.
+
+  It is when it was computed from what `TowerOptimizer.compute_gradients`
+  returned this tower (stand-ins for the sums over towers, see
+  `replicate.gradients.apply_once`): clipped, scaled or passed on as it is,
+  it is the same in every tower and is applied once, never summed again.
+  One computed from those and from the tower's rows too (scaled by a
+  value of the tower's rows) is neither, and is refused. (A gradient from
+  `tf.gradients` added to it was made the whole batch's already, by
+  `replicate.gradients.touched`.)
+  """
+  index = context.progress.tower_index
+  ops = context.records.whole_ops(index)
+  if not ops:
+    return (False,) * len(grads_and_vars)
+  whole = _downstream_of(ops)
+  result = tuple(grad is not None and bool(_ops_of(grad) & whole)
+                 for grad, _ in grads_and_vars)
+  rows = context.progress.rows_of(index)
+  for is_whole, (grad, variable) in zip(result, grads_and_vars):
+    if is_whole and rows.depend([grad]):
+      raise ValueError(
+          "Tower {}'s gradient for {!r} passed to apply_gradients is "
+          "computed both from the whole batch's gradients that "
+          "TowerOptimizer.compute_gradients returned and from the tower's "
+          "own rows (e.g. scaled by a value of the tower's rows), so it "
+          "is neither the whole batch's nor the tower's. Fix: compute the "
+          "gradients of the total loss in one compute_gradients call, then "
+          "change them; or pass the change as TowerOptimizer(..., "
+          "gradient_transformers=[...]).".format(index, variable.op.name))
+  return result
+
+
+def weighed_once(context, grads_and_vars: list, whole=()) -> list:
   """The tower's gradients, each weighted by the tower's weight once.
 
   However the gradients were made: through `compute_gradients` or
@@ -71,7 +105,8 @@ def weighed_once(context, grads_and_vars: list) -> list:
   computed from the tower's rows (read back from an accumulator every
   tower added to, a constant) is the same in every tower: tower 0's
   counts, once (in a synchronous cluster, the chief's tower 0's). "From
-  the rows" is `replicate.shard.rows`'s rule.
+  the rows" is `replicate.shard.rows`'s rule. A gradient that is already
+  the whole batch's (`whole`, see `whole_batch`) is kept as it is.
   """
   index = context.progress.tower_index
   # In a synchronous cluster, the chief's tower 0 is the one tower of all.
@@ -80,8 +115,9 @@ def weighed_once(context, grads_and_vars: list) -> list:
   weighted = _downstream_of(context.weights.weight_ops(index))
   rows = context.progress.rows_of(index)
   result = []
-  for grad, variable in grads_and_vars:
-    if grad is None or _ops_of(grad) & weighted:
+  whole = tuple(whole) or (False,) * len(grads_and_vars)
+  for is_whole, (grad, variable) in zip(whole, grads_and_vars):
+    if grad is None or is_whole or _ops_of(grad) & weighted:
       result.append((grad, variable))
     elif rows.depend([grad]):
       result.append((_scaled(grad, weight), variable))

@@ -9,6 +9,11 @@ walking back its data inputs within the ops the tower built reaches,
   gives those ops (`Size`, `Shape`, `ones_like`, `zeros_like`); a count taken
   from the static `x.shape[0]` is a plain Python number and does not count.
 
+A value that is the whole batch's (an op marked `WHOLE_BATCH`: the sums
+over towers of the gradients `TowerOptimizer.compute_gradients` returns,
+see `replicate.gradients.stand_ins`) is the same in every tower, not the
+tower's rows: the walk does not go past it.
+
 Function calls (`tf.function`, TF 2 `tf.cond` and `tf.while_loop`) depend on
 the rows when their inputs do, so the walk goes through them as through any
 op. Reads of variables are not followed back to the writes that came before
@@ -30,6 +35,9 @@ import tensorflow as tf
 # What TensorFlow names a constant it folded from a tensor's shape known
 # when the graph is built (`tf.size`, `tf.shape`, `tf.ones_like`,
 # `tf.zeros_like`), possibly uniquified (`Shape_1`).
+# The Python attribute marking an op whose value is the whole batch's.
+WHOLE_BATCH = "replicate_whole_batch"
+
 _FOLDED_SHAPE = re.compile(r"(Size|Shape|ones_like|zeros_like)(_[0-9]+)?")
 
 
@@ -57,6 +65,9 @@ class TowerRows:
     """Walks back from `start` once; remembers the answer for every op."""
     if start in self._answers:
       return self._answers[start]
+    if getattr(start, WHOLE_BATCH, False):
+      self._answers[start] = False
+      return False
     # The value may be the rows themselves: a feature passed through
     # (`predictions=features`), or `tf.zeros_like(x)` folded to one constant.
     if (any(t.ref() in self._shard for t in start.outputs) or
@@ -87,7 +98,8 @@ class TowerRows:
         if self._answers[source]:
           found = True
         continue
-      if self._tower_ops is not None and source not in self._tower_ops:
+      if ((self._tower_ops is not None and source not in self._tower_ops) or
+          getattr(source, WHOLE_BATCH, False)):
         result[source] = False
         continue
       visiting.add(source)
