@@ -154,6 +154,16 @@ BAD_INPUTS = {
         lambda: replicate.TowerOptimizer("adam"), ValueError,
         r"TowerOptimizer wraps a tf\.compat\.v1\.train\.Optimizer, a "
         r"tf\.keras\.optimizers\.legacy\.Optimizer, or a function"),
+    # Issue 29: the natural next try must be named in the refusal.
+    "a Keras optimizer of TF 2.11+": (
+        lambda: replicate.TowerOptimizer(tf.keras.optimizers.Adam()),
+        ValueError,
+        r"cannot run in an Estimator's graph.*tf\.compat\.v1\.train\."
+        r"AdamOptimizer.*optimizer\.get_updates\(loss, params\)\[0\]"),
+    "a function returning a Keras optimizer of TF 2.11+": (
+        lambda: replicate.TowerOptimizer(tf.keras.optimizers.Adam),
+        ValueError, r"must return a tf\.compat\.v1.*cannot run in an "
+        r"Estimator's graph"),
 }
 
 

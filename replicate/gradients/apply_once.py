@@ -279,8 +279,22 @@ def checked(optimizer, family):
     raise ValueError(
         "The function given to TowerOptimizer must return a "
         "tf.compat.v1.train.Optimizer or a tf.keras.optimizers.legacy."
-        "Optimizer. It returned: {!r}.".format(optimizer))
+        "Optimizer. It returned: {!r}.{}".format(
+            optimizer, KERAS_V2_HINT if isinstance(
+                optimizer, tf.keras.optimizers.Optimizer) else ""))
   return optimizer
+
+
+# A Keras optimizer of TF 2.11 and later runs eagerly, never in an
+# Estimator's graph; what works in one's own model_fn instead.
+KERAS_V2_HINT = (
+    " A Keras optimizer of TF 2.11 and later (tf.keras.optimizers.Adam()) "
+    "cannot run in an Estimator's graph. In your own model_fn use "
+    "tf.compat.v1.train.AdamOptimizer(...) with minimize(loss, "
+    "global_step=...), or tf.keras.optimizers.legacy.Adam(...) with "
+    "optimizer.iterations = tf.compat.v1.train.get_global_step() and "
+    "train_op = optimizer.get_updates(loss, params)[0], as the canned "
+    "estimators call it (docs/api.md).")
 
 
 def _active_context():

@@ -206,7 +206,11 @@ def _family_of(optimizer_or_optimizer_fn):
     raise ValueError(
         "TowerOptimizer wraps a tf.compat.v1.train.Optimizer, a "
         "tf.keras.optimizers.legacy.Optimizer, or a function of no arguments "
-        "returning one. Received: {!r}.".format(optimizer_or_optimizer_fn))
+        "returning one. Received: {!r}.{}".format(
+            optimizer_or_optimizer_fn,
+            apply_once.KERAS_V2_HINT if isinstance(
+                optimizer_or_optimizer_fn, tf.keras.optimizers.Optimizer)
+            else ""))
   with tf.Graph().as_default():
     tf.compat.v1.train.get_or_create_global_step()
     return _family_of(apply_once.checked(optimizer_or_optimizer_fn(),
