@@ -71,17 +71,18 @@ def _tagger(features, labels, mode):
                                     predictions=predictions)
 
 
-def _run(model_fn, towers, mode, fetch, steps=0):
+def _run(model_fn, towers, mode, fetch, steps=0, rows=ROWS):
   """Builds `model_fn` (wrapped on `towers`, or unwrapped for None) on an
   input pipeline of the batch, of unknown size; runs `steps` train steps,
   then `fetch(spec)`."""
   tokens, tags = _tokens()
+  tokens, tags, lengths = tokens[:rows], tags[:rows], LENGTHS[:rows]
   with tf.Graph().as_default():
     tf.compat.v1.train.get_or_create_global_step()
     dataset = tf.data.Dataset.from_tensors(
-        ({"tokens": tokens, "lengths": LENGTHS}, tags)).repeat()
+        ({"tokens": tokens, "lengths": lengths}, tags)).repeat()
     features, labels = tf.compat.v1.data.make_one_shot_iterator(
-        dataset.unbatch().batch(ROWS)).get_next()
+        dataset.unbatch().batch(rows)).get_next()
     if towers is not None:
       model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(towers))
     spec = model_fn(features=features, labels=labels, mode=mode)
@@ -180,6 +181,21 @@ def test_a_decoder_stopping_when_its_own_rows_are_done(towers):
   for key in exported:
     np.testing.assert_array_equal(got_exported[key], exported[key],
                                   err_msg=key)
+
+
+@pytest.mark.parametrize("model_fn", [_tagger, _decoder])
+def test_a_batch_smaller_than_the_towers(model_fn):
+  """A tower built on a stand-in row takes no part in the batch's width."""
+  fetch = lambda spec: spec.predictions
+  expected = _run(model_fn, None, PREDICT, fetch, rows=2)
+  got = _run(model_fn, 3, PREDICT, fetch, rows=2)
+  for key in expected:
+    assert got[key].shape == expected[key].shape, key
+    if expected[key].dtype == object:  # strings
+      np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+    else:
+      np.testing.assert_allclose(got[key], expected[key], rtol=1e-6,
+                                 atol=1e-6, err_msg=key)
 
 
 def test_equal_static_widths_keep_their_static_shape(graph):

@@ -32,8 +32,10 @@ other towers' rows is missing. That is refused, naming the op, with the fix
 (`replicate.all_rows`). Reductions of inputs (lengths, masks, weights) are
 not differentiated and are combined.
 
-In a synchronous cluster sums and means are summed over the tasks too; a
-max, min, product, any or all is refused there, with the fix.
+In a synchronous cluster the task's value is combined with every other
+task's too: sums and means through the sum over tasks, the others through
+an all-gather of each task's value (a step collective, which the train_op
+waits for, as every collective of the step).
 """
 
 from typing import Dict, List
@@ -69,13 +71,6 @@ def combine(layout, progress, tower_specs, mode) -> None:
     if mode == tf.estimator.ModeKeys.TRAIN and _is_differentiated(
         op, tower_specs[0].loss, progress.tower_ops[0]):
       raise ValueError(_gradient_refusal(name))
-    if layout.cross_task is not None and op.type not in ("Sum", "Mean"):
-      raise ValueError(
-          "The {} of {!r} over the batch axis flows back into per-row "
-          "values; in a synchronous cluster replicate_model_fn combines "
-          "sums and means over the tasks, not a {}. Fix: compute it from "
-          "replicate.all_rows(tensor), which holds every task's rows, or "
-          "train with ps tasks.".format(op.type, name, op.type))
     sites.append(ops)
   with progress.building_own_ops():
     for ops in sites:
@@ -191,28 +186,23 @@ def _gradient_refusal(name) -> str:
 
 
 def _combined(ops: List[tf.Operation], layout) -> tf.Tensor:
-  """The whole batch's value of the towers' reductions `ops`."""
+  """The whole batch's value of the towers' reductions `ops`.
+
+  A tower (or a task) without rows adds the reduction's identity: 0 to a
+  sum, 1 to a product, the lowest value to a max, and so on.
+  """
   kind = ops[0].type
   partials = [op.outputs[0] for op in ops]
-  has_rows = layout.has_rows
   if kind == "Mean":
-    value = _mean(ops, has_rows, layout)
-  elif kind in ("Sum", "Prod"):
-    kept = [_unless_no_rows(p, rows, _identity(kind, p.dtype))
-            for p, rows in zip(partials, has_rows) if rows is not False]
-    value = kept[0]
-    for partial in kept[1:]:
-      value = value + partial if kind == "Sum" else value * partial
-    if kind == "Sum":
-      value = layout.sum_over_tasks(value, "sum_over_tasks")
+    value = _mean(ops, layout)
   else:
-    # Tower 0 has rows whenever any tower has: a tower without any takes
-    # tower 0's value, which changes no max, min, any or all.
-    kept = [tf.where(rows, p, partials[0]) if isinstance(rows, tf.Tensor)
-            else p for p, rows in zip(partials, has_rows) if rows is not False]
-    reduce = {"Max": tf.reduce_max, "Min": tf.reduce_min,
-              "Any": tf.reduce_any, "All": tf.reduce_all}[kind]
-    value = reduce(tf.stack(kept), axis=0)
+    kept = [_unless_no_rows(p, rows, kind) for p, rows in
+            zip(partials, layout.has_rows) if rows is not False] or [
+                tf.fill(tf.shape(partials[0]),
+                        _identity(kind, partials[0].dtype))]
+    value = _REDUCE[kind](tf.stack(kept), axis=0)
+    if layout.cross_task is not None:
+      value = _over_tasks(value, kind, layout)
   shape = partials[0].shape
   for partial in partials[1:]:
     shape = shape.merge_with(partial.shape)
@@ -220,18 +210,43 @@ def _combined(ops: List[tf.Operation], layout) -> tf.Tensor:
   return value
 
 
-def _mean(ops, has_rows, layout) -> tf.Tensor:
+_REDUCE = {"Sum": tf.reduce_sum, "Prod": tf.reduce_prod,
+           "Max": tf.reduce_max, "Min": tf.reduce_min,
+           "Any": tf.reduce_any, "All": tf.reduce_all}
+_COLLECTIVE_DTYPES = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+
+def _over_tasks(value, kind, layout):
+  """A task's value combined with every other task's, in a sync cluster."""
+  if kind == "Sum":
+    return layout.sum_over_tasks(value, "sum_over_tasks")
+  dtype = value.dtype
+  carried = tf.int32 if dtype == tf.bool else dtype
+  if carried not in _COLLECTIVE_DTYPES:
+    raise ValueError(
+        "A {} over the batch axis of {} values flows back into per-row "
+        "values ({!r}); a synchronous cluster combines float16/32/64 and "
+        "int32/64 across tasks. Fix: cast the values to one of those "
+        "before reducing them.".format(kind, dtype.name, value.name))
+  gathered = layout.cross_task.gather(
+      tf.expand_dims(tf.cast(value, carried), 0))
+  reduce = {"Any": tf.reduce_max, "All": tf.reduce_min}.get(
+      kind, _REDUCE[kind])
+  return tf.cast(reduce(gathered, axis=0), dtype)
+
+
+def _mean(ops, layout) -> tf.Tensor:
   """From each tower's sum and element count, so integers divide once."""
   sums, counts = [], []
-  for op, rows in zip(ops, has_rows):
+  for op, rows in zip(ops, layout.has_rows):
     if rows is False:
       continue
     keepdims = op.get_attr("keep_dims")
     total = tf.reduce_sum(op.inputs[0], op.inputs[1], keepdims=keepdims)
     count = tf.size(op.inputs[0], out_type=tf.int64) // tf.maximum(
         tf.size(total, out_type=tf.int64), 1)
-    sums.append(_unless_no_rows(total, rows, tf.zeros([], total.dtype)))
-    counts.append(_unless_no_rows(count, rows, tf.zeros([], tf.int64)))
+    sums.append(_unless_no_rows(total, rows, "Sum"))
+    counts.append(_unless_no_rows(count, rows, "Sum"))
   total = layout.sum_over_tasks(tf.add_n(sums), "sum_over_tasks")
   count = layout.sum_over_tasks(tf.add_n(counts), "count_over_tasks")
   dtype = ops[0].outputs[0].dtype
@@ -240,11 +255,21 @@ def _mean(ops, has_rows, layout) -> tf.Tensor:
   return tf.math.truncatediv(total, tf.cast(count, dtype))
 
 
-def _unless_no_rows(value, rows, identity):
-  if isinstance(rows, tf.Tensor):
-    return tf.where(rows, value, tf.ones_like(value) * identity)
-  return value
+def _unless_no_rows(value, rows, kind):
+  """`value`, or the identity of `kind` where the tower has no rows."""
+  if not isinstance(rows, tf.Tensor):
+    return value
+  return tf.where(rows, value, tf.fill(tf.shape(value),
+                                       _identity(kind, value.dtype)))
 
 
 def _identity(kind, dtype):
+  if kind in ("Any", "All"):
+    return tf.constant(kind == "All")
+  if kind in ("Max", "Min"):
+    if dtype.is_floating:
+      limit = float("-inf") if kind == "Max" else float("inf")
+    else:
+      limit = dtype.min if kind == "Max" else dtype.max
+    return tf.constant(limit, dtype)
   return tf.constant(1 if kind == "Prod" else 0, dtype)
