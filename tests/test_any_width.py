@@ -71,6 +71,35 @@ def _tagger(features, labels, mode):
                                     predictions=predictions)
 
 
+def _rnn_tagger(features, labels, mode):
+  """`dynamic_rnn` with `sequence_length`, cut at the batch's longest."""
+  lengths = features["lengths"]
+  width = tf.reduce_max(lengths)
+  embedded = tf.nn.embedding_lookup(_variable("embedding", [VOCAB, DIM], 1),
+                                    features["tokens"])
+  cell = tf.compat.v1.nn.rnn_cell.BasicRNNCell(DIM)
+  with tf.compat.v1.variable_scope(
+      "rnn", initializer=tf.compat.v1.random_uniform_initializer(
+          -1, 1, seed=6)):
+    outputs, _ = tf.compat.v1.nn.dynamic_rnn(
+        cell, embedded, sequence_length=lengths, dtype=tf.float32)
+  logits = tf.einsum("ntd,dk->ntk", outputs[:, :width],
+                     _variable("token_kernel", [DIM, TAGS], 2)) + 0.25
+  predictions = {"logits": logits}
+  if mode == PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions=predictions)
+  mask = tf.sequence_mask(lengths, width, dtype=tf.float32)
+  xent = tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=labels[:, :width], logits=logits)
+  loss = tf.reduce_mean(tf.reduce_sum(xent * mask, 1) /
+                        tf.cast(lengths, tf.float32))
+  train_op = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.5)).minimize(
+          loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
+                                    predictions=predictions)
+
+
 def _run(model_fn, towers, mode, fetch, steps=0, rows=ROWS):
   """Builds `model_fn` (wrapped on `towers`, or unwrapped for None) on an
   input pipeline of the batch, of unknown size; runs `steps` train steps,
@@ -106,6 +135,25 @@ def test_per_token_predictions_up_to_the_batch_s_longest(towers):
     np.testing.assert_allclose(got[key], expected[key], rtol=1e-6,
                                atol=1e-6, err_msg=key)
   np.testing.assert_allclose(got_exported, exported, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("towers", [2, 3])
+def test_dynamic_rnn_predicts_and_trains_at_the_batch_s_longest(towers):
+  fetch = lambda spec: spec.predictions["logits"]
+  expected = _run(_rnn_tagger, None, PREDICT, fetch)
+  assert expected.shape == (ROWS, LENGTHS.max(), TAGS)
+  np.testing.assert_allclose(_run(_rnn_tagger, towers, PREDICT, fetch),
+                             expected, rtol=1e-6, atol=1e-6)
+  fetch = lambda spec: {v.op.name: v for v in
+                        tf.compat.v1.trainable_variables()}
+  initial = _run(_rnn_tagger, None, TRAIN, fetch)
+  expected = _run(_rnn_tagger, None, TRAIN, fetch, steps=2)
+  got = _run(_rnn_tagger, towers, TRAIN, fetch, steps=2)
+  assert sorted(got) == sorted(expected) and len(expected) == 4
+  for name, value in expected.items():
+    assert np.abs(value - initial[name]).max() > 1e-3, name  # it trained
+    np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)
 
 
 @pytest.mark.parametrize("towers", [2, 3])
