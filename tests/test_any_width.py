@@ -301,3 +301,27 @@ def test_a_differentiable_batch_reduction_into_rows_is_refused(towers):
   np.testing.assert_allclose(_run(stopped, towers, TRAIN, fetch, steps=2),
                              _run(stopped, None, TRAIN, fetch, steps=2),
                              rtol=1e-5, atol=1e-6)
+
+
+def test_reductions_of_shapes_and_of_batch_norm_stay_the_tower_s(graph):
+  """`tf.reduce_prod(tf.shape(x)[1:])` is not over the batch; batch norm's
+  moments are batch norm's: training builds, as one device's."""
+  def model_fn(features, labels, mode):
+    x = features["x"]
+    flat = tf.reshape(x, [-1, tf.reduce_prod(tf.shape(x)[1:])])
+    hidden = tf.compat.v1.layers.dense(flat, 4)
+    hidden = tf.keras.layers.BatchNormalization(name="bn")(
+        hidden, training=True)
+    loss = tf.reduce_mean(tf.square(hidden - labels))
+    train_op = replicate.TowerOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1)).minimize(
+            loss, global_step=tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
+                                      predictions={"h": hidden})
+  for sync in (True, False):
+    spec = replicate.replicate_model_fn(
+        model_fn, devices=cpus(3), sync_batch_norm=sync)(
+            {"x": tf.ones([7, 2, 3])}, tf.ones([7, 4]), TRAIN)
+    assert spec.train_op is not None
+    assert not [op for op in graph.get_operations()
+                if "batch_reduction_over_towers" in op.name]

@@ -54,6 +54,8 @@ _BATCH_NORM_PARTS = ("moments", "batchnorm", "batch_norm",
                      "batch_normalization")
 _NOT_DIFFERENTIATED = frozenset(["StopGradient", "PreventGradient"])
 _VARIABLE_OPS = frozenset(["VarHandleOp", "VariableV2", "Variable"])
+# A tensor's shape is not its rows: `tf.reduce_prod(tf.shape(x)[1:])`.
+_SHAPE_OPS = frozenset(["Shape", "ShapeN", "Size", "Rank"])
 
 
 def combine(layout, progress, tower_specs, mode) -> None:
@@ -89,7 +91,11 @@ def _reductions_into_rows(layout, progress, spec,
   """{tower 0's name: op} of tower `index`'s reductions into rows."""
   tower_ops = frozenset(progress.tower_ops[index])
   tower = layout.towers[index]
-  tower_rows = rows_lib.TowerRows((tower.features, tower.labels), tower_ops)
+  shard = (tower.features, tower.labels)
+  tower_rows = rows_lib.TowerRows(shard, tower_ops)
+  shard_tensors = {t.ref() for t in tf.nest.flatten(shard,
+                                                   expand_composites=True)
+                   if isinstance(t, tf.Tensor)}
   outputs = [value for value in tf.nest.flatten(
       [spec.loss, spec.predictions, _export_tensors(spec.export_outputs),
        spec.eval_metric_ops], expand_composites=True)
@@ -100,11 +106,27 @@ def _reductions_into_rows(layout, progress, spec,
     if (op not in forward or op.type not in _REDUCTIONS or
         op in progress.own_ops or _tf.built_in_control_flow(op) or
         _is_batch_norm(op) or not _reduces_axis0(op) or
-        not tower_rows.depend([op.inputs[0]])):
+        not _from_row_values(op.inputs[0], shard_tensors, tower_ops)):
       continue
     if _flows_into_rows(op, forward, tower_rows):
       found[layout_lib.to_tower0_name(op.name, index)] = op
   return found
+
+
+def _from_row_values(tensor, shard_tensors, tower_ops) -> bool:
+  """Whether `tensor` is computed from the values of the tower's rows.
+
+  `replicate.shard.rows`'s rule, but not through shapes: a reduction of a
+  shape (`tf.reduce_prod(tf.shape(x)[1:])`) is not over the batch.
+  """
+  if tensor.ref() in shard_tensors:
+    return True
+  for op in graph_walk.ops_behind([tensor], stop_at_types=_SHAPE_OPS,
+                                  within=tower_ops):
+    if op.type not in _SHAPE_OPS and any(
+        t.ref() in shard_tensors for t in op.inputs):
+      return True
+  return False
 
 
 def _export_tensors(export_outputs):
