@@ -93,9 +93,7 @@ def _reductions_into_rows(layout, progress, spec,
   tower = layout.towers[index]
   shard = (tower.features, tower.labels)
   tower_rows = rows_lib.TowerRows(shard, tower_ops)
-  shard_tensors = {t.ref() for t in tf.nest.flatten(shard,
-                                                   expand_composites=True)
-                   if isinstance(t, tf.Tensor)}
+  shard_tensors = _row_values(shard)
   outputs = [value for value in tf.nest.flatten(
       [spec.loss, spec.predictions, _export_tensors(spec.export_outputs),
        spec.eval_metric_ops], expand_composites=True)
@@ -113,20 +111,53 @@ def _reductions_into_rows(layout, progress, spec,
   return found
 
 
+def _row_values(shard):
+  """The shard's tensors of values: a sparse tensor's values, not its
+  indices and dense shape, which are positions and shapes."""
+  values = set()
+  for leaf in tf.nest.flatten(shard):
+    if isinstance(leaf, tf.SparseTensor):
+      leaf = leaf.values
+    elif isinstance(leaf, tf.RaggedTensor):
+      leaf = leaf.flat_values
+    if isinstance(leaf, tf.Tensor):
+      values.add(leaf.ref())
+  return values
+
+
 def _from_row_values(tensor, shard_tensors, tower_ops) -> bool:
   """Whether `tensor` is computed from the values of the tower's rows.
 
-  `replicate.shard.rows`'s rule, but not through shapes: a reduction of a
-  shape (`tf.reduce_prod(tf.shape(x)[1:])`) is not over the batch.
+  `replicate.shard.rows`'s rule, but not through shapes and positions: a
+  reduction of a shape (`tf.reduce_prod(tf.shape(x)[1:])`, a sparse
+  tensor's dense shape) or of indices is not over the batch's values.
   """
-  if tensor.ref() in shard_tensors:
-    return True
-  for op in graph_walk.ops_behind([tensor], stop_at_types=_SHAPE_OPS,
-                                  within=tower_ops):
-    if op.type not in _SHAPE_OPS and any(
-        t.ref() in shard_tensors for t in op.inputs):
+  pending, seen = [tensor], set()
+  while pending:
+    current = pending.pop()
+    if current.ref() in shard_tensors:
       return True
+    op = current.op
+    if (current.ref() in seen or op not in tower_ops or
+        op.type in _SHAPE_OPS or _is_position(current)):
+      continue
+    seen.add(current.ref())
+    pending.extend(op.inputs)
   return False
+
+
+def _is_position(tensor) -> bool:
+  """Whether `tensor` is an op's output of shapes or indices (by its name
+  in the op's definition: `output_shape`, `output_indices`, `index`)."""
+  op = tensor.op
+  try:
+    arguments = op.op_def.output_arg
+  except (AttributeError, ValueError):
+    return False
+  if len(arguments) != len(op.outputs):
+    return False  # list outputs: names do not map one to one
+  name = arguments[tensor.value_index].name
+  return "shape" in name or "indices" in name or name == "index"
 
 
 def _export_tensors(export_outputs):
