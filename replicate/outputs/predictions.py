@@ -103,7 +103,7 @@ class _Combiner:
       # Keep each tower's real rows: none from a tower on a stand-in row.
       sizes = self._sizes_for(tensors[0])
       tensors = [t[:sizes[i]] for i, t in enumerate(tensors)]
-    return tf.concat(tensors, axis=0)
+    return _concat_padded(tensors)
 
   def _sizes_for(self, tensor):
     """The rows per tower of the input `tensor` (tower 0's) is made from.
@@ -139,6 +139,45 @@ class _Combiner:
             "per input row and cannot be put back together along the batch. "
             "Return a value of shape [batch, ...].".format(
                 name, index, value_rows, rows, tensor))
+
+
+def _concat_padded(tensors):
+  """The towers' values along dimension 0, each first padded to the widest.
+
+  A dimension past 0 that the towers' static shapes do not agree on is
+  padded, at run time, to the largest tower's size: zeros of the dtype (empty
+  strings, False). A dimension every tower has statically the same stays
+  as it is, and keeps its static size.
+  """
+  ranks = {t.shape.rank for t in tensors}
+  if len(tensors) == 1 or None in ranks or len(ranks) != 1:
+    return tf.concat(tensors, axis=0)
+  rank = ranks.pop()
+  open_dims = [
+      dim for dim in range(1, rank)
+      if len({tf.compat.dimension_value(t.shape[dim]) for t in tensors}) != 1
+      or tf.compat.dimension_value(tensors[0].shape[dim]) is None]
+  if not open_dims:
+    return tf.concat(tensors, axis=0)
+  with tf.name_scope("padded_to_widest_tower"):
+    shapes = [tf.shape(t) for t in tensors]
+    widest = {dim: tf.reduce_max(tf.stack([s[dim] for s in shapes]))
+              for dim in open_dims}
+    fill = _zero_of(tensors[0].dtype)
+    padded = []
+    for tensor, shape in zip(tensors, shapes):
+      paddings = [[0, widest[dim] - shape[dim]] if dim in widest else [0, 0]
+                  for dim in range(rank)]
+      padded.append(tf.pad(tensor, paddings, constant_values=fill))
+    return tf.concat(padded, axis=0)
+
+
+def _zero_of(dtype):
+  if dtype == tf.string:
+    return ""
+  if dtype == tf.bool:
+    return False
+  return tf.zeros([], dtype)
 
 
 def _failing_when_run(tensor, reason):

@@ -1,0 +1,328 @@
+"""Reductions over the batch axis whose value flows back into the rows.
+
+On what: a tower reduces over axis 0 of a value computed from its rows
+(`tf.reduce_max(lengths)`, `tf.reduce_sum(mask)`, `tf.reduce_any(done)`,
+a count) and uses the result in values that have rows again: a slice size
+(`x[:, :tf.reduce_max(lengths)]`), `tf.sequence_mask(lengths, maxlen)`, a
+value multiplied into or subtracted from the rows. On one device that
+reduction is over the whole batch; in a tower it is over the tower's shard.
+Once the last tower is built, `combine` makes every tower's reduction the
+whole batch's: the towers' partial results are combined (max of maxes, sum
+of sums, a mean from the towers' sums and element counts, any, all) and
+every reader of each tower's partial result reads the combined value instead
+(`replicate._tf.update_input`), so that a width taken from the batch is the
+batch's in every tower, as on one device.
+
+On what is not this module's: only a reduction whose value reaches an op
+with rows again (an op of rank >= 1 with another input computed from the
+rows) counts. A reduction that only flows into scalars (the loss, a
+denominator of it, a metric's total) is the loss rule's and the metrics';
+reductions inside a TF 1 loop or a function body (beam search's "are my rows
+done", whose width is padded instead, see `replicate.outputs.predictions`)
+stay the tower's; so do batch norm's moments (`replicate.batch_norm`) and
+reductions that are not over axis 0. Values are followed from what the spec
+returns (loss, predictions, export outputs, metrics), never through the
+backward pass.
+
+On gradients: a tower differentiates its loss through its own partial
+result before the others exist, so a differentiable reduction (a float
+reduction of values computed from variables) on the way to the loss cannot
+be made the batch's exactly: the gradient each tower's rows get from the
+other towers' rows is missing. That is refused, naming the op, with the fix
+(`replicate.all_rows`). Reductions of inputs (lengths, masks, weights) are
+not differentiated and are combined.
+
+In a synchronous cluster the task's value is combined with every other
+task's too: sums and means through the sum over tasks, the others through
+an all-gather of each task's value (a step collective, which the train_op
+waits for, as every collective of the step).
+"""
+
+from typing import Dict, List
+
+import numpy as np
+import tensorflow as tf
+
+from replicate import _tf
+from replicate import graph_walk
+from replicate.shard import rows as rows_lib
+from replicate.towers import layout as layout_lib
+
+_REDUCTIONS = frozenset(["Sum", "Mean", "Max", "Min", "Prod", "Any", "All"])
+# Scopes of batch norm's moments, which `replicate.batch_norm` owns.
+_BATCH_NORM_PARTS = ("moments", "batchnorm", "batch_norm",
+                     "batch_normalization")
+_NOT_DIFFERENTIATED = frozenset(["StopGradient", "PreventGradient"])
+_VARIABLE_OPS = frozenset(["VarHandleOp", "VariableV2", "Variable"])
+# A tensor's shape is not its rows: `tf.reduce_prod(tf.shape(x)[1:])`.
+_SHAPE_OPS = frozenset(["Shape", "ShapeN", "Size", "Rank"])
+
+
+def combine(layout, progress, tower_specs, mode) -> None:
+  """Makes every tower's batch reductions flowing into rows the batch's."""
+  if layout.num_towers < 2 and layout.cross_task is None:
+    return
+  found = [_reductions_into_rows(layout, progress, spec, index)
+           for index, spec in enumerate(tower_specs)]
+  sites = []
+  for name, op in found[0].items():
+    ops = [op] + [found[index].get(name) for index in
+                  range(1, layout.num_towers)]
+    if any(other is None for other in ops):
+      continue  # not a reduction into rows in every tower: left alone
+    if mode == tf.estimator.ModeKeys.TRAIN and _is_differentiated(
+        op, tower_specs[0].loss, progress.tower_ops[0]):
+      raise ValueError(_gradient_refusal(name))
+    sites.append(ops)
+  with progress.building_own_ops():
+    for ops in sites:
+      readers = [[(reader, index) for reader in op.outputs[0].consumers()
+                  for index, tensor in enumerate(reader.inputs)
+                  if tensor is op.outputs[0]] for op in ops]
+      with tf.name_scope("batch_reduction_over_towers"):
+        value = _combined(ops, layout)
+      for reader_list in readers:
+        for reader, index in reader_list:
+          _tf.update_input(reader, index, value)
+
+
+def _reductions_into_rows(layout, progress, spec,
+                          index) -> Dict[str, tf.Operation]:
+  """{tower 0's name: op} of tower `index`'s reductions into rows."""
+  tower_ops = frozenset(progress.tower_ops[index])
+  tower = layout.towers[index]
+  shard = (tower.features, tower.labels)
+  tower_rows = rows_lib.TowerRows(shard, tower_ops)
+  shard_tensors = _row_values(shard)
+  outputs = [value for value in tf.nest.flatten(
+      [spec.loss, spec.predictions, _export_tensors(spec.export_outputs),
+       spec.eval_metric_ops], expand_composites=True)
+             if isinstance(value, (tf.Tensor, tf.Operation))]
+  forward = set(graph_walk.ops_behind(outputs, within=tower_ops))
+  found = {}
+  for op in progress.tower_ops[index]:
+    if (op not in forward or op.type not in _REDUCTIONS or
+        op in progress.own_ops or _tf.built_in_control_flow(op) or
+        _is_batch_norm(op) or not _reduces_axis0(op) or
+        not _from_row_values(op.inputs[0], shard_tensors, tower_ops)):
+      continue
+    if _flows_into_rows(op, forward, tower_rows):
+      found[layout_lib.to_tower0_name(op.name, index)] = op
+  return found
+
+
+def _row_values(shard):
+  """The shard's tensors of values: a sparse tensor's values, not its
+  indices and dense shape, which are positions and shapes."""
+  values = set()
+  for leaf in tf.nest.flatten(shard):
+    if isinstance(leaf, tf.SparseTensor):
+      leaf = leaf.values
+    elif isinstance(leaf, tf.RaggedTensor):
+      leaf = leaf.flat_values
+    if isinstance(leaf, tf.Tensor):
+      values.add(leaf.ref())
+  return values
+
+
+def _from_row_values(tensor, shard_tensors, tower_ops) -> bool:
+  """Whether `tensor` is computed from the values of the tower's rows.
+
+  `replicate.shard.rows`'s rule, but not through shapes and positions: a
+  reduction of a shape (`tf.reduce_prod(tf.shape(x)[1:])`, a sparse
+  tensor's dense shape) or of indices is not over the batch's values.
+  """
+  pending, seen = [tensor], set()
+  while pending:
+    current = pending.pop()
+    if current.ref() in shard_tensors:
+      return True
+    op = current.op
+    if (current.ref() in seen or op not in tower_ops or
+        op.type in _SHAPE_OPS or _is_position(current)):
+      continue
+    seen.add(current.ref())
+    pending.extend(op.inputs)
+  return False
+
+
+def _is_position(tensor) -> bool:
+  """Whether `tensor` is an op's output of shapes or indices (by its name
+  in the op's definition: `output_shape`, `output_indices`, `index`)."""
+  op = tensor.op
+  try:
+    arguments = op.op_def.output_arg
+  except (AttributeError, ValueError):
+    return False
+  if len(arguments) != len(op.outputs):
+    return False  # list outputs: names do not map one to one
+  name = arguments[tensor.value_index].name
+  return "shape" in name or "indices" in name or name == "index"
+
+
+def _export_tensors(export_outputs):
+  values = []
+  for output in (export_outputs or {}).values():
+    for field in ("outputs", "scores", "classes", "value"):
+      values.append(getattr(output, field, None))
+  return values
+
+
+def _is_batch_norm(op) -> bool:
+  return any(part in component.lower() for component in op.name.split("/")
+             for part in _BATCH_NORM_PARTS)
+
+
+def _reduces_axis0(op) -> bool:
+  """Whether the reduction's constant axes include dimension 0."""
+  rank = op.inputs[0].shape.rank
+  axes = tf.get_static_value(op.inputs[1])
+  if axes is None or rank is None or rank == 0:
+    return False
+  return any(int(axis) % rank == 0 for axis in np.ravel(axes))
+
+
+def _flows_into_rows(op, forward, tower_rows) -> bool:
+  """Whether the op's value reaches an op with rows from elsewhere too."""
+  reached = {op}
+  pending = [op]
+  while pending:
+    for tensor in pending.pop().outputs:
+      for reader in tensor.consumers():
+        if reader in forward and reader not in reached:
+          reached.add(reader)
+          pending.append(reader)
+  for reader in reached - {op}:
+    if not any(t.shape.rank != 0 for t in reader.outputs):
+      continue  # a scalar: a loss, a denominator, a total
+    if any(t.op not in reached and tower_rows.depend([t])
+           for t in reader.inputs):
+      return True
+  return False
+
+
+def _is_differentiated(op, loss, tower_ops) -> bool:
+  """Whether tower 0's loss is differentiated through the reduction."""
+  if loss is None or not op.outputs[0].dtype.is_floating:
+    return False
+  if not any(behind.type in _VARIABLE_OPS
+             for behind in graph_walk.ops_behind([op.inputs[0]])):
+    return False
+  loss_op = tf.convert_to_tensor(loss).op
+  pending, seen = [op], {op}
+  while pending:
+    current = pending.pop()
+    if current is loss_op:
+      return True
+    for tensor in current.outputs:
+      if not tensor.dtype.is_floating:
+        continue
+      for reader in tensor.consumers():
+        if (reader not in seen and reader in tower_ops and
+            reader.type not in _NOT_DIFFERENTIATED):
+          seen.add(reader)
+          pending.append(reader)
+  return False
+
+
+def _gradient_refusal(name) -> str:
+  return (
+      "The reduction {!r} is over the batch axis of values computed from the "
+      "variables, and its value flows back into per-row values on the way "
+      "to the loss: on one device each row's gradient goes through the "
+      "whole batch's value, but each tower differentiates its own loss "
+      "through its own shard's before the other towers exist, so the "
+      "gradient cannot be the batch's. Fix: reduce replicate.all_rows("
+      "tensor) (every tower gets the whole batch's rows, with the gradient "
+      "summed back to each tower's), or wrap the reduction in "
+      "tf.stop_gradient if no gradient should flow through it.".format(name))
+
+
+def _combined(ops: List[tf.Operation], layout) -> tf.Tensor:
+  """The whole batch's value of the towers' reductions `ops`.
+
+  A tower (or a task) without rows adds the reduction's identity: 0 to a
+  sum, 1 to a product, the lowest value to a max, and so on.
+  """
+  kind = ops[0].type
+  partials = [op.outputs[0] for op in ops]
+  if kind == "Mean":
+    value = _mean(ops, layout)
+  else:
+    kept = [_unless_no_rows(p, rows, kind) for p, rows in
+            zip(partials, layout.has_rows) if rows is not False] or [
+                tf.fill(tf.shape(partials[0]),
+                        _identity(kind, partials[0].dtype))]
+    value = _REDUCE[kind](tf.stack(kept), axis=0)
+    if layout.cross_task is not None:
+      value = _over_tasks(value, kind, layout)
+  shape = partials[0].shape
+  for partial in partials[1:]:
+    shape = shape.merge_with(partial.shape)
+  value.set_shape(shape)
+  return value
+
+
+_REDUCE = {"Sum": tf.reduce_sum, "Prod": tf.reduce_prod,
+           "Max": tf.reduce_max, "Min": tf.reduce_min,
+           "Any": tf.reduce_any, "All": tf.reduce_all}
+_COLLECTIVE_DTYPES = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+
+def _over_tasks(value, kind, layout):
+  """A task's value combined with every other task's, in a sync cluster."""
+  if kind == "Sum":
+    return layout.sum_over_tasks(value, "sum_over_tasks")
+  dtype = value.dtype
+  carried = tf.int32 if dtype == tf.bool else dtype
+  if carried not in _COLLECTIVE_DTYPES:
+    raise ValueError(
+        "A {} over the batch axis of {} values flows back into per-row "
+        "values ({!r}); a synchronous cluster combines float16/32/64 and "
+        "int32/64 across tasks. Fix: cast the values to one of those "
+        "before reducing them.".format(kind, dtype.name, value.name))
+  gathered = layout.cross_task.gather(
+      tf.expand_dims(tf.cast(value, carried), 0))
+  reduce = {"Any": tf.reduce_max, "All": tf.reduce_min}.get(
+      kind, _REDUCE[kind])
+  return tf.cast(reduce(gathered, axis=0), dtype)
+
+
+def _mean(ops, layout) -> tf.Tensor:
+  """From each tower's sum and element count, so integers divide once."""
+  sums, counts = [], []
+  for op, rows in zip(ops, layout.has_rows):
+    if rows is False:
+      continue
+    keepdims = op.get_attr("keep_dims")
+    total = tf.reduce_sum(op.inputs[0], op.inputs[1], keepdims=keepdims)
+    count = tf.size(op.inputs[0], out_type=tf.int64) // tf.maximum(
+        tf.size(total, out_type=tf.int64), 1)
+    sums.append(_unless_no_rows(total, rows, "Sum"))
+    counts.append(_unless_no_rows(count, rows, "Sum"))
+  total = layout.sum_over_tasks(tf.add_n(sums), "sum_over_tasks")
+  count = layout.sum_over_tasks(tf.add_n(counts), "count_over_tasks")
+  dtype = ops[0].outputs[0].dtype
+  if dtype.is_floating or dtype.is_complex:
+    return total / tf.cast(count, dtype)
+  return tf.math.truncatediv(total, tf.cast(count, dtype))
+
+
+def _unless_no_rows(value, rows, kind):
+  """`value`, or the identity of `kind` where the tower has no rows."""
+  if not isinstance(rows, tf.Tensor):
+    return value
+  return tf.where(rows, value, tf.fill(tf.shape(value),
+                                       _identity(kind, value.dtype)))
+
+
+def _identity(kind, dtype):
+  if kind in ("Any", "All"):
+    return tf.constant(kind == "All")
+  if kind in ("Max", "Min"):
+    if dtype.is_floating:
+      limit = float("-inf") if kind == "Max" else float("inf")
+    else:
+      limit = dtype.min if kind == "Max" else dtype.max
+    return tf.constant(limit, dtype)
+  return tf.constant(1 if kind == "Prod" else 0, dtype)
