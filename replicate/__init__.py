@@ -20,10 +20,12 @@ from replicate.gradients.optimizer import TowerOptimizer  # noqa: E402
 from replicate.variables.tower_local import tower_local_scope  # noqa: E402
 from replicate.gradients.weighting import loss_denominator  # noqa: E402
 from replicate.cluster.server import start_server  # noqa: E402
+from replicate.towers.all_rows import all_rows, row_offset  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "replicate_model_fn", "TowerOptimizer", "tower_local_scope",
-    "loss_denominator", "start_server", "__version__"
+    "loss_denominator", "start_server", "all_rows", "row_offset",
+    "__version__"
 ]
