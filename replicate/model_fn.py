@@ -33,6 +33,7 @@ from replicate.towers import devices as devices_lib
 from replicate.towers import layout as layout_lib
 from replicate.towers import report
 from replicate import graph_walk
+from replicate.shard import rows_meet
 from replicate.shard import sharding
 from replicate.outputs import specs as specs_lib
 from replicate.variables import strategies
@@ -258,6 +259,7 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
                 tower.index, type(spec).__name__))
       tower_specs.append(spec)
     context.finish_towers()
+    rows_meet.check(context, tower_specs[0])
     return specs_lib.combine_specs(
         mode, tower_specs, layout=layout, progress=context.progress,
         records=context.records, weights=context.weights,

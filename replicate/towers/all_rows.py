@@ -71,15 +71,17 @@ def row_offset() -> tf.Tensor:
 def _context(what):
   """The context of a multi-tower build, None outside one, or refused."""
   graph = tf.compat.v1.get_default_graph()
+  if getattr(graph, "outer_graph", None) is not None:
+    if any(current.current_context(outer) is not None
+           for outer in _tf.enclosing_graphs(graph)):
+      raise ValueError(
+          "replicate.{}() is called inside a tf.function, a TF 2 tf.cond or "
+          "tf.while_loop of a tower. Its value joins every tower's, which a "
+          "function graph cannot. Fix: call it in the model_fn itself and "
+          "pass the result in.".format(what))
+    return None
   context = current.current_context(graph)
   if context is None:
-    for outer in list(_tf.enclosing_graphs(graph))[1:]:
-      if current.current_context(outer) is not None:
-        raise ValueError(
-            "replicate.{}() is called inside a tf.function, a TF 2 "
-            "tf.cond or tf.while_loop of a tower. Its value joins every "
-            "tower's, which a function graph cannot. Fix: call it in the "
-            "model_fn itself and pass the result in.".format(what))
     return None
   if context.progress.tower_index is None or not context.layout.combines:
     return None
