@@ -22,6 +22,13 @@ gradient function makes `S` and connects every other tower's stand-in.
 Since `TowerOptimizer` weights each tower's loss before it differentiates,
 S is the gradient of the whole batch's loss; a gradient made outside it
 (`tf.gradients` on the unweighted loss) is refused with the fix.
+
+On synchronous clusters: refused with the fix, for now. Gathering rows
+across tasks needs a collective whose shape changes with every step's rows
+(padded to the most rows of any task); tried, TensorFlow aborted the
+second step with "Shape mismatch in the collective instance" (an instance
+key keeps the shape it first ran with), so it needs a fresh instance key
+per step, or a fixed-size protocol, which `CrossTask` does not have yet.
 """
 
 from typing import Any, List
