@@ -363,3 +363,23 @@ def test_a_scalar_is_refused():
   with pytest.raises(ValueError, match=r"needs a tensor with the tower's rows "
                      r"in dimension 0.*scalar"):
     _build(model_fn, mode=PREDICT)
+
+
+def _cond_on_rows(q, y):
+  """TF 1 control flow: a cond whose predicate is a sum of the rows selects
+  a variable through a `Switch`; the variable does not become rows."""
+  weights = tf.compat.v1.get_variable("cond_weights", [4, 4])
+  return tf.compat.v1.cond(tf.reduce_sum(q) > 0.0,
+                           lambda: tf.matmul(q, weights),
+                           lambda: tf.matmul(q, -weights))
+
+
+def test_a_v1_cond_on_the_rows_is_not_refused():
+  was_v2 = tf.compat.v1.control_flow_v2_enabled()
+  tf.compat.v1.disable_control_flow_v2()
+  try:
+    spec = _build(_refused_model_fn(_cond_on_rows), towers=3, rows=7)
+  finally:
+    if was_v2:
+      tf.compat.v1.enable_control_flow_v2()
+  assert spec.train_op is not None

@@ -51,7 +51,8 @@ def check(context, spec: tf.estimator.EstimatorSpec) -> None:
   tower_ops = [op for op in context.progress.tower_ops[0]
                if op not in stops and op.type not in _SAMPLER_OP_TYPES]
   within = frozenset(tower_ops)
-  rows = rows_lib.TowerRows((tower.features, tower.labels), within)
+  rows = rows_lib.TowerRows((tower.features, tower.labels), within,
+                            inputs_of=_data_inputs)
   finder = _Finder(rows, within, (tower.features, tower.labels),
                    _static_rows(context.layout.shards.sizes),
                    frozenset(context.progress.tower_ops[0]))
@@ -71,6 +72,15 @@ def check(context, spec: tf.estimator.EstimatorSpec) -> None:
           "replicate.all_rows(b), transpose_b=True); labels = "
           "tf.range(tf.shape(a)[0]) + replicate.row_offset().".format(
               op.type, op.name, why, context.layout.num_towers))
+
+
+def _data_inputs(op):
+  """The inputs whose values reach the op's outputs: a TF 1 `Switch` passes
+  its data on, not its predicate (a `tf.cond` on a sum of the rows does not
+  make a variable it selects a value of the rows)."""
+  if op.type in ("Switch", "RefSwitch"):
+    return op.inputs[:1]
+  return op.inputs
 
 
 def _outputs_of(spec):
