@@ -383,3 +383,11 @@ def test_a_v1_cond_on_the_rows_is_not_refused():
     if was_v2:
       tf.compat.v1.enable_control_flow_v2()
   assert spec.train_op is not None
+
+
+def test_the_features_themselves_are_rows():
+  def model_fn(features, labels, mode):
+    sim = tf.matmul(features["q"], features["d"], transpose_b=True)
+    return _spec(mode, features["q"], sim, tf.range(tf.shape(sim)[0]), "sgd")
+  with pytest.raises(ValueError, match=r"The MatMul op 'MatMul' combines"):
+    _build(model_fn, mode=EVAL)

@@ -115,12 +115,13 @@ class _Finder:
         self._positions.update([leaf.indices.ref(), leaf.dense_shape.ref()])
       elif isinstance(leaf, tf.Tensor):
         self._values.add(leaf.ref())
-    self._memo = {}
 
   def carries_rows(self, tensor: tf.Tensor) -> bool:
     """From the rows, with the rows along dimension 0 (not a value reduced
     over the batch to one row)."""
-    if tensor.op not in self._within or not self.rows.depend([tensor]):
+    is_shard = tensor.ref() in self._values or tensor.ref() in self._positions
+    if not is_shard and (tensor.op not in self._within or
+                         not self.rows.depend([tensor])):
       return False
     if tensor.shape.rank == 0:
       return False
