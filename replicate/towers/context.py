@@ -140,8 +140,8 @@ class ReplicationContext:
     """Leaves names and collections as the unwrapped model_fn would have.
 
     Also completes what waited for every tower: the sum of the towers'
-    loss denominators and `replicate.all_rows`'s whole batch; and checks that every synchronized batch norm met
-    its counterparts.
+    loss denominators and `replicate.all_rows`'s whole batch; and checks
+    that every synchronized batch norm met its counterparts.
     """
     self._counters.restore_end_of_tower0()
     self._check_summed_regularization()
