@@ -41,6 +41,8 @@ _PUBLIC = {
     "tower_local_scope": "replicate.variables.tower_local",
     "loss_denominator": "replicate.gradients.weighting",
     "start_server": "replicate.cluster.server",
+    "all_rows": "replicate.towers.all_rows",
+    "row_offset": "replicate.towers.all_rows",
 }
 
 __all__ = list(_PUBLIC) + ["__version__"]

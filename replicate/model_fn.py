@@ -33,6 +33,7 @@ from replicate.towers import devices as devices_lib
 from replicate.towers import layout as layout_lib
 from replicate.towers import report
 from replicate import graph_walk
+from replicate.shard import rows_meet
 from replicate.shard import batch_reductions
 from replicate.shard import sharding
 from replicate.outputs import specs as specs_lib
@@ -271,6 +272,7 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
     if context.batch_norm is not None:
       report.log_per_tower_batch_norm(context.batch_norm.per_tower_labels,
                                       num_towers)
+    rows_meet.check(context, tower_specs[0])
     batch_reductions.combine(layout, context.progress, tower_specs, mode)
     return specs_lib.combine_specs(
         mode, tower_specs, layout=layout, progress=context.progress,

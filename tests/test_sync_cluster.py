@@ -172,6 +172,16 @@ def test_the_chiefs_step_sums_over_its_towers_then_across_tasks(
   assert any(type(h).__name__ == "WatchdogHook" for h in spec.training_hooks)
 
 
+@pytest.mark.parametrize("call", ["all_rows", "row_offset"])
+def test_all_rows_across_tasks_is_refused_with_the_fix(chief_config, call):
+  config, _ = chief_config
+  extra = {"all_rows": lambda features, _: replicate.all_rows(features["x"]),
+           "row_offset": lambda *_: replicate.row_offset()}[call]
+  with pytest.raises(ValueError, match=r"replicate\.{}\(\) in a synchronous "
+                     r"cluster.*not supported yet\. Fix: ".format(call)):
+    _build(config, params={"extra": extra})
+
+
 def test_other_variable_strategies_are_refused_with_the_fix(chief_config):
   config, _ = chief_config
   with pytest.raises(ValueError, match=r"2 training tasks \(chief:0, "

@@ -4,4 +4,6 @@
   each tower's share `n_i / n`, stand-in rows for towers without rows.
 - `batch_leaves`: a batch's leaves converted, named for errors, measured.
 - `rows`: the one rule for "computed from the tower's rows".
+- `rows_meet`: ops that combine different rows of the batch (in-batch
+  negatives, top_k over the batch, ...), refused with `replicate.all_rows`.
 """

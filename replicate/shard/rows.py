@@ -28,7 +28,7 @@ its own rule.
 """
 
 import re
-from typing import Any, Container, Iterable, Optional
+from typing import Any, Callable, Container, Iterable, Optional
 
 import tensorflow as tf
 
@@ -48,14 +48,17 @@ class TowerRows:
     shard: the tower's shard (`features` and `labels`, any structure).
     tower_ops: the ops the tower built; the walk stays within them. None:
       the whole graph (for a tower still being built).
+    inputs_of: which inputs of an op the walk follows (default: all).
   """
 
-  def __init__(self, shard: Any, tower_ops: Optional[Container] = None):
+  def __init__(self, shard: Any, tower_ops: Optional[Container] = None,
+               inputs_of: Optional[Callable] = None):
     self._shard = {t.ref() for t in tf.nest.flatten(shard,
                                                    expand_composites=True)
                    if isinstance(t, tf.Tensor)}
     self._tower_ops = tower_ops
     self._answers = {}  # op -> whether it depends on the rows
+    self._inputs_of = inputs_of or (lambda op: op.inputs)
 
   def depend(self, values: Iterable[Any]) -> bool:
     """Whether any of `values` (tensors, slices, ops) depends on the rows."""
@@ -75,7 +78,7 @@ class TowerRows:
       self._answers[start] = True
       return True
     # Iterative depth-first walk: graphs of real models are deep.
-    stack = [(start, iter(start.inputs))]
+    stack = [(start, iter(self._inputs_of(start)))]
     visiting = {start}
     result = {}
     found = False
@@ -103,7 +106,7 @@ class TowerRows:
         result[source] = False
         continue
       visiting.add(source)
-      stack.append((source, iter(source.inputs)))
+      stack.append((source, iter(self._inputs_of(source))))
     if found:
       # Every op on the path to the rows depends on them.
       for op, _ in stack:

@@ -13,4 +13,6 @@
 - `name_counters`: TensorFlow's name counters, so tower i gets tower 0's
   names.
 - `scaffolds`: a `model_fn`'s own `local_init_op` extended to every tower.
+- `all_rows`: `replicate.all_rows` and `replicate.row_offset`, every
+  tower's rows of a tensor, gradient summed back to each tower's rows.
 """

@@ -37,6 +37,7 @@ import tensorflow as tf
 from replicate.gradients import optimizer_calls
 from replicate.gradients import weighting
 from replicate.shard import sharding
+from replicate.towers import all_rows as all_rows_lib
 from replicate.towers import current
 from replicate.towers import layout as layout_lib
 from replicate.towers import name_counters
@@ -77,6 +78,8 @@ class ReplicationContext:
     # The synchronized batch norms of a TRAIN call (a
     # `replicate.batch_norm.batch_norm_sites.BatchNormSync`), or None.
     self.batch_norm = batch_norm
+    # The calls of `replicate.all_rows`, per tower.
+    self.all_rows = all_rows_lib.AllRows(layout.num_towers)
 
   def tower_name_scope(self, index: int) -> str:
     """The name-scope prefix of tower `index` ('' for tower 0 at top level)."""
@@ -137,14 +140,15 @@ class ReplicationContext:
     """Leaves names and collections as the unwrapped model_fn would have.
 
     Also completes what waited for every tower: the sum of the towers'
-    loss denominators; and checks that every synchronized batch norm met
-    its counterparts.
+    loss denominators and `replicate.all_rows`'s whole batch; and checks
+    that every synchronized batch norm met its counterparts.
     """
     self._counters.restore_end_of_tower0()
     self._check_summed_regularization()
     self.collections.finish()
     with self.progress.building_own_ops():
       self.weights.finish()
+      self.all_rows.finish()
     if self.batch_norm is not None:
       self.batch_norm.finish()
 

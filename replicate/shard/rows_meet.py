@@ -1,0 +1,257 @@
+"""Ops that combine different rows of the batch: found, and refused.
+
+On why: a tower computes on its shard. An op that combines rows of the
+batch with each other (in-batch negatives `tf.matmul(a, b,
+transpose_b=True)`, `top_k` over the batch, a cumulative sum down the
+batch, per-class sums keyed by the rows' labels) would combine only the
+tower's shard's rows, and the result would be silently unlike one device.
+Such an op on the path from the rows to the loss, a metric or a prediction
+is refused when the towers are built, naming the op and the fix,
+`replicate.all_rows(tensor)` (with `replicate.row_offset()`), which gives
+every tower the whole batch's rows.
+
+On what is known: `_ROW_COMBINING` below lists every op type the check
+knows, with the pattern in which it combines rows; nothing else is refused
+(this check runs on every model, and ops that keep rows apart, such as the
+batched matmuls of attention within a row or the segment sums of embedding
+columns keyed by each row's own index, must pass). "From the rows" is
+`replicate.shard.rows`'s rule, within tower 0's ops, with two stops: values
+of `all_rows` are the whole batch's, and a candidate sampler's draws
+(`sampled_softmax_loss`) are random, not rows. Reductions over the batch
+(`reduce_sum`, `reduce_max`, batch norm's moments) are not this module's:
+they are combined elsewhere.
+"""
+
+from typing import Any, Iterable, Optional
+
+import tensorflow as tf
+
+from replicate import graph_walk
+from replicate.shard import rows as rows_lib
+
+# Ops whose outputs are random draws or positions, not the rows' values.
+_SAMPLER_OP_TYPES = frozenset([
+    "LogUniformCandidateSampler", "UniformCandidateSampler",
+    "FixedUnigramCandidateSampler", "LearnedUnigramCandidateSampler",
+    "AllCandidateSampler", "ThreadUnsafeUnigramCandidateSampler",
+])
+# Ops whose outputs are positions (row indices), not values: segment ids
+# made from them are keyed by row, not by what a row holds.
+_POSITION_OP_TYPES = frozenset(["Shape", "ShapeN", "Size", "Rank", "Where",
+                                "Const"])
+
+
+def check(context, spec: tf.estimator.EstimatorSpec) -> None:
+  """Refuses an op of tower 0 that combines rows, on the path to `spec`'s
+  loss, predictions or metrics."""
+  if not context.layout.combines:
+    return
+  tower = context.layout.towers[0]
+  stops = set(context.all_rows.own_ops)
+  tower_ops = [op for op in context.progress.tower_ops[0]
+               if op not in stops and op.type not in _SAMPLER_OP_TYPES]
+  within = frozenset(tower_ops)
+  rows = rows_lib.TowerRows((tower.features, tower.labels), within,
+                            inputs_of=_data_inputs)
+  finder = _Finder(rows, within, (tower.features, tower.labels),
+                   _static_rows(context.layout.shards.sizes),
+                   frozenset(context.progress.tower_ops[0]))
+  for op in graph_walk.ops_behind(_outputs_of(spec), within=within):
+    rule = _ROW_COMBINING.get(op.type)
+    if rule is None:
+      continue
+    why = rule(finder, op)
+    if why:
+      raise ValueError(
+          "The {} op {!r} combines different rows of the batch ({}) on the "
+          "path to the loss, a metric or a prediction. On {} towers each "
+          "tower would combine only its own shard's rows: silently unlike "
+          "one device. Fix: give it the whole batch's rows with "
+          "replicate.all_rows(tensor), and index rows of the batch with "
+          "replicate.row_offset(), e.g. sim = tf.matmul(a, "
+          "replicate.all_rows(b), transpose_b=True); labels = "
+          "tf.range(tf.shape(a)[0]) + replicate.row_offset().".format(
+              op.type, op.name, why, context.layout.num_towers))
+
+
+def _data_inputs(op):
+  """The inputs whose values reach the op's outputs: a TF 1 `Switch` passes
+  its data on, not its predicate (a `tf.cond` on a sum of the rows does not
+  make a variable it selects a value of the rows)."""
+  if op.type in ("Switch", "RefSwitch"):
+    return op.inputs[:1]
+  return op.inputs
+
+
+def _outputs_of(spec):
+  values = [spec.loss, spec.predictions]
+  for metric in (spec.eval_metric_ops or {}).values():
+    if isinstance(metric, (tuple, list)):
+      values.extend(metric)
+  for value in tf.nest.flatten(values, expand_composites=True):
+    if isinstance(value, (tf.Tensor, tf.Operation)):
+      yield value
+
+
+def _static_rows(sizes) -> Optional[int]:
+  """Tower 0's rows when known at build time."""
+  return sizes[0] if isinstance(sizes, list) else None
+
+
+class _Finder:
+  """What the rules ask of a tensor: from the rows, from the rows' values."""
+
+  def __init__(self, rows, within, shard, tower_rows, all_ops):
+    self.rows = rows
+    self._all_ops = all_ops  # tower 0's ops, samplers included
+    self._within = within
+    self.tower_rows = tower_rows
+    leaves = tf.nest.flatten(shard, expand_composites=False)
+    self._values = set()
+    self._positions = set()
+    for leaf in leaves:
+      if isinstance(leaf, tf.SparseTensor):
+        self._values.add(leaf.values.ref())
+        self._positions.update([leaf.indices.ref(), leaf.dense_shape.ref()])
+      elif isinstance(leaf, tf.Tensor):
+        self._values.add(leaf.ref())
+
+  def carries_rows(self, tensor: tf.Tensor) -> bool:
+    """From the rows, with the rows along dimension 0 (not a value reduced
+    over the batch to one row)."""
+    is_shard = tensor.ref() in self._values or tensor.ref() in self._positions
+    if not is_shard and (tensor.op not in self._within or
+                         not self.rows.depend([tensor])):
+      return False
+    if tensor.shape.rank == 0:
+      return False
+    first = tensor.shape[0]
+    first = getattr(first, "value", first)  # TF 1 behaviour's Dimension
+    return not (first == 1 and self.tower_rows != 1)
+
+  def sampled(self, tensor: tf.Tensor) -> bool:
+    """Computed from a candidate sampler's draws (`sampled_softmax_loss`'s
+    and `nce_loss`'s sampled classes, one set per batch, drawn at random)."""
+    return any(op.type in _SAMPLER_OP_TYPES for op in graph_walk.ops_behind(
+        [tensor], within=self._all_ops))
+
+  def from_row_values(self, tensor: tf.Tensor) -> bool:
+    """Computed from what rows hold (not only from positions of rows)."""
+    pending = [tensor]
+    seen = set()
+    while pending:
+      current = pending.pop()
+      if current.ref() in self._values:
+        return True
+      if current.ref() in self._positions or current.ref() in seen:
+        continue
+      seen.add(current.ref())
+      op = current.op
+      if (op not in self._within or op.type in _POSITION_OP_TYPES or
+          "Ragged" in op.name or "RowPartition" in op.name):
+        continue
+      for arg, value in _named_inputs(op):
+        if op.type.startswith("Sparse") and (
+            "values" in arg or arg == "default_value"):
+          continue
+        pending.append(value)
+    return False
+
+
+def _named_inputs(op):
+  """(argument name, tensor) of each input; list arguments repeat a name."""
+  args = op.op_def.input_arg
+  inputs = list(op.inputs)
+  if len(args) == len(inputs):
+    return list(zip((a.name for a in args), inputs))
+  return [("", t) for t in inputs]
+
+
+def _const_int(tensor) -> Optional[int]:
+  value = tf.get_static_value(tensor)
+  if value is None or getattr(value, "ndim", 1) != 0:
+    return None
+  return int(value)
+
+
+def _matmul(finder, op):
+  """A matmul of two tensors with rows: the batch axis of one meets the
+  other's (`a @ b^T` is [rows, rows]; `a^T @ b` sums over rows)."""
+  a, b = op.inputs[0], op.inputs[1]
+  if a.shape.rank != 2 or b.shape.rank != 2:
+    return None  # batched matmuls keep dimension 0 apart (attention)
+  if (finder.carries_rows(a) and finder.carries_rows(b) and
+      not finder.sampled(a) and not finder.sampled(b)):
+    return "both operands hold rows of the batch along dimension 0"
+  return None
+
+
+def _top_k(finder, op):
+  """`top_k`, `sort`, `argsort` over the batch axis: along a vector of one
+  value per row, or along dimension 0 moved last by a transpose."""
+  values = op.inputs[0]
+  if values.shape.rank == 1 and finder.carries_rows(values):
+    return "it ranks a vector of one value per row against each other"
+  if values.op.type == "Transpose" and finder.carries_rows(
+      values.op.inputs[0]):
+    perm = tf.get_static_value(values.op.inputs[1])
+    if perm is not None and len(perm) and int(perm[-1]) == 0:
+      return "it ranks along the batch axis, moved last by a transpose"
+  return None
+
+
+def _cumulative(finder, op):
+  """A cumulative sum/product of values of the rows down dimension 0.
+
+  Integer cumulative sums are bookkeeping of positions (a ragged tensor's
+  row splits): not refused.
+  """
+  values, axis = op.inputs[0], _const_int(op.inputs[1])
+  if axis is None or not values.dtype.is_floating:
+    return None
+  rank = values.shape.rank
+  if rank and axis in (0, -rank) and finder.carries_rows(values):
+    return "it accumulates down the batch axis"
+  return None
+
+
+def _segments(finder, op):
+  """Segment reductions whose segment ids come from what rows hold
+  (per-class sums keyed by labels). Ids made from rows' positions (an
+  embedding column's sparse indices) keep rows apart."""
+  named = dict((arg, value) for arg, value in _named_inputs(op))
+  data, ids = named.get("data"), named.get("segment_ids")
+  if data is None or ids is None:
+    return None
+  if finder.rows.depend([data]) and finder.from_row_values(ids):
+    return "its segment ids come from the rows' values"
+  return None
+
+
+# Every op type the check knows, with the pattern in which it combines rows.
+_ROW_COMBINING = {
+    "MatMul": _matmul,
+    "BatchMatMul": _matmul,
+    "BatchMatMulV2": _matmul,
+    "BatchMatMulV3": _matmul,
+    "TopKV2": _top_k,
+    "TopK": _top_k,
+    "Cumsum": _cumulative,
+    "Cumprod": _cumulative,
+    "CumulativeLogsumexp": _cumulative,
+    "SegmentSum": _segments,
+    "SegmentMean": _segments,
+    "SegmentProd": _segments,
+    "SegmentMax": _segments,
+    "SegmentMin": _segments,
+    "UnsortedSegmentSum": _segments,
+    "UnsortedSegmentProd": _segments,
+    "UnsortedSegmentMax": _segments,
+    "UnsortedSegmentMin": _segments,
+    "SparseSegmentSum": _segments,
+    "SparseSegmentMean": _segments,
+    "SparseSegmentSqrtN": _segments,
+    "SparseSegmentSumWithNumSegments": _segments,
+    "SparseSegmentMeanWithNumSegments": _segments,
+    "SparseSegmentSqrtNWithNumSegments": _segments,
+}
