@@ -35,6 +35,7 @@ from replicate.towers import report
 from replicate import graph_walk
 from replicate.shard import sharding
 from replicate.outputs import specs as specs_lib
+from replicate.outputs import tpu_spec
 from replicate.variables import strategies
 from replicate.batch_norm import sync_batch_norm as sync_batch_norm_lib
 from replicate.variables import tower_variables as tower_variables_lib
@@ -170,7 +171,7 @@ def replicate_model_fn(
     kwargs = _model_fn_kwargs(model_fn, model_fn_args, labels, mode, params,
                               config)
     if _is_export_graph(mode, features):
-      return model_fn(features=features, **kwargs)
+      return tpu_spec.as_estimator_spec(model_fn(features=features, **kwargs))
     batch_norm_sync = sync_batch_norm_lib.check_cluster(sync_batch_norm,
                                                         config, mode)
     tower_devices, strategy = strategies.for_call(
@@ -185,7 +186,8 @@ def replicate_model_fn(
       with tf.compat.v1.get_default_graph().device(
           devices_lib.tower_device_function(tower_devices[0],
                                             strategy.variable_device)):
-        spec = model_fn(features=features, **kwargs)
+        spec = tpu_spec.as_estimator_spec(
+            model_fn(features=features, **kwargs))
     else:
       spec = _build_towers(model_fn, features, labels, mode, kwargs,
                            tower_devices, loss_reduction, strategy,
@@ -245,19 +247,26 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
       batch_norm=batch_norm_sync(layout)) as context, \
       sync_batch_norm_lib.swapped(context):
     tower_specs = []
+    # A TPUEstimatorSpec's eval_metrics and scaffold_fn: called once.
+    batch_calls = tpu_spec.PendingBatch()
     for tower in layout.towers:
       tower_kwargs = dict(kwargs)
       if "labels" in tower_kwargs:
         tower_kwargs["labels"] = tower.labels
       with context.tower_scope(tower.index):
-        spec = model_fn(features=tower.features, **tower_kwargs)
+        spec = batch_calls.tower_spec(
+            model_fn(features=tower.features, **tower_kwargs), tower.index,
+            context.progress.rows_of(tower.index))
       if not isinstance(spec, tf.estimator.EstimatorSpec):
         raise ValueError(
             "replicate_model_fn needs the model_fn to return a "
-            "tf.estimator.EstimatorSpec; tower {} returned a {}.".format(
-                tower.index, type(spec).__name__))
+            "tf.estimator.EstimatorSpec or a "
+            "tf.compat.v1.estimator.tpu.TPUEstimatorSpec; tower {} returned "
+            "a {}.".format(tower.index, type(spec).__name__))
       tower_specs.append(spec)
     context.finish_towers()
+    with context.progress.building_own_ops():
+      batch_calls.connect_batch(layout)
     return specs_lib.combine_specs(
         mode, tower_specs, layout=layout, progress=context.progress,
         records=context.records, weights=context.weights,
