@@ -40,8 +40,11 @@ _WRITE_TYPES = frozenset([
     "AssignAdd", "Assign", "AssignSub"])
 _VARIABLE_TYPES = frozenset(["VarHandleOp", "VariableV2", "Variable"])
 # What a write may add directly and still be summed over towers.
-_ADDITIVE = frozenset(["Sum", "Size"])
-_PASS_THROUGH = frozenset(["Cast", "Identity", "ReadVariableOp"])
+_ADDITIVE = frozenset(["Sum", "Size", "UnsortedSegmentSum", "SegmentSum"])
+# Ops whose result, from sums, is still a sum (of the same rows' parts).
+_LINEAR = frozenset(["Cast", "Identity", "Cumsum", "Reshape", "Transpose",
+                     "ExpandDims", "Squeeze", "Neg", "ConcatV2", "Pack",
+                     "Add", "AddV2", "Sub"])
 _COMBINED = {"Sum": "sum", "Size": "sum", "Max": "max", "Min": "min",
              "Any": "any", "All": "all", "Mean": "mean"}
 _OVER_TOWERS = {"max": tf.reduce_max, "min": tf.reduce_min,
@@ -129,11 +132,16 @@ class _Finder:
     if not self._from_rows(value) or self._is_row(value):
       return True
     op = value.op
-    while op.type in _PASS_THROUGH and op.inputs:
-      op = op.inputs[0].op
     if op.type == "Const":
       return True  # a count folded from a static shape
-    return op.type in _ADDITIVE and bool(op.inputs[0].shape.rank)
+    if op.type in _ADDITIVE:
+      return bool(op.inputs[0].shape.rank)
+    if op.type in _LINEAR:
+      # A sum's parts rearranged (Keras' confusion matrices: a segment sum,
+      # then a cumulative sum over the thresholds, a sum less it) are still
+      # sums.
+      return all(self.is_additive(t) for t in op.inputs)
+    return False
 
   def batch_values(self, write, index):
     """Walks back from `write`'s input `index` to the values over the batch."""
