@@ -106,8 +106,16 @@ def replicate_model_fn(
 
   On modes: TRAIN returns the whole batch's loss and a `train_op` that
   applies the summed gradients once per step; EVAL reports every metric over
-  the whole batch; PREDICT concatenates predictions and export outputs in
-  input order. A SavedModel's graph (PREDICT with features fed by
+  the whole batch (a metric fed a value over the batch, `metrics.mean(loss)`,
+  is fed the whole batch's; one that cannot be combined, a `py_func` corpus
+  score, is refused with the fix below); PREDICT concatenates predictions
+  and export outputs in input order.
+
+  On `TPUEstimatorSpec`: the `model_fn` may return one (as BERT's does with
+  `use_tpu=False`); its `eval_metrics` metric_fn is called once, on the
+  whole batch's tensors concatenated in input order, and its `scaffold_fn`
+  once; an `EstimatorSpec` is returned, for `Estimator` and
+  `TPUEstimator(use_tpu=False)` alike (see `replicate.outputs.tpu_spec`). A SavedModel's graph (PREDICT with features fed by
   placeholders, as `export_saved_model` builds, and the TRAIN and EVAL
   graphs of `experimental_export_all_saved_models`) is built as one tower
   with no device placement, so the SavedModel loads on any machine and
