@@ -222,3 +222,25 @@ def test_estimator_evaluate_mean_of_loss(tmp_path):
                  "three")
   assert got["loss_mean"] == pytest.approx(expected["loss_mean"], rel=1e-6)
   assert got["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+
+
+def _shared_reader(features, loss, squared, predictions):
+  """The op fed the batch's max also feeds a prediction: refused."""
+  del loss, squared, predictions
+  scaled = tf.reduce_max(features["x"]) * 2.0
+  tf.compat.v1.add_to_collection("shared_reader", scaled)
+  return {"scaled_max": metrics.mean(scaled)}
+
+
+def test_metric_input_read_outside_the_metric_is_refused():
+  def model_fn(features, labels, mode):
+    spec = _model_fn(_shared_reader)(features, labels, mode)
+    scaled = tf.compat.v1.get_collection("shared_reader")[-1]
+    return spec._replace(predictions={"p": spec.predictions,
+                                      "s": spec.predictions * scaled})
+
+  with pytest.raises(ValueError, match=(
+      r"eval_metric_ops\['scaled_max'\].*through the op 'mul'.*also reads.*"
+      r"TPUEstimatorSpec")):
+    _evaluated(replicate.replicate_model_fn(model_fn, devices=cpus(2)), [5],
+               True)

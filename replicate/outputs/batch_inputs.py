@@ -73,7 +73,9 @@ def find(key, update, variables, rows, row_count, loss,
   each of the tower's ops in the order they were built.
   """
   variable_ops = {v.op for v in variables}
-  writes = [op for op in graph_walk.ops_behind([update], follow_control=True)
+  behind = set(graph_walk.ops_behind([update], within=order,
+                                     follow_control=True))
+  writes = [op for op in behind
             if op.type in _WRITE_TYPES and op.inputs and
             _variable_op(op.inputs[0]) in variable_ops]
   finder = _Finder(key, rows, row_count, loss)
@@ -82,7 +84,27 @@ def find(key, update, variables, rows, row_count, loss,
     for index, value in enumerate(write.inputs[1:], start=1):
       if not finder.is_additive(value):
         found.extend(finder.batch_values(write, index))
+  metric_ops = behind | {getattr(update, "op", update)}
+  for value in found:
+    _check_read_by_the_metric_only(key, value, metric_ops)
   return found
+
+
+def _check_read_by_the_metric_only(key, value, metric_ops):
+  """The op fed the whole batch's value must be the metric's alone: what
+  else reads it (the spec's loss, a prediction) keeps the tower's value."""
+  for output in value.reader.outputs:
+    for consumer in output.consumers():
+      if consumer not in metric_ops:
+        raise ValueError(
+            "eval_metric_ops[{!r}] is fed a value over the batch through "
+            "the op {!r}, which {!r} also reads, outside the metric: feeding "
+            "the metric the whole batch's value would change it too. Fix: "
+            "compute the metric's input on its own (from the per-row "
+            "tensors), or return a tf.compat.v1.estimator.tpu."
+            "TPUEstimatorSpec whose eval_metrics metric_fn gets the per-row "
+            "tensors; replicate calls metric_fn once, on the whole "
+            "batch's.".format(key, value.reader.name, consumer.name))
 
 
 def _variable_op(tensor):
@@ -147,13 +169,14 @@ class _Finder:
     """Walks back from `write`'s input `index` to the values over the batch."""
     found = []
     pending = [(write, index)]
-    seen = set()
+    seen = set()  # (reader, position): every read of a value is fed
+    expanded = set()
     while pending:
       reader, position = pending.pop()
       tensor = reader.inputs[position]
-      if tensor.ref() in seen:
+      if (reader, position) in seen:
         continue
-      seen.add(tensor.ref())
+      seen.add((reader, position))
       if not self._from_rows(tensor) or self._is_row(tensor):
         continue
       op = tensor.op
@@ -174,7 +197,9 @@ class _Finder:
         found.append(BatchValue(tensor, kind, reader, position,
                                 row_inputs[0]))
         continue
-      pending.extend((op, i) for i in reversed(range(len(op.inputs))))
+      if op not in expanded:
+        expanded.add(op)
+        pending.extend((op, i) for i in reversed(range(len(op.inputs))))
     return found
 
 
