@@ -182,3 +182,51 @@ def test_scalar_of_the_rows_in_eval_metrics_is_refused(graph):
   with pytest.raises(ValueError, match=r"eval_metrics.*scalar.*batch-major"):
     replicate.replicate_model_fn(model_fn, devices=cpus(2))(
         tf.ones([4, 2]), tf.ones([4, 1]), EVAL)
+
+
+_HOST_CALL_SEEN = []  # TPUEstimator deep-copies params: not passed there
+
+
+def _host_call_model_fn(features, labels, mode, params):
+  """A host_call over the per-row losses, as TPU summaries code has."""
+  del params
+  seen = _HOST_CALL_SEEN
+  logits = tf.compat.v1.layers.dense(
+      features["x"], 3, name="output",
+      kernel_initializer=tf.compat.v1.constant_initializer(
+          np.ones([4, 3], np.float32)))
+  per_example_loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
+      labels, logits, reduction=tf.compat.v1.losses.Reduction.NONE)
+  loss = tf.reduce_mean(per_example_loss)
+  train_op = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.1)).minimize(
+          loss, global_step=tf.compat.v1.train.get_global_step())
+
+  def host_fn(per_example_loss):
+    def record(values):
+      seen.append(values.copy())
+      return np.float32(0)
+    return [tf.compat.v1.py_func(record, [per_example_loss], tf.float32)]
+
+  return tpu.TPUEstimatorSpec(mode, loss=loss, train_op=train_op,
+                              host_call=(host_fn, [per_example_loss]))
+
+
+@pytest.mark.parametrize("towers", [2, 3])
+def test_host_call_is_called_once_on_the_whole_batch(towers, tmp_path):
+  def train(model_fn, name):
+    del _HOST_CALL_SEEN[:]
+    tpu.TPUEstimator(
+        model_fn=model_fn, use_tpu=False, train_batch_size=BATCH,
+        config=tpu.RunConfig(model_dir=str(tmp_path / name),
+                             session_config=session_config())).train(
+                                 _input_fn, steps=2)
+    return list(_HOST_CALL_SEEN)
+
+  expected = train(_host_call_model_fn, "one")
+  got = train(replicate.replicate_model_fn(_host_call_model_fn,
+                                           devices=cpus(towers)), "wrapped")
+  assert [len(v) for v in expected] == [7, 5]
+  assert len(got) == len(expected)
+  for values, reference in zip(got, expected):
+    np.testing.assert_allclose(values, reference, rtol=1e-6)
