@@ -37,6 +37,7 @@ from replicate.shard import rows_meet
 from replicate.shard import batch_reductions
 from replicate.shard import sharding
 from replicate.outputs import specs as specs_lib
+from replicate.outputs import tpu_spec
 from replicate.variables import strategies
 from replicate.batch_norm import sync_batch_norm as sync_batch_norm_lib
 from replicate.variables import tower_variables as tower_variables_lib
@@ -109,8 +110,16 @@ def replicate_model_fn(
 
   On modes: TRAIN returns the whole batch's loss and a `train_op` that
   applies the summed gradients once per step; EVAL reports every metric over
-  the whole batch; PREDICT concatenates predictions and export outputs in
-  input order. A SavedModel's graph (PREDICT with features fed by
+  the whole batch (a metric fed a value over the batch, `metrics.mean(loss)`,
+  is fed the whole batch's; one that cannot be combined, a `py_func` corpus
+  score, is refused with the fix below); PREDICT concatenates predictions
+  and export outputs in input order.
+
+  On `TPUEstimatorSpec`: the `model_fn` may return one (as BERT's does with
+  `use_tpu=False`); its `eval_metrics` metric_fn is called once, on the
+  whole batch's tensors concatenated in input order, and its `scaffold_fn`
+  once; an `EstimatorSpec` is returned, for `Estimator` and
+  `TPUEstimator(use_tpu=False)` alike (see `replicate.outputs.tpu_spec`). A SavedModel's graph (PREDICT with features fed by
   placeholders, as `export_saved_model` builds, and the TRAIN and EVAL
   graphs of `experimental_export_all_saved_models`) is built as one tower
   with no device placement, so the SavedModel loads on any machine and
@@ -181,7 +190,7 @@ def replicate_model_fn(
     kwargs = _model_fn_kwargs(model_fn, model_fn_args, labels, mode, params,
                               config)
     if _is_export_graph(mode, features):
-      return model_fn(features=features, **kwargs)
+      return tpu_spec.as_estimator_spec(model_fn(features=features, **kwargs))
     batch_norm_sync = sync_batch_norm_lib.check_cluster(sync_batch_norm,
                                                         config, mode)
     tower_devices, strategy = strategies.for_call(
@@ -196,7 +205,8 @@ def replicate_model_fn(
       with tf.compat.v1.get_default_graph().device(
           devices_lib.tower_device_function(tower_devices[0],
                                             strategy.variable_device)):
-        spec = model_fn(features=features, **kwargs)
+        spec = tpu_spec.as_estimator_spec(
+            model_fn(features=features, **kwargs))
     else:
       spec = _build_towers(model_fn, features, labels, mode, kwargs,
                            tower_devices, loss_reduction, strategy,
@@ -256,17 +266,22 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
       batch_norm=batch_norm_sync(layout)) as context, \
       sync_batch_norm_lib.swapped(context):
     tower_specs = []
+    # A TPUEstimatorSpec's eval_metrics and scaffold_fn: called once.
+    batch_calls = tpu_spec.PendingBatch()
     for tower in layout.towers:
       tower_kwargs = dict(kwargs)
       if "labels" in tower_kwargs:
         tower_kwargs["labels"] = tower.labels
       with context.tower_scope(tower.index):
-        spec = model_fn(features=tower.features, **tower_kwargs)
+        spec = batch_calls.tower_spec(
+            model_fn(features=tower.features, **tower_kwargs), tower.index,
+            context.progress.rows_of(tower.index))
       if not isinstance(spec, tf.estimator.EstimatorSpec):
         raise ValueError(
             "replicate_model_fn needs the model_fn to return a "
-            "tf.estimator.EstimatorSpec; tower {} returned a {}.".format(
-                tower.index, type(spec).__name__))
+            "tf.estimator.EstimatorSpec or a "
+            "tf.compat.v1.estimator.tpu.TPUEstimatorSpec; tower {} returned "
+            "a {}.".format(tower.index, type(spec).__name__))
       tower_specs.append(spec)
     context.finish_towers()
     if context.batch_norm is not None:
@@ -274,6 +289,8 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
                                       num_towers)
     rows_meet.check(context, tower_specs[0])
     batch_reductions.combine(layout, context.progress, tower_specs, mode)
+    with context.progress.building_own_ops():
+      batch_calls.connect_batch(layout)
     return specs_lib.combine_specs(
         mode, tower_specs, layout=layout, progress=context.progress,
         records=context.records, weights=context.weights,

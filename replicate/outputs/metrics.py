@@ -23,10 +23,10 @@ each fold once. The Estimator runs the update ops together anyway.
 
 On towers without rows (a stand-in row): their updates add 0.
 
-On per-batch values: a metric fed one value per batch (`metrics.mean(loss)`,
-`metrics.mean(tf.reduce_max(x))`) is fed one value per tower, so it
-averages the towers' values; feed it per-example values (the unreduced
-losses, with their weights) to get the whole batch's metric.
+On values over the batch: a metric fed one value per batch
+(`metrics.mean(loss)`, `metrics.mean(tf.reduce_max(x))`) is fed the whole
+batch's value in tower 0, whose update alone runs; one that cannot be
+combined is refused with the fix (see `replicate.outputs.batch_inputs`).
 """
 
 from typing import Dict, List
@@ -34,22 +34,29 @@ from typing import Dict, List
 import tensorflow as tf
 
 from replicate import graph_walk
+from replicate.outputs import batch_inputs
+from replicate.shard import rows as rows_lib
 from replicate.shard import sharding
 
 # Op types that own a variable's storage: a metric's value leads back to these.
 _VARIABLE_OP_TYPES = frozenset(["VarHandleOp", "VariableV2", "Variable"])
 
 
-def combine_metrics(tower_specs, layout, variables) -> Dict[str, tuple]:
+def combine_metrics(tower_specs, layout, variables, *, tower_ops=None,
+                    loss=None) -> Dict[str, tuple]:
   """`eval_metric_ops` over the whole batch: tower 0's values, one update.
 
   `layout` is the call's `replicate.towers.layout.TowerLayout`, `variables`
-  its `replicate.variables.tower_variables.TowerVariables`.
+  its `replicate.variables.tower_variables.TowerVariables`, `tower_ops` the
+  ops each tower built (None: values over the batch are not looked for),
+  `loss` the combined spec's loss.
   """
   keys = sorted(tower_specs[0].eval_metric_ops or {})
   if not keys:
     return {}
   variables_of = _MetricVariables(tf.compat.v1.get_default_graph())
+  fed_once = _feed_batch_values(keys, tower_specs, layout, tower_ops, loss,
+                                variables_of)
   paired = {}  # tower i variable ref -> (key, index, variable, tower 0's)
   for key in keys:
     tower0_variables = variables_of(tower_specs[0].eval_metric_ops[key][0])
@@ -70,8 +77,9 @@ def combine_metrics(tower_specs, layout, variables) -> Dict[str, tuple]:
   sources = {}  # tower 0 variable ref -> [(tower index, variable)]
   for _, index, source, target in paired.values():
     sources.setdefault(target.ref(), []).append((index, source))
-  updates = [spec.eval_metric_ops[key][1] for spec in tower_specs
-             for key in keys]
+  updates = [spec.eval_metric_ops[key][1]
+             for index, spec in enumerate(tower_specs)
+             for key in keys if not (index and key in fed_once)]
   with tf.name_scope("metric_over_towers"):
     with tf.control_dependencies(updates):
       moved = [_move_into(target.deref(), towers, layout)
@@ -80,6 +88,42 @@ def combine_metrics(tower_specs, layout, variables) -> Dict[str, tuple]:
   update = variables.then_fold(update, layout.has_rows)
   return {key: (tower_specs[0].eval_metric_ops[key][0], update)
           for key in keys}
+
+
+def _feed_batch_values(keys, tower_specs, layout, tower_ops, loss,
+                       variables_of):
+  """The keys whose tower 0 update is fed values over the whole batch, and
+  alone runs (see `replicate.outputs.batch_inputs`)."""
+  if tower_ops is None:
+    return set()
+  towers = layout.towers
+  rules = [rows_lib.TowerRows((t.features, t.labels), tower_ops[t.index])
+           for t in towers]
+  orders = [{op: i for i, op in enumerate(ops)} for ops in tower_ops]
+  row_counts = [_static_rows((t.features, t.labels)) for t in towers]
+  fed_once = set()
+  for key in keys:
+    pairs = [spec.eval_metric_ops[key] for spec in tower_specs]
+    if all(update is pairs[0][1] for _, update in pairs):
+      continue  # one update for every tower (a TPUEstimatorSpec's metric)
+    found = [
+        batch_inputs.find(key, update, variables_of(value), rules[i],
+                          row_counts[i], tower_specs[i].loss, orders[i])
+        for i, (value, update) in enumerate(pairs)]
+    if found[0]:
+      batch_inputs.feed_once(key, found, layout.has_rows, loss)
+      fed_once.add(key)
+  return fed_once
+
+
+def _static_rows(shard):
+  """The rows of a shard, when its dense tensors say statically."""
+  for value in tf.nest.flatten(shard):
+    if isinstance(value, tf.Tensor) and value.shape.rank:
+      rows = tf.compat.dimension_value(value.shape[0])
+      if rows is not None:
+        return rows
+  return None
 
 
 class _MetricVariables:

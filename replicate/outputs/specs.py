@@ -57,8 +57,9 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
     fields["train_op"] = train_op_lib.combine_train_op(
         tower_specs, layout, progress, records, variables)
   elif mode == ModeKeys.EVAL:
-    fields["eval_metric_ops"] = metrics.combine_metrics(tower_specs, layout,
-                                                        variables)
+    fields["eval_metric_ops"] = metrics.combine_metrics(
+        tower_specs, layout, variables, tower_ops=progress.tower_ops,
+        loss=fields.get("loss"))
   # PREDICT: predictions and export outputs are done for every mode.
   fields["scaffold"] = scaffolds.initializing_towers(
       fields["scaffold"], progress.local_state_after_tower0, layout.graph)

@@ -1,0 +1,266 @@
+"""Metric updates fed a value over the batch: fed the whole batch's, once.
+
+On the rule: a metric variable's write (`assign_add(total, ...)`) is fed
+per-row values when what it adds is a sum (or a count) of a tensor computed
+from the rows: summing the towers' changes is one device's change, as
+`replicate.outputs.metrics` does. Otherwise, walking back from what it adds,
+every value computed from the rows that has no row dimension (a scalar, or a
+`[C]` mean over the rows) is a value over the batch: `metrics.mean(loss)`,
+`metrics.mean(tf.reduce_max(x))`. Each tower's is over its shard only, so
+the towers' updates cannot be summed. Instead, tower 0's update is fed the
+whole batch's value, combined from the towers' values, and it alone runs:
+- the tower's spec `loss`: the combined spec's loss, combined the way
+  `replicate.outputs.specs` combines it;
+- a reduction over the rows: `Sum`, `Size` (and a count TensorFlow folded
+  from a static batch) summed over towers; `Max`, `Min`, `Any`, `All` taken
+  over towers; `Mean` weighted by the number of elements each tower
+  averaged. A value computed from such reductions (`sum / count`) is then
+  one device's too, since tower 0 computes it from the combined ones.
+Anything else made from the rows without a row dimension (a `py_func`
+corpus score, a median, a `top_k`) is refused with the fix: a
+`TPUEstimatorSpec` whose `eval_metrics` metric_fn gets the per-row tensors
+and is called once on the whole batch (see `replicate.outputs.tpu_spec`).
+
+"From the rows" is `replicate.shard.rows`'s rule. A row tensor has rank 1 or
+more and dimension 0 the shard's rows (unknown, when the shard's is).
+"""
+
+import re
+from typing import List, NamedTuple, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from replicate import _tf
+from replicate import graph_walk
+from replicate.shard import sharding
+
+_WRITE_TYPES = frozenset([
+    "AssignAddVariableOp", "AssignVariableOp", "AssignSubVariableOp",
+    "AssignAdd", "Assign", "AssignSub"])
+_VARIABLE_TYPES = frozenset(["VarHandleOp", "VariableV2", "Variable"])
+# What a write may add directly and still be summed over towers.
+_ADDITIVE = frozenset(["Sum", "Size", "UnsortedSegmentSum", "SegmentSum"])
+# Ops whose result, from sums, is still a sum (of the same rows' parts).
+_LINEAR = frozenset(["Cast", "Identity", "Cumsum", "Reshape", "Transpose",
+                     "ExpandDims", "Squeeze", "Neg", "ConcatV2", "Pack",
+                     "Add", "AddV2", "Sub"])
+_COMBINED = {"Sum": "sum", "Size": "sum", "Max": "max", "Min": "min",
+             "Any": "any", "All": "all", "Mean": "mean"}
+_OVER_TOWERS = {"max": tf.reduce_max, "min": tf.reduce_min,
+                "any": tf.reduce_any, "all": tf.reduce_all}
+_REDUCTIONS = frozenset(["Sum", "Mean", "Max", "Min", "Prod", "Any", "All",
+                         "EuclideanNorm"])
+_FOLDED_SIZE = re.compile(r"Size(_[0-9]+)?")
+
+
+class BatchValue(NamedTuple):
+  """A value over the batch that a tower's metric update reads."""
+  tensor: tf.Tensor
+  kind: str  # "loss", or a value of `_COMBINED`
+  reader: tf.Operation  # the metric's op that reads it
+  index: int  # as its input `index`
+  reduced: Optional[tf.Tensor]  # what a "mean" averaged
+
+
+def find(key, update, variables, rows, row_count, loss,
+         order) -> List[BatchValue]:
+  """The values over the batch `update` (one tower's, for `key`) reads.
+
+  `variables`: the key's metric variables; `rows`: the tower's
+  `replicate.shard.rows.TowerRows`; `row_count`: its shard's static rows or
+  None; `loss`: the tower's spec loss, or None; `order`: the position of
+  each of the tower's ops in the order they were built.
+  """
+  variable_ops = {v.op for v in variables}
+  behind = set(graph_walk.ops_behind([update], within=order,
+                                     follow_control=True))
+  writes = [op for op in behind
+            if op.type in _WRITE_TYPES and op.inputs and
+            _variable_op(op.inputs[0]) in variable_ops]
+  finder = _Finder(key, rows, row_count, loss)
+  found = []
+  for write in sorted(writes, key=lambda op: order.get(op, -1)):
+    for index, value in enumerate(write.inputs[1:], start=1):
+      if not finder.is_additive(value):
+        found.extend(finder.batch_values(write, index))
+  metric_ops = behind | {getattr(update, "op", update)}
+  for value in found:
+    _check_read_by_the_metric_only(key, value, metric_ops)
+  return found
+
+
+def _check_read_by_the_metric_only(key, value, metric_ops):
+  """The op fed the whole batch's value must be the metric's alone: what
+  else reads it (the spec's loss, a prediction) keeps the tower's value."""
+  for output in value.reader.outputs:
+    for consumer in output.consumers():
+      if consumer not in metric_ops:
+        raise ValueError(
+            "eval_metric_ops[{!r}] is fed a value over the batch through "
+            "the op {!r}, which {!r} also reads, outside the metric: feeding "
+            "the metric the whole batch's value would change it too. Fix: "
+            "compute the metric's input on its own (from the per-row "
+            "tensors), or return a tf.compat.v1.estimator.tpu."
+            "TPUEstimatorSpec whose eval_metrics metric_fn gets the per-row "
+            "tensors; replicate calls metric_fn once, on the whole "
+            "batch's.".format(key, value.reader.name, consumer.name))
+
+
+def _variable_op(tensor):
+  op = tensor.op
+  while op.type in ("Identity", "ReadVariableOp") and op.inputs:
+    op = op.inputs[0].op
+  return op if op.type in _VARIABLE_TYPES else None
+
+
+class _Finder:
+
+  def __init__(self, key, rows, row_count, loss):
+    self._key = key
+    self._rows = rows
+    self._row_count = row_count
+    self._loss = None if loss is None else tf.convert_to_tensor(loss)
+
+  def _from_rows(self, tensor):
+    return self._rows.depend([tensor])
+
+  def _is_row(self, tensor):
+    rank = tensor.shape.rank
+    if not rank:
+      return False
+    rows = tf.compat.dimension_value(tensor.shape[0])
+    if rows != self._row_count:
+      return False
+    # A reduction over dimension 0 of a row tensor is over the batch, even
+    # when its width happens to be the shard's rows.
+    op = tensor.op
+    if op.type in _REDUCTIONS and len(op.inputs) == 2:
+      axes = tf.get_static_value(op.inputs[1])
+      source = op.inputs[0]
+      if axes is None:
+        return False
+      rank_in = source.shape.rank
+      axes = np.reshape(axes, [-1])
+      if rank_in is not None:
+        axes = np.mod(axes, max(rank_in, 1))
+      if 0 in axes and self._is_row(source):
+        return False
+    return True
+
+  def is_additive(self, value):
+    """Whether the write adds a sum or count of the rows (or nothing of
+    them): the towers' changes then sum to one device's."""
+    if not self._from_rows(value) or self._is_row(value):
+      return True
+    op = value.op
+    if op.type == "Const":
+      return True  # a count folded from a static shape
+    if op.type in _ADDITIVE:
+      return bool(op.inputs[0].shape.rank)
+    if op.type in _LINEAR:
+      # A sum's parts rearranged (Keras' confusion matrices: a segment sum,
+      # then a cumulative sum over the thresholds, a sum less it) are still
+      # sums.
+      return all(self.is_additive(t) for t in op.inputs)
+    return False
+
+  def batch_values(self, write, index):
+    """Walks back from `write`'s input `index` to the values over the batch."""
+    found = []
+    pending = [(write, index)]
+    seen = set()  # (reader, position): every read of a value is fed
+    expanded = set()
+    while pending:
+      reader, position = pending.pop()
+      tensor = reader.inputs[position]
+      if (reader, position) in seen:
+        continue
+      seen.add((reader, position))
+      if not self._from_rows(tensor) or self._is_row(tensor):
+        continue
+      op = tensor.op
+      if self._loss is not None and tensor is self._loss:
+        found.append(BatchValue(tensor, "loss", reader, position, None))
+        continue
+      if op.type == "Const":
+        if _FOLDED_SIZE.fullmatch(op.name.split("/")[-1]):
+          found.append(BatchValue(tensor, "sum", reader, position, None))
+        continue
+      row_inputs = [t for t in op.inputs
+                    if self._is_row(t) and self._from_rows(t)]
+      if row_inputs:
+        kind = _COMBINED.get(op.type)
+        if kind is None:
+          raise ValueError(_REFUSED.format(key=self._key, op=op,
+                                           tensor=tensor))
+        found.append(BatchValue(tensor, kind, reader, position,
+                                row_inputs[0]))
+        continue
+      if op not in expanded:
+        expanded.add(op)
+        pending.extend((op, i) for i in reversed(range(len(op.inputs))))
+    return found
+
+
+_REFUSED = (
+    "eval_metric_ops[{key!r}] is fed {tensor!r}, a value computed over each "
+    "tower's rows by the op {op.name!r} (type {op.type}), which replicate "
+    "cannot combine into the whole batch's value: every tower's metric "
+    "would hold its own shard's. Fix: return a "
+    "tf.compat.v1.estimator.tpu.TPUEstimatorSpec whose "
+    "eval_metrics=(metric_fn, tensors) passes the per-row tensors (one row "
+    "per input row) and computes this value in metric_fn; replicate calls "
+    "metric_fn once, on the whole batch's tensors. Or feed the metric "
+    "per-row values.")
+
+
+def feed_once(key, tower_values, has_rows, combined_loss) -> None:
+  """Tower 0's reads of its values over the batch read the whole batch's.
+
+  `tower_values`: per tower, `find`'s list; `has_rows`: per tower, whether
+  its values count; `combined_loss`: the combined spec's loss.
+  """
+  first = tower_values[0]
+  for index, values in enumerate(tower_values[1:], start=1):
+    if [v.kind for v in values] != [v.kind for v in first]:
+      raise ValueError(
+          "eval_metric_ops[{!r}]: tower {}'s update reads values over the "
+          "batch ({}) unlike tower 0's ({}). Build the metric the same way "
+          "in every tower.".format(key, index, [v.kind for v in values],
+                                   [v.kind for v in first]))
+  for position, value in enumerate(first):
+    with tf.name_scope("metric_input_over_towers"):
+      if value.kind == "loss":
+        whole = combined_loss
+      else:
+        whole = _combined(value.kind,
+                          [values[position] for values in tower_values],
+                          has_rows)
+    _tf.update_input(value.reader, value.index,
+                     tf.cast(whole, value.tensor.dtype))
+
+
+def _combined(kind, values, has_rows):
+  tensors = [v.tensor for v in values]
+  if kind == "sum":
+    # A tower known to have no rows is left out (not zeroed: see there).
+    return tf.math.add_n([sharding.zero_unless_rows(t, rows)
+                          for t, rows in zip(tensors, has_rows)
+                          if rows is not False])
+  if kind in _OVER_TOWERS:
+    # A tower without rows takes tower 0's value: neutral either way.
+    chosen = [t if rows is True else tf.where(rows, t, tensors[0])
+              for t, rows in zip(tensors, has_rows) if rows is not False]
+    return _OVER_TOWERS[kind](tf.stack(chosen), axis=0)
+  # "mean": weighted by the elements each tower averaged per output.
+  totals, counts = [], []
+  for value, rows in zip(values, has_rows):
+    if rows is False:
+      continue
+    dtype = value.tensor.dtype
+    count = tf.cast(tf.size(value.reduced), dtype) / tf.cast(
+        tf.maximum(tf.size(value.tensor), 1), dtype)
+    totals.append(sharding.zero_unless_rows(value.tensor * count, rows))
+    counts.append(sharding.zero_unless_rows(count, rows))
+  return tf.math.divide_no_nan(tf.math.add_n(totals), tf.math.add_n(counts))

@@ -1,0 +1,246 @@
+"""Metric updates fed a value over the batch get the whole batch's value.
+
+`metrics.mean(loss)`, `metrics.mean(tf.reduce_max(x))`: on 2c8ec8c each tower
+fed its own shard's value and the towers' were averaged (on uneven shards,
+a mean of tower means). Now tower 0's update is fed the whole batch's value,
+once; a value that cannot be combined (a py_func corpus score, a median) is
+refused with the fix, which then is exact (tests/test_tpu_spec.py).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from conftest import EVAL, cpus, session_config
+
+metrics = tf.compat.v1.metrics
+tpu = tf.compat.v1.estimator.tpu
+
+_rng = np.random.RandomState(4)
+X = _rng.randn(9, 3).astype(np.float32)
+Y = _rng.randn(9, 1).astype(np.float32)
+W = np.array([1, 0, 1, 1, 0, 1, 1, 1, 0], np.float32).reshape(9, 1)
+KERNEL = _rng.randn(3, 1).astype(np.float32)
+
+
+def _model_fn(metric_fn):
+  def model_fn(features, labels, mode):
+    predictions = tf.compat.v1.layers.dense(
+        features["x"], 1, name="dense",
+        kernel_initializer=tf.compat.v1.constant_initializer(KERNEL))
+    squared = tf.square(predictions - labels)
+    loss = tf.reduce_mean(squared)
+    return tf.estimator.EstimatorSpec(
+        mode, loss=loss, predictions=predictions,
+        eval_metric_ops=metric_fn(features, loss, squared, predictions))
+  return model_fn
+
+
+def _mean_of_loss(features, loss, squared, predictions):
+  del features, squared, predictions
+  return {"loss_mean": metrics.mean(loss)}
+
+
+def _max_min_sum(features, loss, squared, predictions):
+  del loss, predictions
+  x = features["x"]
+  return {"max": metrics.mean(tf.reduce_max(x)),
+          "min": metrics.mean(tf.reduce_min(squared)),
+          "sum": metrics.mean(tf.reduce_sum(x)),
+          "column_means": metrics.mean_tensor(tf.reduce_mean(x, axis=0))}
+
+
+def _weighted_token_mean(features, loss, squared, predictions):
+  """A padded mean (sum / sum of weights) that is not the spec's loss."""
+  del loss, predictions
+  weights = features["w"]
+  value = tf.reduce_sum(squared * weights) / tf.reduce_sum(weights)
+  return {"token_mean": metrics.mean(value),
+          "per_row": metrics.mean(squared, weights=weights),
+          "mae": metrics.mean_absolute_error(features["y"],
+                                             features["y"] * 0.5)}
+
+
+METRIC_FNS = {"mean_of_loss": _mean_of_loss, "max_min_sum": _max_min_sum,
+              "weighted_token_mean": _weighted_token_mean}
+
+
+def _evaluated(model_fn, batches, static):
+  """Every metric after the update ran once per batch (lists of row counts)."""
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    if static:
+      assert len(batches) == 1
+      rows = batches[0]
+      feeds = [{}]
+      features = {"x": tf.constant(X[:rows]), "w": tf.constant(W[:rows]),
+                  "y": tf.constant(Y[:rows])}
+      labels = tf.constant(Y[:rows])
+    else:
+      features = {"x": tf.compat.v1.placeholder(tf.float32, [None, 3]),
+                  "w": tf.compat.v1.placeholder(tf.float32, [None, 1]),
+                  "y": tf.compat.v1.placeholder(tf.float32, [None, 1])}
+      labels = tf.compat.v1.placeholder(tf.float32, [None, 1])
+      feeds, start = [], 0
+      for rows in batches:
+        part = slice(start, start + rows)
+        feeds.append({features["x"]: X[part], features["w"]: W[part],
+                      features["y"]: Y[part], labels: Y[part]})
+        start += rows
+    spec = model_fn(features=features, labels=labels, mode=EVAL)
+    updates = [u for _, u in spec.eval_metric_ops.values()]
+    values = {k: v for k, (v, _) in spec.eval_metric_ops.items()}
+    with tf.compat.v1.Session(config=session_config()) as session:
+      session.run([tf.compat.v1.global_variables_initializer(),
+                   tf.compat.v1.local_variables_initializer()])
+      for feed in feeds:
+        session.run(updates, feed)
+      return session.run(values)
+
+
+CASES = [(2, [5], True), (3, [7], True), (2, [5, 4], False),
+         (3, [7, 2], False), (3, [2], True)]
+
+
+@pytest.mark.parametrize("name", sorted(METRIC_FNS))
+@pytest.mark.parametrize("towers,batches,static", CASES)
+def test_metric_fed_a_value_over_the_batch_is_one_devices(
+    name, towers, batches, static):
+  model_fn = _model_fn(METRIC_FNS[name])
+  expected = _evaluated(model_fn, batches, static)
+  got = _evaluated(replicate.replicate_model_fn(model_fn,
+                                                devices=cpus(towers)),
+                   batches, static)
+  assert sorted(got) == sorted(expected)
+  for key, value in expected.items():
+    np.testing.assert_allclose(got[key], value, rtol=1e-6, atol=1e-7,
+                               err_msg=key)
+
+
+def test_mean_of_loss_on_uneven_shards_is_not_the_mean_of_tower_means():
+  """The numbers of the issue's row: 5 rows on 2 towers, 7 on 3."""
+  model_fn = _model_fn(_mean_of_loss)
+  for towers, rows in ((2, 5), (3, 7)):
+    expected = _evaluated(model_fn, [rows], True)["loss_mean"]
+    predictions = X[:rows] @ KERNEL
+    squared = (predictions - Y[:rows]) ** 2
+    assert expected == pytest.approx(squared.mean(), rel=1e-6)
+    tower_means = np.mean([s.mean() for s in np.array_split(squared, towers)])
+    assert abs(tower_means - expected) > 1e-3 * expected  # what 2c8ec8c gave
+    got = _evaluated(replicate.replicate_model_fn(model_fn,
+                                                  devices=cpus(towers)),
+                     [rows], True)["loss_mean"]
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
+def _corpus(features, loss, squared, predictions):
+  del features, loss, squared
+  score = tf.compat.v1.py_func(lambda p: np.float32(np.median(p)),
+                               [predictions], tf.float32, stateful=False)
+  return {"corpus": metrics.mean(score)}
+
+
+def _median(features, loss, squared, predictions):
+  del features, loss, predictions
+  ordered = tf.sort(tf.reshape(squared, [-1]))
+  return {"median": metrics.mean(ordered[tf.size(ordered) // 2])}
+
+
+@pytest.mark.parametrize("metric_fn,op_type", [(_corpus, "PyFunc"),
+                                               (_median, "StridedSlice")])
+def test_value_that_cannot_be_combined_is_refused_with_the_fix(
+    metric_fn, op_type):
+  model_fn = replicate.replicate_model_fn(_model_fn(metric_fn),
+                                          devices=cpus(2))
+  key = "corpus" if metric_fn is _corpus else "median"
+  with pytest.raises(ValueError, match=(
+      r"eval_metric_ops\['{}'\].*type {}.*TPUEstimatorSpec.*eval_metrics"
+      r".*metric_fn once").format(key, op_type)):
+    _evaluated(model_fn, [5], True)
+
+
+def _tpu_model_fn(features, labels, mode):
+  """The fix the refusal gives: the corpus score in a metric_fn."""
+  predictions = tf.compat.v1.layers.dense(
+      features["x"], 1, name="dense",
+      kernel_initializer=tf.compat.v1.constant_initializer(KERNEL))
+  loss = tf.reduce_mean(tf.square(predictions - labels))
+
+  def metric_fn(predictions):
+    return _corpus(None, None, None, predictions)
+
+  return tpu.TPUEstimatorSpec(mode, loss=loss,
+                              eval_metrics=(metric_fn, [predictions]))
+
+
+@pytest.mark.parametrize("towers,batches,static", CASES)
+def test_the_fix_is_exact(towers, batches, static):
+  def as_spec(model_fn):
+    def converted(**kwargs):
+      spec = model_fn(**kwargs)
+      return spec.as_estimator_spec() if isinstance(
+          spec, tpu.TPUEstimatorSpec) else spec
+    return converted
+
+  expected = _evaluated(as_spec(_tpu_model_fn), batches, static)
+  got = _evaluated(replicate.replicate_model_fn(_tpu_model_fn,
+                                                devices=cpus(towers)),
+                   batches, static)
+  assert got["corpus"] == pytest.approx(expected["corpus"], rel=1e-6)
+  medians = []
+  start = 0
+  for rows in batches:
+    medians.append(np.median(X[start:start + rows] @ KERNEL))
+    start += rows
+  assert expected["corpus"] == pytest.approx(np.mean(medians), rel=1e-5)
+
+
+def test_estimator_evaluate_mean_of_loss(tmp_path):
+  model_fn = _model_fn(_mean_of_loss)
+
+  def input_fn():
+    return tf.data.Dataset.from_tensor_slices(
+        ({"x": X, "w": W, "y": Y}, Y)).batch(5)  # batches of 5 and 4
+
+  def evaluate(fn, name):
+    with tf.Graph().as_default():  # a checkpoint of the initial values
+      tf.compat.v1.train.get_or_create_global_step()
+      model_fn(features={"x": tf.constant(X)}, labels=tf.constant(Y),
+               mode=tf.estimator.ModeKeys.PREDICT)
+      with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        tf.compat.v1.train.Saver().save(session,
+                                        str(tmp_path / name / "model.ckpt"))
+    estimator = tf.estimator.Estimator(
+        fn, model_dir=str(tmp_path / name),
+        config=tf.estimator.RunConfig(session_config=session_config()))
+    return estimator.evaluate(input_fn, steps=2)
+
+  expected = evaluate(model_fn, "one")
+  got = evaluate(replicate.replicate_model_fn(model_fn, devices=cpus(3)),
+                 "three")
+  assert got["loss_mean"] == pytest.approx(expected["loss_mean"], rel=1e-6)
+  assert got["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+
+
+def _shared_reader(features, loss, squared, predictions):
+  """The op fed the batch's max also feeds a prediction: refused."""
+  del loss, squared, predictions
+  scaled = tf.reduce_max(features["x"]) * 2.0
+  tf.compat.v1.add_to_collection("shared_reader", scaled)
+  return {"scaled_max": metrics.mean(scaled)}
+
+
+def test_metric_input_read_outside_the_metric_is_refused():
+  def model_fn(features, labels, mode):
+    spec = _model_fn(_shared_reader)(features, labels, mode)
+    scaled = tf.compat.v1.get_collection("shared_reader")[-1]
+    return spec._replace(predictions={"p": spec.predictions,
+                                      "s": spec.predictions * scaled})
+
+  with pytest.raises(ValueError, match=(
+      r"eval_metric_ops\['scaled_max'\].*through the op 'mul'.*also reads.*"
+      r"TPUEstimatorSpec")):
+    _evaluated(replicate.replicate_model_fn(model_fn, devices=cpus(2)), [5],
+               True)
