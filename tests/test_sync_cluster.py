@@ -336,6 +336,18 @@ def test_slices_of_a_variable_of_unknown_shape_cross_tasks_as_slices():
   assert graph is summed.values.graph
 
 
+def test_slices_of_a_dtype_collectives_cannot_carry_are_refused():
+  group = sync_cluster.TaskGroup([("chief", 0), ("worker", 0)], 0)
+  with tf.Graph().as_default():
+    cross = sync_cluster.CrossTask(group, "/job:chief/task:0/device:CPU:0")
+    slices = tf.IndexedSlices(tf.ones([2, 3], tf.bfloat16),
+                              tf.constant([0, 1]), tf.constant([5, 3]))
+    with pytest.raises(ValueError, match=r"IndexedSlices\) of bfloat16 "
+                       r"cannot cross the tasks.*Fix: .*float32"):
+      allreduce.all_reduce_grads([[slices]], ["/cpu:0"], allreduce.GATHER,
+                                 cross=cross)
+
+
 def test_an_unwrapped_optimizer_on_a_task_of_one_tower_is_refused(
     chief_config):
   # With 2 towers tower 1's copy of the op is refused; with one tower,

@@ -205,6 +205,14 @@ class CrossTask:
     concatenated batches holds, duplicates included. `k` differs between
     tasks and steps; see `gather_ragged`.
     """
+    if values.dtype.base_dtype not in _GATHERED_DTYPES:
+      raise ValueError(
+          "A sparse gradient (tf.IndexedSlices) of {} cannot cross the tasks "
+          "of a synchronous cluster: TensorFlow's collectives carry float16, "
+          "float32 and float64 gradients only. Fix: compute the embedding's "
+          "gradient in one of those (e.g. keep the variable float32 and "
+          "cast after the lookup), or train with ps tasks.".format(
+              values.dtype.base_dtype.name))
     with tf.device(self.device), tf.name_scope(name):
       return gather_ragged(self, [values, tf.cast(indices, tf.int64)])
 
@@ -226,6 +234,9 @@ def next_instance_key(graph: tf.Graph) -> int:
   _next_instance_key[graph] = key + 1
   return key
 
+
+# The dtypes of sparse gradients' values CollectiveGatherV2 carries.
+_GATHERED_DTYPES = frozenset([tf.float16, tf.float32, tf.float64])
 
 # How many padded lengths a ragged all-gather can use: 1, 2, 4, ... 2**30.
 _BUCKETS = 31
