@@ -2,7 +2,7 @@
 
   python tests/sync_job.py MODEL_DIR MAX_STEPS BATCHES [--hidden H[,H...]]
       [--towers N[,N...]] [--batch-norm {fused,plain}] [--embedding]
-      [--weight-decay] [--static]
+      [--weight-decay] [--static] [--sparse-optimizers]
 
 `BATCHES` gives, per task in rank order (chief, worker 0, 1, ...), the rows
 of each of its batches: `"6,5,0;5,4,3"` is a chief with batches of 6, 5
@@ -16,7 +16,8 @@ The model (`model_fn`) has what a step must combine across tasks: a
 weighted mean loss (with `loss_denominator`), Adam, a moving mean of the
 features (`UPDATE_OPS`, as batch norm's statistics), an L2 regularizer, a
 `tower_local_scope("sum")` count of the rows seen and the global step;
-optionally a synchronized batch norm, an embedding (sparse gradients) and
+optionally a synchronized batch norm, an embedding (sparse gradients), an
+embedding each for SGD, Adam, Adagrad and FTRL (`--sparse-optimizers`) and
 a second optimizer call whose gradient is not computed from the rows.
 Each task has 2 towers (virtual CPUs; `--towers`), trained by
 `tf.estimator.train_and_evaluate` after `replicate.start_server`.
@@ -40,6 +41,17 @@ import replicate
 FEATURES = 5
 CLASSES = 3
 VOCABULARY = 11
+
+
+# The optimizers of `--sparse-optimizers`' embeddings, by table name.
+SPARSE_OPTIMIZERS = {
+    "sgd": lambda: tf.compat.v1.train.GradientDescentOptimizer(0.5),
+    "adam": lambda: tf.compat.v1.train.AdamOptimizer(0.05),
+    "adagrad": lambda: tf.compat.v1.train.AdagradOptimizer(0.3),
+    "ftrl": lambda: tf.compat.v1.train.FtrlOptimizer(
+        0.3, l1_regularization_strength=0.01,
+        l2_regularization_strength=0.01),
+}
 
 
 def batch(rank, step, rows):
@@ -74,6 +86,19 @@ def model_fn(features, labels, mode, params):
     ids = tf.cast(tf.abs(inputs[:, :2]) * 7, tf.int64) % VOCABULARY
     inputs = tf.concat([inputs, tf.reduce_sum(
         tf.nn.embedding_lookup(table, ids), axis=1)], axis=1)
+  tables = {}
+  if params.get("sparse_optimizers"):
+    # An embedding per optimizer, each trained by its own (sparse updates:
+    # SGD's scatter, Adam's, Adagrad's and FTRL's duplicate sums).
+    ids = tf.cast(tf.abs(inputs[:, 2:4]) * 7, tf.int64) % VOCABULARY
+    looked_up = []
+    for name in SPARSE_OPTIMIZERS:
+      tables[name] = tf.compat.v1.get_variable(
+          "table_" + name, [VOCABULARY, 2],
+          initializer=tf.compat.v1.random_normal_initializer(seed=4))
+      looked_up.append(tf.reduce_sum(
+          tf.nn.embedding_lookup(tables[name], ids), axis=1))
+    inputs = tf.concat([inputs] + looked_up, axis=1)
   hidden_layer = tf.compat.v1.layers.Dense(
       params["hidden"], activation=tf.nn.tanh, name="hidden",
       kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=1),
@@ -106,8 +131,16 @@ def model_fn(features, labels, mode, params):
   optimizer = params["wrap"](tf.compat.v1.train.AdamOptimizer(0.05))
   with tf.control_dependencies(
       tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+    # The tables have optimizers of their own.
+    # (Tower 0's variables by name: each tower trains its copies of them.)
+    trained = [v for v in tf.compat.v1.trainable_variables()
+               if not v.op.name.startswith("table_")] if tables else None
     train_op = optimizer.minimize(
-        loss, tf.compat.v1.train.get_or_create_global_step())
+        loss, tf.compat.v1.train.get_or_create_global_step(),
+        var_list=trained)
+  for name, table in tables.items():
+    sparse = params["wrap"](SPARSE_OPTIMIZERS[name]())
+    train_op = tf.group(train_op, sparse.minimize(loss, var_list=[table]))
   if params.get("weight_decay"):
     # A second optimizer call whose gradient is not computed from the rows
     # (decoupled weight decay): it must count once, not once per task.
@@ -192,6 +225,8 @@ def main(argv):
                       help="a second optimizer call: decay not from rows")
   parser.add_argument("--embedding", action="store_true",
                       help="an embedding lookup: sparse gradients")
+  parser.add_argument("--sparse-optimizers", action="store_true",
+                      help="an embedding each for SGD, Adam, Adagrad, FTRL")
   parser.add_argument("--batch-norm", choices=["fused", "plain"],
                       help="a batch norm after the hidden layer, "
                       "synchronized across every task's towers")
@@ -215,6 +250,7 @@ def main(argv):
       params={"hidden": _of_task(arguments.hidden, rank),
               "batch_norm": arguments.batch_norm,
               "embedding": arguments.embedding,
+              "sparse_optimizers": arguments.sparse_optimizers,
               "weight_decay": arguments.weight_decay,
               "wrap": replicate.TowerOptimizer})
   path = os.path.join(arguments.model_dir,

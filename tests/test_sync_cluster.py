@@ -238,35 +238,71 @@ def test_a_count_of_rows_into_shared_state_is_refused(chief_config):
     _build(config, params={"extra": count})
 
 
-def test_sparse_gradients_cross_tasks_densely_with_their_touched_rows(
-    chief_config):
-  config, _ = chief_config
+def _embedding_step(config, rows=100000, width=16, ids=64,
+                    optimizer=tf.compat.v1.train.GradientDescentOptimizer):
+  """The chief's TRAIN graph of an embedding [rows, width], `ids` a batch."""
 
   def embedding_model_fn(features, labels, mode):
-    table = tf.compat.v1.get_variable("table", [10, 2])
-    logits = tf.reduce_sum(tf.gather(table, features["ids"]), axis=1)
+    table = tf.compat.v1.get_variable("table", [rows, width])
+    logits = tf.compat.v1.layers.dense(
+        tf.nn.embedding_lookup(table, features["ids"]), 2, name="logits")
     loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
-    train_op = replicate.TowerOptimizer(
-        tf.compat.v1.train.GradientDescentOptimizer(0.1)).minimize(loss)
+    train_op = replicate.TowerOptimizer(optimizer(0.1)).minimize(loss)
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
   with tf.Graph().as_default() as graph:
     dataset = tf.data.Dataset.from_tensor_slices(
-        ({"ids": np.zeros((4, 3), np.int64)}, np.zeros(4, np.int64))).batch(4)
+        ({"ids": np.arange(ids, dtype=np.int64)},
+         np.zeros(ids, np.int64))).batch(ids)
     features, labels = tf.compat.v1.data.make_one_shot_iterator(
         dataset).get_next()
     replicate.replicate_model_fn(
         embedding_model_fn, variable_strategy="replicated")(
             features, labels, TRAIN, config=config)
-  reduced = [op for op in graph.get_operations()
-             if op.type == "CollectiveReduceV2" and
-             "slices_over_tasks" in op.name]
-  # The table's [10, 2] sum and its [10] touched rows: one float32 pack.
-  assert len(reduced) == 1
-  assert reduced[0].inputs[0].shape.as_list() == [30]
+  return graph
+
+
+def _step_collectives(graph):
+  return [op for op in graph.get_operations()
+          if op.type.startswith("Collective") and
+          not op.name.startswith("start_of_cluster/")]
+
+
+def test_sparse_gradients_cross_tasks_as_slices_never_densely(chief_config):
+  # An embedding of 100k x 16, a batch looking up 64 rows (32 a tower).
+  config, _ = chief_config
+  rows, width, ids = 100000, 16, 64
+  graph = _embedding_step(config, rows, width, ids)
+  step = _step_collectives(graph)
+  # No collective carries anything of the table's size.
+  for op in step:
+    known = op.inputs[0].shape.num_elements()
+    assert known is None or known < rows, (op.name, op.inputs[0].shape)
+  # The slices: every task's length, then values and indices padded to
+  # the longest, on a key per padded length (a tensor, not a constant).
+  sliced = [op for op in step if "slices_over_tasks" in op.name]
+  assert sorted(op.type for op in sliced) == ["CollectiveGatherV2"] * 3
+  shapes = sorted((op.inputs[0].dtype.name, str(op.inputs[0].shape))
+                  for op in sliced)
+  assert shapes == [("float32", "(None, 16)"), ("int32", "(1,)"),
+                    ("int64", "(None,)")]
+  assert sum(tf.get_static_value(op.inputs[-1]) is None
+             for op in sliced) == 2  # values' and indices' keys
+  assert not [op for op in step if op.type == "CollectiveReduceV2" and
+              "slices_over_tasks" in op.name]
+  # Bytes a task sends a step (graph count; the padded length is the
+  # smallest power of two >= the longest task's rows, 64 here): the
+  # length, 64 rows of values and 64 indices, against the dense sum of
+  # the table and its touched count (rows x (width + 1) floats).
+  sent = 4 + ids * (width * 4 + 8)
+  dense = rows * (width + 1) * 4
+  print("bytes a step: slices {} B, dense {} B".format(sent, dense))
+  assert sent < dense / 1000
+  # The update stays sparse: a scatter of the rows looked up, on every
+  # tower's copy.
   updates = [op for op in graph.get_operations()
              if op.type == "ResourceScatterAdd"]
-  assert updates  # still a sparse update of the rows looked up
+  assert len(updates) == 2
 
 
 def test_the_batch_is_taken_as_an_optional_that_ends_every_task(
@@ -292,14 +328,32 @@ def test_a_task_whose_input_ended_stops_with_out_of_range():
     stop(np.array([0, 1, 1]))
 
 
-def test_slices_of_a_variable_of_unknown_shape_are_refused():
+def test_slices_of_a_variable_of_unknown_shape_cross_tasks_as_slices():
+  # The all-gather needs no variable shape: each task's length is
+  # gathered at run time.
   group = sync_cluster.TaskGroup([("chief", 0), ("worker", 0)], 0)
-  with tf.Graph().as_default():
+  with tf.Graph().as_default() as graph:
     cross = sync_cluster.CrossTask(group, "/job:chief/task:0/device:CPU:0")
     shape = tf.compat.v1.placeholder(tf.int64, [2])
     slices = tf.IndexedSlices(tf.ones([2, 3]), tf.constant([0, 1]), shape)
-    with pytest.raises(ValueError, match="whose variable's shape is not "
-                       "known when the graph is built"):
+    (summed,), = allreduce.all_reduce_grads([[slices]], ["/cpu:0"],
+                                            allreduce.GATHER, cross=cross)
+  assert isinstance(summed, tf.IndexedSlices)
+  assert summed.dense_shape is shape
+  assert summed.values.shape.as_list() == [None, 3]
+  assert len(cross.step_ops) == 3
+  assert all(op.type == "CollectiveGatherV2" for op in cross.step_ops)
+  assert graph is summed.values.graph
+
+
+def test_slices_of_a_dtype_collectives_cannot_carry_are_refused():
+  group = sync_cluster.TaskGroup([("chief", 0), ("worker", 0)], 0)
+  with tf.Graph().as_default():
+    cross = sync_cluster.CrossTask(group, "/job:chief/task:0/device:CPU:0")
+    slices = tf.IndexedSlices(tf.ones([2, 3], tf.bfloat16),
+                              tf.constant([0, 1]), tf.constant([5, 3]))
+    with pytest.raises(ValueError, match=r"IndexedSlices\) of bfloat16 "
+                       r"cannot cross the tasks.*Fix: .*float32"):
       allreduce.all_reduce_grads([[slices]], ["/cpu:0"], allreduce.GATHER,
                                  cross=cross)
 

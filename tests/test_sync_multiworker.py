@@ -77,7 +77,7 @@ class Lines(io.TextIOBase):
 
 def _cluster(model_dir, tasks, max_steps, batches, log, hidden="4",
              batch_norm=None, chief_late=0, towers="2", embedding=False,
-             weight_decay=False, static=False):
+             weight_decay=False, static=False, sparse_optimizers=False):
   command = [sys.executable, os.path.join(HERE, "sync_job.py"),
              str(model_dir), str(max_steps), batches, "--hidden", hidden,
              "--towers", towers]
@@ -89,6 +89,8 @@ def _cluster(model_dir, tasks, max_steps, batches, log, hidden="4",
     command += ["--weight-decay"]
   if static:
     command += ["--static"]
+  if sparse_optimizers:
+    command += ["--sparse-optimizers"]
   if chief_late:  # the chief's process starts `chief_late` s after the rest
     command = ["sh", "-c", 'case "$TF_CONFIG" in *\'"type": "chief"\'*) '
                "sleep {};; esac; exec \"$@\"".format(chief_late), "sh"
@@ -104,19 +106,21 @@ def _task_names(tasks):
 
 
 def _run(model_dir, tasks, max_steps, batches, hidden="4", batch_norm=None,
-         towers="2", embedding=False, weight_decay=False, static=False):
+         towers="2", embedding=False, weight_decay=False, static=False,
+         sparse_optimizers=False):
   """Runs the job to its end; returns every task's exit code and the log."""
   log = Lines()
   with _cluster(model_dir, tasks, max_steps, batches, log, hidden,
                 batch_norm, towers=towers, embedding=embedding,
-                weight_decay=weight_decay, static=static) as cluster:
+                weight_decay=weight_decay, static=static,
+                sparse_optimizers=sparse_optimizers) as cluster:
     codes = {"{}:{}".format(*task): cluster.wait(*task, timeout=240)
              for task in _task_names(tasks)}
   return codes, log
 
 
 def _reference(model_dir, batches, steps, batch_norm=None, embedding=False,
-               weight_decay=False):
+               weight_decay=False, sparse_optimizers=False, max_steps=None):
   """The unwrapped model_fn on one device, on the concatenated batches."""
   per_task = sync_job.parse_batches(batches)
 
@@ -138,8 +142,9 @@ def _reference(model_dir, batches, steps, batch_norm=None, embedding=False,
       sync_job.model_fn, model_dir=str(model_dir),
       params={"hidden": 4, "batch_norm": batch_norm, "embedding": embedding,
               "weight_decay": weight_decay,
+              "sparse_optimizers": sparse_optimizers,
               "wrap": lambda optimizer: optimizer})
-  estimator.train(input_fn)
+  estimator.train(input_fn, max_steps=max_steps)
   reader = tf.train.load_checkpoint(str(model_dir))
   return {name: reader.get_tensor(name)
           for name in reader.get_variable_to_shape_map()}
@@ -240,6 +245,30 @@ def test_sparse_gradients_update_only_the_rows_looked_up(tmp_path):
   expected = _reference(tmp_path / "reference", batches, 3, embedding=True)
   assert "embedding/Adam" in expected
   _assert_every_task_like(tmp_path / "cluster", 2, expected)
+
+
+def test_sparse_gradients_cross_tasks_as_slices_for_every_optimizer(
+    tmp_path):
+  # An embedding each for SGD, Adam, Adagrad and FTRL (census wide & deep's
+  # linear part), ids repeating within and across tasks; tasks of 1, 2 and
+  # 1 towers, uneven batches, an empty one on each worker, a batch of 1
+  # row: the slices of every task, all-gathered, equal one device's on the
+  # concatenated batches (its optimizers sum the duplicates alike). The
+  # cluster stops at the end of its input, in a fifth step that changes
+  # nothing (v1 Adam's decay of every row of its slots needs no gradient,
+  # and waits for the end-of-input check too); the reference stops at
+  # max_steps, since on one device that decay may run in the step whose
+  # input ended.
+  batches = "6,1,3,5;0,4,5,2;3,2,0,7"
+  codes, log = _run(tmp_path / "cluster", 3, 10, batches, towers="1,2,1",
+                    sparse_optimizers=True)
+  assert codes == {"chief:0": 0, "worker:0": 0, "worker:1": 0}, (
+      log.text()[-3000:])
+  expected = _reference(tmp_path / "reference", batches, 4,
+                        sparse_optimizers=True, max_steps=4)
+  assert {"table_sgd", "table_adam/Adam", "table_adagrad/Adagrad",
+          "table_ftrl/Ftrl", "table_ftrl/Ftrl_1"} <= set(expected)
+  _assert_every_task_like(tmp_path / "cluster", 3, expected)
 
 
 def test_static_batches_of_different_sizes_on_each_task(tmp_path):

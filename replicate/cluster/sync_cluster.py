@@ -196,6 +196,26 @@ class CrossTask:
           shape=tf.shape(tensor), T=tensor.dtype,
           communication_hint=_HINT, timeout_seconds=timeout, **keys)
 
+  def gather_slices(self, values: tf.Tensor, indices: tf.Tensor,
+                    name: str = "slices_over_tasks"
+                   ) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Every task's slices (`values` [k, ...], `indices` [k]), concatenated.
+
+    In rank order, so the result is what one device's sum over the
+    concatenated batches holds, duplicates included. `k` differs between
+    tasks and steps; see `gather_ragged`.
+    """
+    if values.dtype.base_dtype not in _GATHERED_DTYPES:
+      raise ValueError(
+          "A sparse gradient (tf.IndexedSlices) of {} cannot cross the tasks "
+          "of a synchronous cluster: TensorFlow's collectives carry float16, "
+          "float32 and float64 gradients only. Fix: compute the embedding's "
+          "gradient in one of those (e.g. keep the variable float32 and "
+          "cast after the lookup), or train with ps tasks.".format(
+              values.dtype.base_dtype.name))
+    with tf.device(self.device), tf.name_scope(name):
+      return gather_ragged(self, [values, tf.cast(indices, tf.int64)])
+
   def _in_step(self):
     """After the check that every input goes on, once there is one."""
     if self.after_check is None:
@@ -213,3 +233,61 @@ def next_instance_key(graph: tf.Graph) -> int:
   key = _next_instance_key.get(graph, FIRST_INSTANCE_KEY)
   _next_instance_key[graph] = key + 1
   return key
+
+
+# The dtypes of sparse gradients' values CollectiveGatherV2 carries.
+_GATHERED_DTYPES = frozenset([tf.float16, tf.float32, tf.float64])
+
+# How many padded lengths a ragged all-gather can use: 1, 2, 4, ... 2**30.
+_BUCKETS = 31
+
+
+def reserve_instance_keys(graph: tf.Graph, count: int) -> int:
+  """The first of `count` consecutive fresh instance keys in `graph`."""
+  first = next_instance_key(graph)
+  _next_instance_key[graph] = first + count
+  return first
+
+
+def gather_ragged(cross: "CrossTask", tensors: Sequence[tf.Tensor]
+                 ) -> List[tf.Tensor]:
+  """Every task's `tensors`, of a length its own, concatenated in rank order.
+
+  Every tensor has the same length `k` on a task (dimension 0); `k` differs
+  between tasks and steps, and may be 0. CollectiveGatherV2 needs the same
+  shape on every task, and an instance keeps the shape of its first run
+  (another shape on a later step aborts: "Shape mismatch in the collective
+  instance"). So: first an all-gather of every task's `k`; then each
+  tensor is padded to the smallest power of two not below the longest `k`
+  and all-gathered on an instance key of that power (a key per power, one
+  shape each, the same on every task since every task has every `k`); the
+  padding is dropped by the gathered lengths. What travels grows with the
+  rows, at most twice the longest task's, never with the variable. The
+  keys are reserved in building order like every step's collective; the
+  collectives carry no timeout (the step's watchdog bounds them).
+  """
+  graph = tensors[0].graph
+  mine = tf.shape(tensors[0], out_type=tf.int32)[:1]
+  counts = cross.gather(mine)  # [tasks]
+  longest = tf.reduce_max(counts)
+  caps = tf.constant([2 ** b for b in range(_BUCKETS)], tf.int32)
+  bucket = tf.reduce_sum(tf.cast(caps < longest, tf.int32))
+  cap = caps[bucket]
+  kept = tf.reshape(tf.range(cap)[tf.newaxis, :] < counts[:, tf.newaxis],
+                    [-1])
+  results = []
+  for tensor in tensors:
+    first_key = reserve_instance_keys(graph, _BUCKETS)
+    padding = [[0, cap - mine[0]]] + [[0, 0]] * (tensor.shape.rank - 1)
+    padded = tf.pad(tensor, padding)
+    with cross._in_step():  # pylint: disable=protected-access
+      gathered = tf.raw_ops.CollectiveGatherV2(
+          input=padded, ordering_token=[], communication_hint=_HINT,
+          timeout_seconds=0, group_size=tf.constant(cross.group.size),
+          group_key=tf.constant(GROUP_KEY),
+          instance_key=first_key + bucket)
+    cross.step_ops.append(gathered.op)
+    result = tf.boolean_mask(gathered, kept)
+    result.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
+    results.append(result)
+  return results

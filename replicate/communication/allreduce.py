@@ -31,8 +31,8 @@ however small the variable: the update must touch only the rows the batch
 looked up, as on one device (a momentum or Adagrad update of a row the
 batch did not see would move it, and a global norm of a dense sum is not
 the norm of the slices). Across the tasks of a synchronous cluster the
-slices are summed densely with a count of the rows they touch, and the
-touched rows go on as slices (see `_slices_over_tasks`). With `ring` and
+slices are all-gathered too, lengths first (see `_slices_over_tasks`):
+what travels grows with the rows looked up, not the table. With `ring` and
 `nccl` the all-gather is
 `CollectiveGatherV2` (slices of different lengths padded to the longest);
 with `gather`, or where collective ops cannot carry the slices (a tower
@@ -220,40 +220,31 @@ def _over_tasks(tensors, devices, cross):
 
 
 def _slices_over_tasks(grads, devices, cross):
-  """Sparse gradients summed across tasks: densely, then the touched rows.
+  """Sparse gradients across tasks as slices: an all-gather, never dense.
 
-  Each task's slices (any length, known only when the step runs, which a
-  collective cannot carry from step to step) are summed into the
-  variable's shape, with a count of the rows they touch, and both are
-  summed across tasks; every tower gets the rows some task touched, as
-  slices, so that the update still changes only the rows the step's batch
-  looked up, as on one device (duplicates come summed). What travels is the
-  variable's size, however few rows were looked up.
+  This task's towers' slices are concatenated on tower 0's device (tower
+  order: this task's batch order), then every task's are all-gathered
+  (`CrossTask.gather_slices`: lengths first, as each task's differ) and
+  concatenated in rank order, which is the concatenated batches' order:
+  the optimizer gets the slices one device's would, duplicates and all,
+  and sums duplicates as it does there. Every tower gets a copy, so every
+  copy takes the same update. What travels grows with the rows looked up,
+  not with the variable. A tower's dense gradient (rare: the variable also
+  used densely there) joins as slices of every row.
   """
-  present = [g for g in grads if g is not None]
-  sparse = next(g for g in present if isinstance(g, tf.IndexedSlices))
-  shape = tf.get_static_value(sparse.dense_shape)
-  if shape is None:
-    raise ValueError(
-        "A sparse gradient (tf.IndexedSlices) whose variable's shape is not "
-        "known when the graph is built cannot be summed across the tasks of "
-        "a synchronous cluster. Give the variable a static shape, or train "
-        "it with ps tasks (variable_strategy='parameter_server').")
+  present = [_as_slices(g) for g in grads if g is not None]
   with tf.device(devices[0]), tf.name_scope("slices_over_tasks"):
-    pieces = [(g.values, tf.cast(g.indices, tf.int64))
-              if isinstance(g, tf.IndexedSlices) else
-              (g, tf.range(int(shape[0]), dtype=tf.int64)) for g in present]
-    values = tf.concat([v for v, _ in pieces], axis=0)
-    indices = tf.concat([i for _, i in pieces], axis=0)
-    dense = tf.math.unsorted_segment_sum(values, indices, int(shape[0]))
-    touched = tf.math.unsorted_segment_sum(
-        tf.ones_like(indices, tf.float32), indices, int(shape[0]))
-  dense, touched = cross.sum_all([dense, touched],
-                                 name="slices_over_tasks")
-  with tf.device(devices[0]), tf.name_scope("slices_over_tasks"):
-    rows = tf.reshape(tf.where(touched > 0), [-1])
-    summed = tf.IndexedSlices(tf.gather(dense, rows), rows,
-                              tf.constant(shape, tf.int64))
+    if len(present) == 1:
+      local = present[0]
+    else:
+      local = tf.IndexedSlices(
+          tf.concat([s.values for s in present], axis=0),
+          tf.concat([tf.cast(s.indices, tf.int64) for s in present], axis=0),
+          present[0].dense_shape)
+  values, indices = cross.gather_slices(local.values, local.indices)
+  dense_shape = next((s.dense_shape for s in present
+                      if s.dense_shape is not None), None)
+  summed = tf.IndexedSlices(values, indices, dense_shape)
   copies = [summed]
   for device in devices[1:]:
     with tf.device(device):
@@ -261,6 +252,15 @@ def _slices_over_tasks(grads, devices, cross):
                                      tf.identity(summed.indices),
                                      summed.dense_shape))
   return copies
+
+
+def _as_slices(value):
+  """`value` as `IndexedSlices` (a dense gradient: slices of every row)."""
+  if isinstance(value, tf.IndexedSlices):
+    return value
+  rows = tf.shape(value, out_type=tf.int64)[0]
+  return tf.IndexedSlices(value, tf.range(rows),
+                          tf.shape(value, out_type=tf.int64))
 
 
 def _concat_slices(grads, devices):

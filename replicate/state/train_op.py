@@ -51,7 +51,7 @@ def combine_train_op(tower_specs, layout, progress, records,
   _check_optimizer_calls(records)
   classes = rule.classify(layout, progress, variables, tower_specs)
   if layout.cross_task is not None:
-    _check_over_tasks(classes, variables)
+    _check_over_tasks(classes, variables, progress.update_built)
     _after_the_check(classes, layout.cross_task.after_check)
   runs = set(graph_walk.ops_behind(
       [tower_specs[0].train_op] +
@@ -73,15 +73,19 @@ def combine_train_op(tower_specs, layout, progress, records,
   return variables.then_fold(train_op, layout.has_rows, layout.cross_task)
 
 
-def _check_over_tasks(classes, variables):
+def _check_over_tasks(classes, variables, update_built):
   """Refuses what adds up over towers but not yet over a cluster's tasks.
 
   A `KEEP` change of shared state (an `assign_add` of the rows, a table
   insert) would add up each task's rows in its own copy only; a
-  tower-local variable's is folded over the tasks.
+  tower-local variable's is folded over the tasks. `TowerOptimizer`'s
+  update (`update_built`) applies sums over every task already: an SGD
+  step's scatter-add of sparse slices, on a task of one tower, is one.
   """
   for tower in classes:
     for change in tower:
+      if change.op in update_built:
+        continue
       if change.variable is not None and variables.is_tower_local(
           variables.tower0_variable(change.variable)):
         continue
