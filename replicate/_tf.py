@@ -21,6 +21,7 @@ Grouped by what they are for:
 
 import contextlib
 import inspect
+import sys
 from typing import Any, Callable, Iterator, List, Optional, Set, Tuple
 
 import tensorflow as tf
@@ -357,6 +358,17 @@ def outer_tensors(tensor: tf.Tensor, graph) -> Optional[List[tf.Tensor]]:
 
 # Batch norm -------------------------------------------------------------------
 
+def _is_layer_normalization(frame) -> bool:
+  """Whether the fused batch norm is called by Keras's `LayerNormalization`.
+
+  Keras computes a layer norm with the fused batch-norm kernel on a
+  `[1, rows x ..., width, 1]` reshape of its input: each row's own
+  statistics, nothing to combine across towers.
+  """
+  return isinstance(frame.f_locals.get("self"),
+                    tf.keras.layers.LayerNormalization)
+
+
 # The modules whose `fused_batch_norm` Keras's fused layers reach: it calls
 # `tf.compat.v1.nn.fused_batch_norm`, looked up when the layer is called.
 _FUSED_BATCH_NORM_HOLDERS = (tf.compat.v1.nn, _nn, _nn_impl)
@@ -386,6 +398,8 @@ def batch_norm_swapped(calculate_mean_and_var: Callable,
                                   reduction_axes, keep_dims, mask)
 
   def fused(*args, **kwargs):
+    if _is_layer_normalization(sys._getframe(1)):  # pylint: disable=protected-access
+      return original_fused(*args, **kwargs)
     return fused_batch_norm(original_fused, *args, **kwargs)
 
   base._calculate_mean_and_var = moments

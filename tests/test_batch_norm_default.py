@@ -294,3 +294,44 @@ def test_one_device_evaluation_prediction_and_export_are_untouched(where):
     default = _graph(model_fn, **kwargs)
   assert default == _graph(model_fn, sync_batch_norm=False, **kwargs)
   assert _batch_norm_lines(lines) == []
+
+
+# Keras's LayerNormalization computes a layer norm with the fused batch-norm
+# kernel on a [1, rows x ..., width, 1] reshape: each row's own statistics,
+# nothing to synchronize. Taken for a batch norm, 8 rows trained off one
+# device (loss 2.0345 against 2.0591) and 5 rows (3 + 2) failed to build.
+@pytest.mark.parametrize("rows", [8, 5])
+def test_keras_layer_normalization_is_not_a_batch_norm(rows, caplog):
+  rng = np.random.RandomState(0)
+  x = rng.randn(rows, 3, 4).astype(np.float32)
+  y = rng.randn(rows, 3, 4).astype(np.float32)
+
+  def model_fn(features, labels, mode):
+    normalized = tf.keras.layers.LayerNormalization()(features)  # fused
+    loss = tf.reduce_mean(tf.square(normalized - labels))
+    optimizer = replicate.TowerOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(1.0))
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=optimizer.minimize(
+        loss, tf.compat.v1.train.get_or_create_global_step()))
+
+  def one_step(fn):
+    with tf.Graph().as_default():
+      spec = fn(tf.constant(x), tf.constant(y), TRAIN)
+      with tf.compat.v1.Session(config=session_config(2)) as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        loss, _ = session.run([spec.loss, spec.train_op])
+        return loss, session.run(tf.compat.v1.trainable_variables())
+
+  unwrapped_loss, unwrapped = one_step(model_fn)
+  with caplog.at_level(logging.INFO):
+    wrapped_loss, wrapped = one_step(replicate.replicate_model_fn(
+        model_fn, devices=cpus(2), sync_batch_norm=False))
+  default_loss, default = one_step(
+      replicate.replicate_model_fn(model_fn, devices=cpus(2)))
+  # Keras's gamma and beta start at 1 and 0; one step moves them.
+  assert len(unwrapped) == 2
+  for loss, variables in ((wrapped_loss, wrapped), (default_loss, default)):
+    np.testing.assert_allclose(loss, unwrapped_loss, rtol=1e-5)
+    for value, expected in zip(variables, unwrapped):
+      np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
+  assert "normalized per tower" not in caplog.text
