@@ -83,8 +83,12 @@ def test_pairwise_on_three_binary_factors_is_the_four_row_array():
   assert oracle_pairwise.uncovered_pairs(factors, rows) == []
 
 
-def test_the_zoo_has_every_pattern_and_at_least_15_models():
-  assert len(ZOO) >= 15
+def test_the_zoo_has_every_pattern_and_at_least_23_models():
+  assert len(ZOO) >= 23
+  for name in ("clip_after_compute_gradients", "deepfm_contrib_batch_norm",
+               "seeded_from_initial_values"):
+    assert name in ZOO, name
+  assert not ZOO["seeded_from_initial_values"].warm_start
   canned = [name for name in ZOO if name.startswith("canned_")]
   for part in ("v1", "v2", "_dnn_", "_linear_", "_dnn_linear_", "binary",
                "multiclass", "regressor", "weighted"):
