@@ -6,8 +6,10 @@ input pipeline, wrapped with `replicate_model_fn` on N virtual CPU devices
 tower per device) with one `variable_strategy`, and compares the result with
 the unwrapped `model_fn` on one device, the oracle:
 - both start from the same checkpoint: the unwrapped estimator trained one
-  step on all the rows, copied into each `model_dir` (initial values depend
-  on op creation order, which wrapping changes);
+  step on all the rows, copied into each `model_dir` (Keras initializers
+  draw their seeds from Python's `random`); a model with
+  `warm_start=False` instead starts from its initial values, seeded before
+  each Estimator as docs/guarantees.md says;
 - "train": trains through the pipeline (at least 2 steps), then every
   variable of the checkpoint (optimizer slots, accumulators, averages and
   the global step included) must equal the oracle's;
@@ -106,24 +108,47 @@ class Cell:
     return TOWERS[self.towers][2]
 
 
+def model_factors(model: str):
+  """FACTORS with model `model`, each other factor restricted to the values
+  the model's cells take (`ZooModel.only`)."""
+  only = ZOO[model].only
+  return [(name, (model,) if name == "model" else
+           tuple(value for value in values if value in only.get(name, values)))
+          for name, values in FACTORS]
+
+
 def cells(full: bool) -> List[Cell]:
   """The whole cross, or a pairwise-covering sample of it.
 
-  The sample is `oracle_pairwise.pairwise(FACTORS)` plus, for each model it
-  trains on one tower only, one TRAIN cell on 3 towers with the "batch"
-  pipeline (batches of 3, 3, 1: even shards, then towers without rows):
-  training on several towers is what the wrapper is for, and pairs alone do
-  not promise it.
+  A model restricted by `ZooModel.only` takes only the values it names. The
+  sample is `oracle_pairwise.pairwise(FACTORS)` over the unrestricted
+  models, plus, for each restricted model, the fewest cells that give it
+  each of its values of every factor once at least (the pairs of the other
+  factors' values are the unrestricted models' to cover), plus, for each
+  model it trains on one tower only, one TRAIN cell on 3 towers with its
+  first pipeline ("batch" where it may: batches of 3, 3, 1: even shards,
+  then towers without rows): training on several towers is what the wrapper
+  is for, and pairs alone do not promise it.
   """
   if full:
-    return [Cell(*values) for values in itertools.product(
-        *(values for _, values in FACTORS))]
-  sample = [Cell(**row) for row in oracle_pairwise.pairwise(FACTORS)]
+    return [Cell(*values) for model in ZOO for values in itertools.product(
+        *(values for _, values in model_factors(model)))]
+  free = tuple(model for model in ZOO if not ZOO[model].only)
+  sample = [Cell(**row) for row in oracle_pairwise.pairwise(
+      (("model", free),) + FACTORS[1:])]
+  for model in ZOO:
+    if model not in free:
+      values = [values for _, values in model_factors(model)]
+      sample.extend(Cell(*(options[index % len(options)]
+                           for options in values))
+                    for index in range(max(map(len, values))))
   trained = {cell.model for cell in sample
              if cell.mode == "train" and cell.tower_count > 1}
   for index, model in enumerate(ZOO):
     if model not in trained:
-      sample.append(Cell(model, "batch", "3",
+      pipeline = dict(model_factors(model))["pipeline"]
+      sample.append(Cell(model, "batch" if "batch" in pipeline else
+                         pipeline[0], "3",
                          STRATEGIES[index % len(STRATEGIES)], "train"))
   return sample
 
@@ -225,6 +250,10 @@ class Workspace:
     """The model's shared starting checkpoint: one unwrapped step."""
     if model.name not in self._starts:
       model_dir = os.path.join(self._root, "start", model.name)
+      if not model.warm_start:  # compared from its seeds: no checkpoint
+        os.makedirs(model_dir)
+        self._starts[model.name] = model_dir
+        return model_dir
       input_fn, _, _ = pipelines.input_fn("from_tensors", model, ROWS, 3,
                                           "train")
       # Keras initializers without a seed draw one from Python's `random`:

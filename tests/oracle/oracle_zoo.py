@@ -15,13 +15,20 @@ agree by design (both are stated again at the model):
   equals one device's mask on the whole batch. The Keras model builds its
   `Dropout` layer from `params["dropout"]`, and the oracle runs it with rate
   0.0 (the layer is in the graph; it draws no mask).
-- Batch norm in training: each tower normalizes with its own shard's moments
-  unless `sync_batch_norm=True` (API.md: the one documented difference). The
-  two batch-norm models are wrapped with `sync_batch_norm=True`, which the
-  contract says makes loss, gradients, variables and moving statistics equal
-  one device on the whole batch, so every mode is compared exactly. (EVAL,
-  PREDICT and export use the moving statistics, where the flag changes
-  nothing.)
+- Batch norm in training: by default (`sync_batch_norm=True`) a tower
+  normalizes with the whole batch's moments, so loss, gradients, variables
+  and moving statistics equal one device on the whole batch; per-tower
+  moments only when asked for (`sync_batch_norm=False`). The batch-norm
+  models are wrapped with the default, so every mode is compared exactly.
+  (EVAL, PREDICT and export use the moving statistics, where the flag
+  changes nothing.)
+
+Every model starts from one shared checkpoint (oracle_harness.py), except
+the seeded one, which is compared from its initial values as a team
+comparing from seeds would (docs/guarantees.md, "Seeding a comparison").
+A model whose cells differ in nothing but the factors that do not touch
+what it tests names the values its cells take (`ZooModel.only`), so the
+cross grows by what it tests.
 
 An entry is a `ZooModel`: its data (7 rows; the first 2 for "a batch smaller
 than the towers"), how to parse it from `tf.Example`s, what serving feeds,
@@ -61,18 +68,28 @@ class ZooModel:
   example_spec: Dict[str, object]
   serving_keys: Tuple[str, ...]
   sparse_keys: Tuple[str, ...] = ()
+  # The values its cells take, by factor ("pipeline", "mode", ...): a
+  # factor not named takes every value. Empty: the whole cross.
+  only: Dict[str, Tuple[str, ...]] = dataclasses.field(default_factory=dict)
+  # False: no shared start checkpoint; both runs start from the initial
+  # values the seeds give (`build` seeds itself).
+  warm_start: bool = True
 
 
 def _custom(name, model_fn, data, example_spec, serving_keys, params=None,
-            sparse_keys=(), **wrap_kwargs):
+            sparse_keys=(), only=None, seed=None, **wrap_kwargs):
   def build(model_dir, config, wrap):
     function = model_fn
     if wrap is not None:
       function = replicate.replicate_model_fn(model_fn, **wrap_kwargs, **wrap)
+    if seed is not None:
+      # "Seeding a comparison": before each Estimator, wrapped or not, with
+      # RunConfig(tf_random_seed=...) (the harness's run_config).
+      tf.keras.utils.set_random_seed(seed)
     return tf.estimator.Estimator(function, model_dir=model_dir,
                                   config=config, params=params)
   return ZooModel(name, build, data, example_spec, tuple(serving_keys),
-                  tuple(sparse_keys))
+                  tuple(sparse_keys), dict(only or {}), seed is None)
 
 
 def _fixed(shape, dtype=tf.float32):
@@ -744,6 +761,175 @@ def _masked_data():
 
 
 # ---------------------------------------------------------------------------
+# Seq2seq/RNN-style clipping: the gradients and variables of
+# compute_gradients, clipped by their global norm, then applied (as
+# tensorflow/nmt and the seq2seq tutorials write it). The clip is active on
+# the zoo's data: from the oracle's start, one device's global norm is 2.6
+# to 3.6 times CLIP_NORM on every batch of its cells (test_oracle.py checks
+# it), so N towers each clipping their own gradient would be far from one
+# device.
+
+CLIP_NORM = 0.25
+
+
+def clipped_model_fn(features, labels, mode):
+  tokens = features["tokens"]  # [batch, 5]
+  embedding = tf.compat.v1.get_variable(
+      "embedding", [8, 4],
+      initializer=tf.compat.v1.random_uniform_initializer(-1.0, 1.0))
+  hidden = tf.compat.v1.layers.dense(
+      tf.nn.embedding_lookup(embedding, tokens), 6, activation=tf.tanh,
+      name="encoder")
+  logits = tf.compat.v1.layers.dense(hidden, 8, name="projection")
+  if mode == ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={
+        "next_tokens": tf.argmax(logits, axis=-1), "logits": logits})
+  crossent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                            logits=logits)
+  loss = tf.reduce_mean(crossent)
+  if mode == ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(mode, loss=loss)
+  opt = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(1.0))
+  grads, tvars = zip(*opt.compute_gradients(loss))
+  grads, _ = tf.clip_by_global_norm(grads, CLIP_NORM)
+  train_op = opt.apply_gradients(
+      zip(grads, tvars), global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _clipped_data():
+  tokens = _token_data(13, 8)
+  return {"tokens": tokens}, ((tokens * 3 + 1) % 8).astype(np.int64)
+
+
+# ---------------------------------------------------------------------------
+# DeepFM (lambdaji/tf_repos): contrib's batch_norm(updates_collections=None)
+# after each hidden layer, built twice (train and infer, the second reusing
+# the first's variables) and picked by tf.cond(train_phase, ...). TF 2.15 has
+# no contrib; its users port it as this: the layer's UPDATE_OPS taken out of
+# the collection and made control dependencies of its output, so the moving
+# statistics update in place.
+
+
+def _contrib_batch_norm(x, is_training, reuse, scope):
+  with tf.compat.v1.variable_scope(scope, reuse=reuse):
+    updates = tf.compat.v1.get_collection_ref(
+        tf.compat.v1.GraphKeys.UPDATE_OPS)
+    count = len(updates)
+    y = tf.compat.v1.layers.batch_normalization(
+        x, momentum=0.995, center=True, scale=True, training=is_training)
+    in_place = updates[count:]
+    del updates[count:]
+    with tf.control_dependencies(in_place):
+      return tf.identity(y)
+
+
+def _batch_norm_layer(x, train_phase, scope_bn):
+  bn_train = _contrib_batch_norm(x, True, None, scope_bn)
+  bn_infer = _contrib_batch_norm(x, False, True, scope_bn)
+  return tf.cond(tf.cast(train_phase, tf.bool), lambda: bn_train,
+                 lambda: bn_infer)
+
+
+def deepfm_model_fn(features, labels, mode, params):
+  field_size, embedding_size = 4, 3
+  feat_ids, feat_vals = features["feat_ids"], features["feat_vals"]
+  with tf.compat.v1.variable_scope("Embedding-layer"):
+    fm_w = tf.compat.v1.get_variable(
+        "fm_w", [params["feature_size"]],
+        initializer=tf.compat.v1.glorot_normal_initializer())
+    fm_v = tf.compat.v1.get_variable(
+        "fm_v", [params["feature_size"], embedding_size],
+        initializer=tf.compat.v1.glorot_normal_initializer())
+    fm_b = tf.compat.v1.get_variable(
+        "fm_bias", [1], initializer=tf.compat.v1.constant_initializer(0.0))
+  with tf.compat.v1.variable_scope("First-order"):
+    y_w = tf.reduce_sum(tf.multiply(tf.nn.embedding_lookup(fm_w, feat_ids),
+                                    feat_vals), 1)
+  with tf.compat.v1.variable_scope("Second-order"):
+    embeddings = tf.multiply(
+        tf.nn.embedding_lookup(fm_v, feat_ids),
+        tf.reshape(feat_vals, [-1, field_size, 1]))
+    sum_square = tf.square(tf.reduce_sum(embeddings, 1))
+    square_sum = tf.reduce_sum(tf.square(embeddings), 1)
+    y_v = 0.5 * tf.reduce_sum(tf.subtract(sum_square, square_sum), 1)
+  with tf.compat.v1.variable_scope("Deep-part"):
+    train_phase = mode == ModeKeys.TRAIN
+    deep = tf.reshape(embeddings, [-1, field_size * embedding_size])
+    for i, units in enumerate(params["deep_layers"]):
+      deep = tf.compat.v1.layers.dense(
+          deep, units, activation=tf.nn.relu, name="mlp%d" % i,
+          kernel_initializer=tf.compat.v1.glorot_normal_initializer(seed=i))
+      deep = _batch_norm_layer(deep, train_phase, "bn_%d" % i)
+    y_deep = tf.reshape(tf.compat.v1.layers.dense(
+        deep, 1, name="deep_out",
+        kernel_initializer=tf.compat.v1.glorot_normal_initializer(seed=9)),
+        [-1])
+  y = fm_b + y_w + y_v + y_deep
+  pred = tf.sigmoid(y)
+  predictions = {"prob": pred}
+  export_outputs = {
+      tf.compat.v1.saved_model.signature_constants
+      .DEFAULT_SERVING_SIGNATURE_DEF_KEY:
+      tf.estimator.export.PredictOutput(predictions)}
+  if mode == ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions=predictions,
+                                      export_outputs=export_outputs)
+  labels = tf.cast(tf.reshape(labels, [-1]), tf.float32)
+  loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
+      logits=y, labels=labels)) + params["l2_reg"] * tf.nn.l2_loss(fm_w)
+  if mode == ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(mode, predictions=predictions,
+                                      loss=loss, eval_metric_ops={
+        "auc": tf.compat.v1.metrics.auc(labels, pred)})
+  optimizer = replicate.TowerOptimizer(tf.compat.v1.train.AdamOptimizer(
+      learning_rate=params["learning_rate"], beta1=0.9, beta2=0.999,
+      epsilon=1e-8))
+  train_op = optimizer.minimize(
+      loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, predictions=predictions, loss=loss,
+                                    train_op=train_op)
+
+
+def _deepfm_data():
+  rng = _rng(14)
+  # Field f's ids are 3f..3f+2 (a one-hot field per column, as libsvm-style
+  # CTR data comes); values 1 for categorical fields, real for the last.
+  ids = (np.arange(4) * 3 + rng.randint(0, 3, (ROWS, 4))).astype(np.int64)
+  vals = np.ones((ROWS, 4), np.float32)
+  vals[:, 3] = rng.rand(ROWS) * 2
+  return ({"feat_ids": ids, "feat_vals": vals},
+          (rng.rand(ROWS) < 0.5).astype(np.float32))
+
+
+# ---------------------------------------------------------------------------
+# A model compared from its seeds, with no shared checkpoint: Keras and
+# tf.compat.v1.layers layers with their default random initializers, seeded
+# as docs/guarantees.md's "Seeding a comparison" says (the zoo's `seed`).
+
+
+def seeded_model_fn(features, labels, mode):
+  hidden = tf.keras.layers.Dense(5, activation="relu", name="keras_hidden")(
+      features["x"])
+  hidden = tf.compat.v1.layers.dense(hidden, 4, activation=tf.tanh,
+                                     name="v1_hidden")
+  logits = tf.compat.v1.layers.dense(hidden, 3, name="logits")
+  if mode == ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={
+        "class_ids": tf.argmax(logits, axis=1), "logits": logits})
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  if mode == ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
+        "accuracy": tf.compat.v1.metrics.accuracy(labels,
+                                                  tf.argmax(logits, axis=1))})
+  train_op = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.5)).minimize(
+          loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+# ---------------------------------------------------------------------------
 # Canned estimators: compat.v1 and TF 2, DNN / Linear / DNNLinearCombined,
 # binary / multi-class / regressor, with and without a weight column. Nine
 # of the 36 combinations, chosen (an orthogonal array) so that every pair of
@@ -842,10 +1028,10 @@ def _zoo():
   models = list(_canned_models()) + [
       _custom("keras_bn_dropout", keras_model_fn, _keras_data(),
               {"x": _fixed([4]), "label": _fixed([], tf.int64)}, ["x"],
-              params={"dropout": 0.0}, sync_batch_norm=True),
+              params={"dropout": 0.0}),
       _custom("layers_cnn_bn", cnn_model_fn, _image_data(1, 2),
               {"image": _fixed([6, 6, 1]), "label": _fixed([], tf.int64)},
-              ["image"], sync_batch_norm=True),
+              ["image"]),
       _custom("cifar10_loss_averages", cifar10_model_fn, _image_data(3, 3),
               {"image": _fixed([6, 6, 3]), "label": _fixed([], tf.int64)},
               ["image"]),
@@ -879,6 +1065,26 @@ def _zoo():
       _custom("masked_token_loss", masked_model_fn, _masked_data(),
               {"tokens": _fixed([5], tf.int64), "label": _fixed([5], tf.int64)},
               ["tokens"]),
+      # Clipping is a training matter; "batch" has uneven shards (4 + 3,
+      # 2 + 2 + 2 ...) and towers without rows (the remainder batch of 1).
+      _custom("clip_after_compute_gradients", clipped_model_fn,
+              _clipped_data(),
+              {"tokens": _fixed([5], tf.int64), "label": _fixed([5], tf.int64)},
+              ["tokens"], only={"pipeline": ("batch",), "mode": ("train",)}),
+      # Batch norm is every mode's matter (moving statistics in EVAL,
+      # PREDICT and export); "batch" for uneven shards and empty towers.
+      _custom("deepfm_contrib_batch_norm", deepfm_model_fn, _deepfm_data(),
+              {"feat_ids": _fixed([4], tf.int64), "feat_vals": _fixed([4]),
+               "label": _fixed([])}, ["feat_ids", "feat_vals"],
+              params={"feature_size": 12, "deep_layers": [6, 4],
+                      "l2_reg": 0.01, "learning_rate": 0.05},
+              only={"pipeline": ("batch",)}),
+      # Initial values do not depend on the pipeline; no export (nothing
+      # to export without a checkpoint: the start is the initializers).
+      _custom("seeded_from_initial_values", seeded_model_fn, _dense_data(15),
+              {"x": _fixed([3]), "label": _fixed([], tf.int64)}, ["x"],
+              only={"pipeline": ("from_tensors",),
+                    "mode": ("train", "eval", "predict")}, seed=42),
   ]
   return {model.name: model for model in models}
 

@@ -10,10 +10,13 @@ fails.
 
 import os
 
+import numpy as np
 import pytest
+import tensorflow as tf
 
 import oracle_harness as harness
 import oracle_pairwise
+import oracle_zoo
 from oracle_zoo import ZOO
 
 IS_FULL = os.environ.get("REPLICATE_ORACLE") == "full"
@@ -37,8 +40,18 @@ def test_wrapped_cell_equals_the_unwrapped_model_fn(cell, workspace,
 
 def test_the_sample_covers_every_pair_of_factor_values():
   sample = [vars(cell) for cell in harness.cells(full=False)]
-  assert oracle_pairwise.uncovered_pairs(harness.FACTORS, sample) == []
-  assert len(sample) < len(harness.cells(full=True))
+  everything = [vars(cell) for cell in harness.cells(full=True)]
+  # Every pair the full cross holds; a restricted model's other values
+  # (`ZooModel.only`) are in no cell of either.
+  in_the_cross = lambda pair: any(
+      all(row[name] == value for name, value in pair) for row in everything)
+  assert [pair for pair in oracle_pairwise.uncovered_pairs(
+      harness.FACTORS, sample) if in_the_cross(pair)] == []
+  assert len(sample) < len(everything)
+  for model in ZOO:  # a restricted model gets each of its values
+    for name, values in harness.model_factors(model):
+      assert {row[name] for row in sample if row["model"] == model} == set(
+          values), (model, name)
   assert {cell["model"] for cell in sample
           if cell["mode"] == "train" and cell["towers"] != "1"} == set(ZOO)
 
@@ -49,8 +62,12 @@ def test_shards_split_the_cells_by_model_and_pipeline_and_lose_none():
   assert len(first) + len(second) == len(everything)
   pairs = lambda cells: {(cell.model, cell.pipeline) for cell in cells}
   assert not pairs(first) & pairs(second)
-  # Every model in both halves: the heavy ones spread over the two.
-  assert {cell.model for cell in first} == {cell.model for cell in second}
+  # Every model with more than one pipeline in both halves: the heavy ones
+  # spread over the two.
+  spread = {model for model in ZOO
+            if len(dict(harness.model_factors(model))["pipeline"]) > 1}
+  assert spread <= {cell.model for cell in first} & {
+      cell.model for cell in second}
   with pytest.raises(ValueError, match="REPLICATE_ORACLE_SHARD must be"):
     harness.shard(everything, "2/2")
 
@@ -66,8 +83,12 @@ def test_pairwise_on_three_binary_factors_is_the_four_row_array():
   assert oracle_pairwise.uncovered_pairs(factors, rows) == []
 
 
-def test_the_zoo_has_every_pattern_and_at_least_15_models():
-  assert len(ZOO) >= 15
+def test_the_zoo_has_every_pattern_and_at_least_23_models():
+  assert len(ZOO) >= 23
+  for name in ("clip_after_compute_gradients", "deepfm_contrib_batch_norm",
+               "seeded_from_initial_values"):
+    assert name in ZOO, name
+  assert not ZOO["seeded_from_initial_values"].warm_start
   canned = [name for name in ZOO if name.startswith("canned_")]
   for part in ("v1", "v2", "_dnn_", "_linear_", "_dnn_linear_", "binary",
                "multiclass", "regressor", "weighted"):
@@ -84,3 +105,27 @@ def test_expected_refusals_name_models_and_factor_values():
       for term in condition.split("&"):
         name, value = term.split("=", 1)
         assert value in values[name], term
+
+
+def test_the_clip_is_active_on_one_device(workspace):
+  """clip_after_compute_gradients clips: from the oracle's start, one
+  device's global gradient norm exceeds CLIP_NORM on every batch of its
+  cells (3 rows, the remainder's 1, and 3_small's 2)."""
+  model = ZOO["clip_after_compute_gradients"]
+  start = tf.train.latest_checkpoint(workspace.start(model))
+  (features,), labels = model.data[0].values(), model.data[1]
+  with tf.Graph().as_default():
+    tokens = tf.compat.v1.placeholder(tf.int64, [None, 5])
+    targets = tf.compat.v1.placeholder(tf.int64, [None, 5])
+    tf.compat.v1.train.get_or_create_global_step()
+    spec = oracle_zoo.clipped_model_fn({"tokens": tokens}, targets,
+                                       tf.estimator.ModeKeys.TRAIN)
+    norm = tf.linalg.global_norm(tf.gradients(
+        spec.loss, tf.compat.v1.trainable_variables()))
+    with tf.compat.v1.Session() as session:
+      tf.compat.v1.train.Saver().restore(session, start)
+      norms = [session.run(norm, {tokens: features[rows],
+                                  targets: labels[rows]})
+               for rows in (slice(0, 3), slice(3, 6), slice(6, 7),
+                            slice(0, 2))]
+  assert min(norms) > oracle_zoo.CLIP_NORM, norms
