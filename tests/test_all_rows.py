@@ -309,8 +309,6 @@ KEPT_APART = {
     "sampled_softmax": _sampled_softmax,
     "int_cumsum": lambda q, y: q * tf.cast(tf.cumsum(y), tf.float32)[:, None],
     "top_k_in_rows": lambda q, y: tf.math.top_k(q, 2).values,
-    "reduced_then_matmul": lambda q, y: tf.matmul(
-        q, tf.reduce_mean(q, 0, keepdims=True), transpose_b=True),
 }
 
 
@@ -391,3 +389,13 @@ def test_the_features_themselves_are_rows():
     return _spec(mode, features["q"], sim, tf.range(tf.shape(sim)[0]), "sgd")
   with pytest.raises(ValueError, match=r"The MatMul op 'MatMul' combines"):
     _build(model_fn, mode=EVAL)
+
+
+def test_a_differentiable_batch_mean_flowing_back_into_rows_is_refused():
+  # No matmul of two row tensors: rows_meet lets it pass, but the batch's
+  # mean of q flows back into every row on the way to the loss, and its
+  # gradient cannot be one device's (replicate.shard.batch_reductions).
+  with pytest.raises(ValueError, match=r"reduction 'Mean'.*all_rows"):
+    _build(_refused_model_fn(lambda q, y: tf.matmul(
+        q, tf.reduce_mean(q, 0, keepdims=True), transpose_b=True)),
+           towers=3, rows=7, mode=TRAIN)
