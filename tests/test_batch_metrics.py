@@ -62,8 +62,19 @@ def _weighted_token_mean(features, loss, squared, predictions):
                                              features["y"] * 0.5)}
 
 
+def _counted_per_row(features, loss, squared, predictions):
+  """Per-row metrics whose writes scatter or sum rows of unknown rank:
+  sums over the rows, summed over towers, never refused (both were)."""
+  del loss, squared
+  labels = tf.cast(features["y"][:, 0] > 0, tf.int64)
+  scores = tf.concat([-predictions, predictions], axis=1)
+  return {"mean_iou": metrics.mean_iou(labels, tf.argmax(scores, 1), 2),
+          "precision_at_1": metrics.precision_at_k(labels, scores, 1)}
+
+
 METRIC_FNS = {"mean_of_loss": _mean_of_loss, "max_min_sum": _max_min_sum,
-              "weighted_token_mean": _weighted_token_mean}
+              "weighted_token_mean": _weighted_token_mean,
+              "counted_per_row": _counted_per_row}
 
 
 def _evaluated(model_fn, batches, static):

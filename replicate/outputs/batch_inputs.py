@@ -41,6 +41,10 @@ _WRITE_TYPES = frozenset([
 _VARIABLE_TYPES = frozenset(["VarHandleOp", "VariableV2", "Variable"])
 # What a write may add directly and still be summed over towers.
 _ADDITIVE = frozenset(["Sum", "Size", "UnsortedSegmentSum", "SegmentSum"])
+# Counts scattered by row values (`metrics.mean_iou`'s confusion matrix):
+# each row adds its own part, so the towers' parts sum to one device's.
+_SCATTERED = frozenset(["ScatterNd", "Bincount", "DenseBincount",
+                        "TensorScatterAdd"])
 # Ops whose result, from sums, is still a sum (of the same rows' parts).
 _LINEAR = frozenset(["Cast", "Identity", "Cumsum", "Reshape", "Transpose",
                      "ExpandDims", "Squeeze", "Neg", "ConcatV2", "Pack",
@@ -157,7 +161,11 @@ class _Finder:
     if op.type == "Const":
       return True  # a count folded from a static shape
     if op.type in _ADDITIVE:
-      return bool(op.inputs[0].shape.rank)
+      # A rank unknown when built (`precision_at_k`'s set sizes) is no
+      # scalar either.
+      return op.inputs[0].shape.rank != 0
+    if op.type in _SCATTERED:
+      return True
     if op.type in _LINEAR:
       # A sum's parts rearranged (Keras' confusion matrices: a segment sum,
       # then a cumulative sum over the thresholds, a sum less it) are still
