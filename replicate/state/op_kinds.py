@@ -38,6 +38,10 @@ ALLOWED_TYPES = frozenset([
     "RandomUniform", "RandomUniformInt", "RandomStandardNormal",
     "TruncatedNormal", "RandomShuffle", "Multinomial", "RandomGamma",
     "RandomPoisson", "RandomPoissonV2", "ParameterizedTruncatedNormal",
+    # Candidate samplers (sampled softmax, NCE): random draws, like dropout.
+    "LogUniformCandidateSampler", "UniformCandidateSampler",
+    "LearnedUnigramCandidateSampler", "FixedUnigramCandidateSampler",
+    "ThreadUnsafeUnigramCandidateSampler", "AllCandidateSampler",
     "HashTableV2", "HashTable", "MutableHashTableV2",
     "MutableHashTableOfTensorsV2", "MutableDenseHashTableV2",
     "LookupTableFindV2", "LookupTableFind", "LookupTableSizeV2",
