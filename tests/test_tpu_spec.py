@@ -184,6 +184,26 @@ def test_scalar_of_the_rows_in_eval_metrics_is_refused(graph):
         tf.ones([4, 2]), tf.ones([4, 1]), EVAL)
 
 
+@pytest.mark.parametrize("rows", [4, None])
+def test_a_loss_reshaped_to_one_row_in_eval_metrics_is_refused(graph, rows):
+  # XLNet and ELECTRA pass tf.reshape(loss, [1]): concatenated over towers
+  # it would be one value per tower, averaged as if they were rows (5.24
+  # against one device's 5.40 on a 3 + 2 split).
+  def model_fn(features, labels, mode):
+    loss = tf.reduce_mean(tf.compat.v1.layers.dense(features, 1))
+    return tpu.TPUEstimatorSpec(
+        mode, loss=loss,
+        eval_metrics=(lambda l: {"l": tf.compat.v1.metrics.mean(l)},
+                      [tf.reshape(loss, [1])]))
+
+  features = tf.compat.v1.placeholder_with_default(
+      tf.ones([4, 2]), [rows, 2])
+  with pytest.raises(ValueError, match=r"eval_metrics.*not one row per "
+                     r"input row.*reshape\(loss, \[1\]\).*batch-major"):
+    replicate.replicate_model_fn(model_fn, devices=cpus(2))(
+        features, tf.ones([4, 1]), EVAL)
+
+
 _HOST_CALL_SEEN = []  # TPUEstimator deep-copies params: not passed there
 
 

@@ -112,13 +112,16 @@ class PendingBatch:
       tensor = tf.convert_to_tensor(tensor)
       if not rows.depend([tensor]):
         return tensor  # tower 0's, as unwrapped
-      if tensor.shape.rank == 0:
+      if tensor.shape.rank == 0 or not _is_batch_major(tensor, rows):
         raise ValueError(
             "TPUEstimatorSpec.{}'s tensor {} ({!r}) is computed from the "
-            "rows but is a scalar: its tensors must be batch-major (one "
+            "rows but is {}: its tensors must be batch-major (one "
             "row per input row), as on a TPU, so that the towers' can be "
             "concatenated into the whole batch's. Pass the per-row values "
-            "and reduce them in the function.".format(name, path, tensor))
+            "and reduce them in the function.".format(
+                name, path, tensor, "a scalar" if tensor.shape.rank == 0
+                else "not one row per input row (e.g. tf.reshape(loss, "
+                "[1]))"))
       shape = tensor.shape
       if shape.rank:
         shape = tf.TensorShape([None]).concatenate(shape[1:])
@@ -164,3 +167,14 @@ def _remade(spec, replaced):
 
 _UNLIKE = ("Tower {} returned {} where tower 0 returned {}. Each tower's "
            "model_fn must return the same kind of spec, whatever its data.")
+
+
+def _is_batch_major(tensor, rows) -> bool:
+  """Whether `tensor`'s dimension 0 can be the tower's rows, as far as the
+  static shapes tell: a size the rows do not have is not (a `[1]` tensor
+  of a loss, where the batch's size is known only at run time)."""
+  size = tensor.shape[0]
+  if size is None:
+    return True
+  count = rows.static_count()
+  return size == count if count is not None else size != 1

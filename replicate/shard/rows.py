@@ -60,6 +60,12 @@ class TowerRows:
     self._answers = {}  # op -> whether it depends on the rows
     self._inputs_of = inputs_of or (lambda op: op.inputs)
 
+  def static_count(self) -> Optional[int]:
+    """The shard's number of rows where every dense leaf knows it, else None."""
+    counts = {ref.deref().shape[0] for ref in self._shard
+              if ref.deref().shape.rank}
+    return counts.pop() if len(counts) == 1 else None
+
   def depend(self, values: Iterable[Any]) -> bool:
     """Whether any of `values` (tensors, slices, ops) depends on the rows."""
     return any(self._op_depends(op) for op in _ops_of(values))
