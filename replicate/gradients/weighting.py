@@ -23,6 +23,7 @@ from typing import Any, List, Optional, Set
 import tensorflow as tf
 
 from replicate.gradients import stand_ins
+from replicate.gradients import term_weights
 from replicate.shard import sharding
 from replicate.towers import current
 
@@ -134,7 +135,9 @@ class TowerWeights:
   """Each tower's loss weight, by rows or by stated denominators."""
 
   def __init__(self, weights: List[Any], has_rows: List[Any],
-               sums_losses: bool, sum_over_tasks=lambda tensor, name: tensor):
+               sums_losses: bool, sum_over_tasks=lambda tensor, name: tensor,
+               *, shares: Optional[List[Any]] = None,
+               reduction: Optional[str] = None, is_first_task: bool = True):
     # In a synchronous cluster, the sum of a value over every task.
     self._sum_over_tasks = sum_over_tasks
     self._weights = list(weights)
@@ -147,6 +150,50 @@ class TowerWeights:
     # Per tower, the ops holding its loss weight: a gradient computed
     # through one of them is already weighted (see `weighed_once`).
     self._weight_ops = [set() for _ in weights]
+    # The loss rule (`replicate.gradients.loss_rule`): each tower's loss
+    # weighted term by term, unless the tower stated its denominator.
+    if reduction is None:
+      reduction = (tf.compat.v1.losses.Reduction.SUM if sums_losses else
+                   tf.compat.v1.losses.Reduction.SUM_BY_NONZERO_WEIGHTS)
+    self._terms = term_weights.TermWeights(
+        len(weights), list(weights) if shares is None else shares, has_rows,
+        reduction, is_first_task, sum_over_tasks)
+    self._loss_calls = [0] * len(weights)
+    self._weighed = {}  # (tower, loss) -> the loss weighted
+
+  def weigh_loss(self, index: int, loss, rows, key=None) -> tf.Tensor:
+    """Tower `index`'s `loss` weighted so that the towers' sum is one
+    device's loss on the whole batch.
+
+    By the denominator the tower stated (`loss_denominator`), or else term
+    by term as the graph says (`replicate.gradients.term_weights`). `rows`:
+    the tower's `replicate.shard.rows.TowerRows`. `key` matches the loss
+    across towers; by default, the k-th loss the tower's optimizer weighs.
+    """
+    weight = self.of(index)
+    loss = tf.convert_to_tensor(loss)
+    if self._denominators[index] is not None:
+      return loss * sharding.weight_as(weight, loss.dtype)
+    if key is None:
+      key = ("optimizer", self._loss_calls[index])
+      self._loss_calls[index] += 1
+    weighted = self._terms.weigh(key, index, loss,
+                                 lambda t: rows.depend([t]))
+    self._weighed[(index, loss.ref())] = weighted
+    return weighted
+
+  def weigh_spec_losses(self, losses: List[Any], rows_of) -> List[tf.Tensor]:
+    """Every tower's spec loss weighted (see `weigh_loss`): the tensor its
+    optimizer weighed, if it is the same loss, else weighed here."""
+    losses = [tf.convert_to_tensor(loss) for loss in losses]
+    known = [self._weighed.get((i, loss.ref())) for i, loss in
+             enumerate(losses)]
+    if all(weighted is not None for weighted in known):
+      return known
+    result = [self.weigh_loss(i, loss, rows_of(i), key="spec")
+              for i, loss in enumerate(losses)]
+    self._terms.finish("spec")
+    return result
 
   def of(self, index: int):
     """Tower `index`'s weight (float or scalar tensor), now fixed."""
@@ -214,8 +261,10 @@ class TowerWeights:
     return value
 
   def finish(self) -> None:
-    """Connects the sum of the denominators; every tower must state one."""
+    """Connects the sums of the denominators and of the loss terms; every
+    tower must state a denominator if one does."""
     if self._total is None:
+      self._terms.finish()
       return
     missing = [i for i, d in enumerate(self._denominators) if d is None]
     if missing:
@@ -223,6 +272,7 @@ class TowerWeights:
           "replicate.loss_denominator was called in some towers but not in "
           "tower(s) {}: every tower's model_fn must state its loss "
           "denominator, whatever its data.".format(missing))
+    self._terms.finish()
     with tf.name_scope("loss_denominator_over_towers"):
       stand_ins.connect(self._total, self._sum_over_tasks(
           tf.math.add_n(self._denominators), "loss_denominator_over_tasks"))
