@@ -46,7 +46,13 @@ _SHAPED = ("Reshape", "Squeeze", "ExpandDims")
 _DIVS = ("RealDiv", "Div", "DivNoNan", "TrueDiv")
 # What `tf.compat.v1.losses` and Keras name the size of the losses, which
 # TensorFlow folds into a constant of that name with a batch of known size.
-_FOLDED_COUNT = re.compile(r"(num_elements|num_present|Size|Shape)(_[0-9]+)?")
+# `ones_like` of a row tensor of known shape is a `Fill` of such a shape,
+# named `shape_as_tensor`.
+_FOLDED_COUNT = re.compile(
+    r"(num_elements|num_present|Size|Shape|shape_as_tensor|ones_like|"
+    r"zeros_like)(_[0-9]+)?")
+# How many ops up a denominator is searched for a folded count.
+_COUNT_SEARCH = 64
 
 
 class NotRead(Exception):
@@ -198,7 +204,7 @@ class _Reader:
     raise NotRead(op, "it is not a sum, a mean or a ratio of sums over rows")
 
   def _is_count_like(self, d):
-    return self._depends(d) or _folded_count(d)
+    return self._depends(d) or _from_folded_count(d)
 
   def _check_count(self, op, d):
     """`d` must add up over towers to one device's: a sum or a count."""
@@ -213,9 +219,9 @@ class _Reader:
       return
     if kind == "Mul":
       a, b = inner.op.inputs
-      if not self._depends(a) and not _folded_count(a):
+      if not self._is_count_like(a):
         return self._check_count(op, b)
-      if not self._depends(b) and not _folded_count(b):
+      if not self._is_count_like(b):
         return self._check_count(op, a)
     if kind == "Sum" and _reduces_all(inner.op):
       return
@@ -327,6 +333,22 @@ def _folded_count(t) -> bool:
     t = t.op.inputs[0]
   return t.op.type == "Const" and _FOLDED_COUNT.fullmatch(
       t.op.name.split("/")[-1]) is not None
+
+
+def _from_folded_count(t) -> bool:
+  """Whether `t` is computed from a constant folded from a row tensor's
+  size or shape (a few ops up at most)."""
+  seen = {t.op}
+  frontier = [t.op]
+  while frontier and len(seen) < _COUNT_SEARCH:
+    op = frontier.pop()
+    if op.type == "Const" and _folded_count(op.outputs[0]):
+      return True
+    for x in op.inputs:
+      if x.op not in seen:
+        seen.add(x.op)
+        frontier.append(x.op)
+  return False
 
 
 def _first_of_shape(t) -> bool:
