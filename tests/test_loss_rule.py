@@ -349,3 +349,44 @@ def test_an_explicit_reduction_weighs_what_the_graph_cannot_read():
   # means over rows is weighted by the rows' shares, as MEAN says.
   _assert_like_one_device(_mean_of_column_means, 3, 7, False,
                           loss_reduction=Reduction.MEAN)
+
+
+def _own_gradients_model_fn(loss_fn):
+  """BERT's way: tf.gradients, then the optimizer's apply_gradients."""
+  def model_fn(features, labels, mode):
+    loss = loss_fn(features, labels)
+    if mode == EVAL:
+      return tf.estimator.EstimatorSpec(mode, loss=loss)
+    tvars = tf.compat.v1.trainable_variables()
+    grads = tf.gradients(loss, tvars)
+    optimizer = replicate.TowerOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.5))
+    train_op = optimizer.apply_gradients(
+        zip(grads, tvars),
+        global_step=tf.compat.v1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+  return model_fn
+
+
+def test_own_gradients_of_a_row_mean_train_like_one_device():
+  loss_fn = _keras_loss("function")
+  batches = _batches(7)
+  expected_losses, expected = _run(_own_gradients_model_fn(loss_fn), batches)
+  losses, values = _run(_own_gradients_model_fn(loss_fn), batches, 3)
+  for name, value in expected.items():
+    _close(values[name], value, name)
+  _close(losses, expected_losses)
+
+
+def test_own_gradients_of_a_token_mean_are_refused():
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    inputs = {k: tf.compat.v1.placeholder(_DTYPES[k], [None] + _SHAPES[k])
+              for k in _SHAPES}
+    with pytest.raises(ValueError, match=r"Tower 0 applies gradients it "
+                       r"computed itself.*truediv.*divided by.*compute_"
+                       r"gradients.*loss_denominator"):
+      replicate.replicate_model_fn(
+          _own_gradients_model_fn(_transformer_loss), devices=cpus(2))(
+              {k: inputs[k] for k in ("tokens", "x", "mask")},
+              {k: inputs[k] for k in ("targets", "class", "y")}, TRAIN)

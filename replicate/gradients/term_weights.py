@@ -31,6 +31,12 @@ Reduction = tf.compat.v1.losses.Reduction
 # SUM_OVER_NONZERO_WEIGHTS is the same string, so it does too.
 _STATED_AVERAGES = (Reduction.MEAN, Reduction.SUM_OVER_BATCH_SIZE)
 _TOTALED = (loss_rule.MEAN, loss_rule.RATIO)
+# Per reduction, the terms a tower's one weight (`TowerWeights.of`: its
+# share of the rows, 1 for SUM) weighs as the rule does.
+FITS_ONE_WEIGHT = {
+    reduction: frozenset([loss_rule.ONCE, loss_rule.STATED] + (
+        [loss_rule.SUM] if reduction == Reduction.SUM else [loss_rule.MEAN]))
+    for reduction in Reduction.all()}
 
 
 class _Group:
@@ -55,6 +61,15 @@ class TermWeights:
     self._is_first_task = is_first_task
     self._sum_over_tasks = sum_over_tasks
     self._groups: Dict[Any, _Group] = {}
+    self._kinds: Dict[Any, List[str]] = {}  # (key, tower) -> its terms
+
+  @property
+  def reduction(self) -> str:
+    return self._reduction
+
+  def kinds_of(self, key, index: int) -> List[str]:
+    """The kinds of the terms of the loss tower `index` weighed as `key`."""
+    return list(self._kinds.get((key, index), []))
 
   def weigh(self, key, index: int, loss, depends) -> tf.Tensor:
     """Tower `index`'s `loss`, each term weighted; `depends(t)`: whether
@@ -75,6 +90,7 @@ class TermWeights:
           "loss_reduction=tf.compat.v1.losses.Reduction.SUM.".format(
               index, loss.op.name, e.op.type, e.op.name, e.why)) from None
     self._check_reduction(reading)
+    self._kinds[(key, index)] = reading.kinds()
     group = self._groups.get(key)
     if group is None:
       group = self._groups[key] = _Group(reading.kinds())

@@ -85,6 +85,7 @@ def weighed_once(context, grads_and_vars: list) -> list:
     if grad is None or _ops_of(grad) & weighted:
       result.append((grad, variable))
     elif rows.depend([grad]):
+      context.weights.note_scaled(index)
       result.append((_scaled(grad, weight), variable))
     elif index == 0 and counts_once:
       result.append((grad, variable))
@@ -160,6 +161,13 @@ class TowerWeights:
         reduction, is_first_task, sum_over_tasks)
     self._loss_calls = [0] * len(weights)
     self._weighed = {}  # (tower, loss) -> the loss weighted
+    # Towers whose gradients, computed outside the optimizer, were scaled
+    # by the tower's one weight (`weighed_once`).
+    self._scaled = set()
+
+  def note_scaled(self, index: int) -> None:
+    """Tower `index`'s gradients were scaled by `of(index)` as they are."""
+    self._scaled.add(index)
 
   def weigh_loss(self, index: int, loss, rows, key=None) -> tf.Tensor:
     """Tower `index`'s `loss` weighted so that the towers' sum is one
@@ -193,7 +201,30 @@ class TowerWeights:
     result = [self.weigh_loss(i, loss, rows_of(i), key="spec")
               for i, loss in enumerate(losses)]
     self._terms.finish("spec")
+    for index in sorted(self._scaled):
+      if self._denominators[index] is None:
+        self._check_scaled(index, losses[index])
     return result
+
+  def _check_scaled(self, index, loss):
+    """Gradients scaled by the tower's one weight (its share of the rows,
+    or 1 with `Reduction.SUM`) are right only for a loss every term of
+    which that weight fits; else refused."""
+    kinds = self._terms.kinds_of("spec", index)
+    fits = term_weights.FITS_ONE_WEIGHT[self._terms.reduction]
+    wrong = [kind for kind in kinds if kind not in fits]
+    if wrong:
+      raise ValueError(
+          "Tower {} applies gradients it computed itself (tf.gradients or "
+          "a GradientTape, not TowerOptimizer.compute_gradients or "
+          "minimize), which can only be scaled by one weight per tower "
+          "(its share of the rows, or 1 with Reduction.SUM), but its loss "
+          "{!r} has a term that is {}, which that weight does not fit. Fix: "
+          "take the gradients with TowerOptimizer.compute_gradients(loss), "
+          "which weights each term of the loss as the graph reads it, or "
+          "state what the loss divides by with "
+          "replicate.loss_denominator(d).".format(
+              index, loss.op.name, wrong[0]))
 
   def of(self, index: int):
     """Tower `index`'s weight (float or scalar tensor), now fixed."""
