@@ -3,12 +3,16 @@
 On gradients: `weighed_once` weights each gradient a tower passes to
 `apply_gradients` once, however it was made (see there).
 
-On weights: with `Reduction.SUM` every tower's loss counts fully (weight 1);
-with an averaging reduction tower i's loss counts `n_i / n`, its share of
-the batch, which is exact when the loss is a mean over rows. A loss that
-averages over something else (non-zero weights, the tokens a padding mask
-keeps, a sum of weights) states its denominator with `loss_denominator`,
-and tower i then counts `d_i / sum_j d_j`, worked out at run time.
+On weights: each tower's loss is weighted term by term as the graph says
+it is reduced over the tower's rows (`replicate.gradients.loss_rule`, put
+together by `replicate.gradients.term_weights`): a sum counts as it is, a
+mean or a ratio of sums as the tower's sum over every tower's count, a term
+not from the rows once. A loss the rule cannot read is refused with the
+fix. A tower that states its denominator with `loss_denominator` is
+weighted `d_i / sum_j d_j` as a whole instead, worked out at run time: the
+explicit form wins over what the graph says. `TowerWeights.of` is the one
+weight of a tower (its share `n_i / n`, 1 with `Reduction.SUM`, or
+`d_i / sum_j d_j`), which gradients computed outside the optimizer get.
 
 On towers whose denominator is 0 (every row padding): such a tower weighs
 0, but its loss is 0 / 0 = NaN, and 0 x NaN is NaN, in the loss and in
@@ -39,9 +43,13 @@ def loss_denominator(denominator: Any) -> tf.Tensor:
 
   On towers: inside `replicate_model_fn`, with an averaging
   `loss_reduction`, tower i's loss (and so its gradients) is weighted by
-  `d_i / sum_j d_j` instead of its share of the rows, so that N towers
-  train on the loss one device would compute on the whole batch. Call it in
-  the `model_fn` before the optimizer, once per tower. Outside
+  `d_i / sum_j d_j` as a whole, instead of term by term as the graph reads
+  it, so that N towers train on the loss one device would compute on the
+  whole batch. The graph is read without it for the usual forms
+  (`tf.compat.v1.losses`, Keras losses, `reduce_sum(l * w) /
+  reduce_sum(w)`); state it for a loss the rule refuses (e.g. one that
+  divides by `tf.maximum(tf.reduce_sum(w), 1.0)`). Call it in the
+  `model_fn` before the optimizer, once per tower. Outside
   `replicate_model_fn`, or with one tower, it does nothing.
 
   ```python
