@@ -6,6 +6,8 @@
 - `optimizer_calls`: the towers' calls matched by position, their gradients
   combined and connected to tower 0's update.
 - `stand_ins`: values that exist only once every tower is built.
-- `weighting`: each tower's weight (its share, or `loss_denominator`).
+- `weighting`: each tower's weight (its share, or `loss_denominator`),
+  and its loss weighted term by term (`loss_rule` reads the terms, with
+  `loss_ops`; `term_weights` weighs them).
 - `aggregation`: sums of dense and sparse gradients; towers without rows.
 """

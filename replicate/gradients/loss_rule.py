@@ -30,30 +30,17 @@ constant TensorFlow folded from the size of a row tensor under the name the
 loss libraries give it (`num_elements`) as a count of the rows.
 """
 
-import re
 from typing import Callable, List, NamedTuple, Optional
 
 import tensorflow as tf
+
+from replicate.gradients import loss_ops
 
 SUM = "a sum over rows"
 MEAN = "a mean over rows"
 RATIO = "a sum over rows divided by a sum or count over rows"
 ONCE = "not computed from the rows"
 STATED = "not read from the graph"
-
-_PASS = ("Identity", "Snapshot")
-_SHAPED = ("Reshape", "Squeeze", "ExpandDims")
-_DIVS = ("RealDiv", "Div", "DivNoNan", "TrueDiv")
-# What `tf.compat.v1.losses` and Keras name the size of the losses, which
-# TensorFlow folds into a constant of that name with a batch of known size.
-# `ones_like` of a row tensor of known shape is a `Fill` of such a shape,
-# named `shape_as_tensor`.
-_FOLDED_COUNT = re.compile(
-    r"(num_elements|num_present|Size|Shape|shape_as_tensor|ones_like|"
-    r"zeros_like)(_[0-9]+)?")
-# How many ops up a denominator is searched for a folded count.
-_COUNT_SEARCH = 64
-
 
 class NotRead(Exception):
   """The op that makes a term the rule cannot read, and why."""
@@ -119,11 +106,11 @@ class _Reader:
     op = t.op
     kind = op.type
     _check_scalar(t)
-    if kind in _PASS:
+    if kind in loss_ops.PASS:
       return self.walk(op.inputs[0])
     if kind == "Cast" and op.inputs[0].dtype.is_floating:
       return ("cast", self.walk(op.inputs[0]), t.dtype)
-    if (kind in _SHAPED and _one_element(op.inputs[0])) or (
+    if (kind in loss_ops.SHAPED and loss_ops.one_element(op.inputs[0])) or (
         kind in ("Sum", "Mean") and op.inputs[0].shape.rank == 0):
       # Also a sum or mean of a scalar (`_safe_mean` sums a sum again).
       return ("shape", self.walk(op.inputs[0]), t)
@@ -135,21 +122,21 @@ class _Reader:
       return ("neg", self.walk(op.inputs[0]))
     if kind == "Mul":
       return self._product(t)
-    if kind in _DIVS:
+    if kind in loss_ops.DIVS:
       return self._quotient(t)
-    if kind in ("Select", "SelectV2") and _is_zero(op.inputs[2]):
+    if kind in ("Select", "SelectV2") and loss_ops.is_zero(op.inputs[2]):
       return self._guarded(t)
     return self._leaf(self._reduction(t))
 
   def _product(self, t):
     a, b = t.op.inputs
-    if not self._depends(a) and _is_scalar(a):
+    if not self._depends(a) and loss_ops.is_scalar(a):
       return ("mul", self.walk(b), a)
-    if not self._depends(b) and _is_scalar(b):
+    if not self._depends(b) and loss_ops.is_scalar(b):
       return ("mul", self.walk(a), b)
     for s, r in ((a, b), (b, a)):
-      d = _reciprocal_of(r)
-      if d is not None and _is_scalar(r):
+      d = loss_ops.reciprocal_of(r)
+      if d is not None and loss_ops.is_scalar(r):
         return self._ratio(t, s, d)
     raise NotRead(t.op, "it multiplies two values computed from the rows")
 
@@ -192,10 +179,10 @@ class _Reader:
       return Term(SUM, t, None, None)
     if op.type in ("Sum", "Mean"):
       x = op.inputs[0]
-      if not _reduces_all(op):
+      if not loss_ops.reduces_all(op):
         raise NotRead(op, "it does not reduce every axis of its input to one "
                       "value")
-      if _reduces_batch_axis(x.op):
+      if loss_ops.reduces_batch_axis(x.op):
         raise NotRead(op, "its input {!r} is a reduction over the batch "
                       "axis".format(x.op.name))
       if op.type == "Sum":
@@ -204,13 +191,14 @@ class _Reader:
     raise NotRead(op, "it is not a sum, a mean or a ratio of sums over rows")
 
   def _is_count_like(self, d):
-    return self._depends(d) or _from_folded_count(d)
+    return self._depends(d) or loss_ops.from_folded_count(d)
 
   def _check_count(self, op, d):
     """`d` must add up over towers to one device's: a sum or a count."""
     inner = d
-    while inner.op.type in _PASS + ("Cast",) or (
-        inner.op.type in _SHAPED and _one_element(inner.op.inputs[0])):
+    while inner.op.type in loss_ops.PASS + ("Cast",) or (
+        inner.op.type in loss_ops.SHAPED and
+        loss_ops.one_element(inner.op.inputs[0])):
       inner = inner.op.inputs[0]
     kind = inner.op.type
     if kind in ("Add", "AddV2", "AddN"):
@@ -223,12 +211,12 @@ class _Reader:
         return self._check_count(op, b)
       if not self._is_count_like(b):
         return self._check_count(op, a)
-    if kind == "Sum" and _reduces_all(inner.op):
+    if kind == "Sum" and loss_ops.reduces_all(inner.op):
       return
-    if kind == "Size" or (kind == "Const" and _folded_count(inner)):
-      if _is_scalar(inner):
+    if kind == "Size" or (kind == "Const" and loss_ops.folded_count(inner)):
+      if loss_ops.is_scalar(inner):
         return
-    if kind == "StridedSlice" and _first_of_shape(inner):
+    if kind == "StridedSlice" and loss_ops.first_of_shape(inner):
       return
     raise NotRead(op, "it divides by {} {!r}, which is not a sum or a count "
                   "over the rows".format(kind, inner.op.name))
@@ -263,101 +251,6 @@ def _build(tree, parts):
 
 
 def _check_scalar(t):
-  if not _one_element(t):
+  if not loss_ops.one_element(t):
     raise NotRead(t.op, "its value is not one number (shape {})".format(
         t.shape))
-
-
-def _one_element(t) -> bool:
-  shape = t.shape
-  return shape.rank is not None and shape.is_fully_defined() and (
-      shape.num_elements() == 1)
-
-
-def _is_scalar(t) -> bool:
-  return _one_element(t)
-
-
-def _is_zero(t) -> bool:
-  if t.op.type == "ZerosLike":
-    return True
-  if t.op.type == "Const":
-    value = tf.get_static_value(t)
-    return value is not None and not value.any()
-  return False
-
-
-def _reduces_all(op) -> bool:
-  """Whether the `Sum`/`Mean` `op` reduces its input to one value."""
-  x = op.inputs[0]
-  if _one_element(op.outputs[0]) and x.shape.rank is not None:
-    axes = tf.get_static_value(op.inputs[1])
-    if axes is None:
-      return False
-    rank = x.shape.rank
-    wanted = set(range(rank))
-    got = {int(a) % rank for a in list(axes.reshape(-1))} if rank else set()
-    # An axis left out must have size 1.
-    return all(a in got or x.shape[a] == 1 for a in wanted)
-  return False
-
-
-def _reduces_batch_axis(op) -> bool:
-  """Whether `op` reduces axis 0 of its input (a partial reduction over
-  rows, whose result a sum or mean over "rows" would misread)."""
-  if op.type not in ("Sum", "Mean", "Max", "Min", "Prod", "All", "Any"):
-    return False
-  rank = op.inputs[0].shape.rank
-  axes = tf.get_static_value(op.inputs[1])
-  if axes is None or not rank:
-    return True
-  return 0 in {int(a) % rank for a in list(axes.reshape(-1))}
-
-
-def _reciprocal_of(t):
-  op = t.op
-  if op.type in ("Reciprocal", "Inv"):
-    return op.inputs[0]
-  if op.type in _DIVS and _is_constant(op.inputs[0]):
-    return op.inputs[1]
-  return None
-
-
-def _is_constant(t) -> bool:
-  return tf.get_static_value(t) is not None and not _folded_count(t)
-
-
-def _folded_count(t) -> bool:
-  """A constant TensorFlow folded from the size or shape of a row tensor."""
-  while t.op.type in _PASS + ("Cast",):
-    t = t.op.inputs[0]
-  return t.op.type == "Const" and _FOLDED_COUNT.fullmatch(
-      t.op.name.split("/")[-1]) is not None
-
-
-def _from_folded_count(t) -> bool:
-  """Whether `t` is computed from a constant folded from a row tensor's
-  size or shape (a few ops up at most)."""
-  seen = {t.op}
-  frontier = [t.op]
-  while frontier and len(seen) < _COUNT_SEARCH:
-    op = frontier.pop()
-    if op.type == "Const" and _folded_count(op.outputs[0]):
-      return True
-    for x in op.inputs:
-      if x.op not in seen:
-        seen.add(x.op)
-        frontier.append(x.op)
-  return False
-
-
-def _first_of_shape(t) -> bool:
-  """`shape(x)[0]`: the number of rows of `x`."""
-  op = t.op
-  source = op.inputs[0]
-  if not (source.op.type == "Shape" or _folded_count(source)):
-    return False
-  begin = tf.get_static_value(op.inputs[1])
-  end = tf.get_static_value(op.inputs[2])
-  return (begin is not None and end is not None and list(begin) == [0] and
-          list(end) == [1])
