@@ -87,8 +87,9 @@ class Wrapping:
     index = context.progress.tower_index
 
     def weighted(value):
-      value = context.weights.weigh_loss(index, value,
-                                         context.progress.rows_of(index))
+      value = context.weights.weigh_loss(
+          index, value, context.progress.rows_of(index),
+          strict_rows=context.progress.rows_of(index, count_folded=False))
       marker = tf.identity(tf.ones([], value.dtype), name="tower_weight")
       context.weights.add_weight_op(index, marker.op)
       return value * marker

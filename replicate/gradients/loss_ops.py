@@ -114,3 +114,23 @@ def first_of_shape(t) -> bool:
   end = tf.get_static_value(op.inputs[2])
   return (begin is not None and end is not None and list(begin) == [0] and
           list(end) == [1])
+
+
+_SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike")
+
+
+def of_shapes(t, reaches_rows) -> bool:
+  """Whether `t` reaches the rows only through their shapes (`Shape`,
+  `Size`, `OnesLike`, ...), not their values; False when unsure."""
+  seen = set()
+  frontier = [t]
+  while frontier:
+    x = frontier.pop()
+    if x.op in seen or x.op.type in _SHAPE_OPS or not reaches_rows(x):
+      continue
+    seen.add(x.op)
+    onward = [y for y in x.op.inputs if reaches_rows(y)]
+    if not onward or len(seen) > 4 * COUNT_SEARCH:
+      return False  # a row tensor itself, or too far to tell
+    frontier.extend(onward)
+  return True

@@ -58,6 +58,9 @@ class Term(NamedTuple):
   # and RATIO (its denominator); None otherwise.
   count: Optional[tf.Tensor]
   numerator: Optional[tf.Tensor]  # RATIO: `s`; MEAN: the `Mean`'s input
+  # RATIO: its count is computed from shapes only (no data path from the
+  # rows): each tower's is its number of elements, as a mean's.
+  of_shapes: bool = False
 
 
 class Reading(NamedTuple):
@@ -74,10 +77,17 @@ class Reading(NamedTuple):
 
 
 def read(loss: tf.Tensor, depends: Callable[[tf.Tensor], bool],
-         lenient: bool = False) -> Reading:
-  """Reads `loss`; raises `NotRead` unless `lenient` (then `STATED`)."""
+         lenient: bool = False, reaches_rows=None) -> Reading:
+  """Reads `loss`; raises `NotRead` unless `lenient` (then `STATED`).
+
+  `reaches_rows(t)`: whether `t` has a data path from the rows, not only
+  from a constant folded from a shape; a term not read that has none is
+  the same in every tower (a cond on a variable's size): `ONCE`.
+  """
   terms: List[Term] = []
-  tree = _Reader(depends, lenient, terms).walk(tf.convert_to_tensor(loss))
+  reader = _Reader(depends, lenient, terms)
+  reader.reaches_rows = reaches_rows
+  tree = reader.walk(tf.convert_to_tensor(loss))
   return Reading(terms, tree)
 
 
@@ -87,6 +97,7 @@ class _Reader:
     self._depends = depends
     self._lenient = lenient
     self._terms = terms
+    self.reaches_rows = None
 
   def _leaf(self, term):
     self._terms.append(term)
@@ -98,6 +109,8 @@ class _Reader:
     try:
       return self._linear(t)
     except NotRead:
+      if self.reaches_rows is not None and not self.reaches_rows(t):
+        return self._leaf(Term(ONCE, t, None, None))
       if not self._lenient:
         raise
       return self._leaf(Term(STATED, t, None, None))
@@ -161,7 +174,9 @@ class _Reader:
       raise NotRead(t.op, "its numerator is not a sum over rows")
     del numerator_tree
     self._check_count(t.op, d)
-    return self._leaf(Term(RATIO, t, d, s))
+    of_shapes = self.reaches_rows is not None and loss_ops.of_shapes(
+        d, self.reaches_rows)
+    return self._leaf(Term(RATIO, t, d, s, of_shapes))
 
   def _guarded(self, t):
     # `where(cond, loss, zeros)` (mean_pairwise_squared_error): a sum over
@@ -254,3 +269,4 @@ def _check_scalar(t):
   if not loss_ops.one_element(t):
     raise NotRead(t.op, "its value is not one number (shape {})".format(
         t.shape))
+

@@ -177,7 +177,8 @@ class TowerWeights:
     """Tower `index`'s gradients were scaled by `of(index)` as they are."""
     self._scaled.add(index)
 
-  def weigh_loss(self, index: int, loss, rows, key=None) -> tf.Tensor:
+  def weigh_loss(self, index: int, loss, rows, key=None,
+                 strict_rows=None) -> tf.Tensor:
     """Tower `index`'s `loss` weighted so that the towers' sum is one
     device's loss on the whole batch.
 
@@ -193,8 +194,9 @@ class TowerWeights:
     if key is None:
       key = ("optimizer", self._loss_calls[index])
       self._loss_calls[index] += 1
-    weighted = self._terms.weigh(key, index, loss,
-                                 lambda t: rows.depend([t]))
+    weighted = self._terms.weigh(
+        key, index, loss, lambda t: rows.depend([t]),
+        None if strict_rows is None else lambda t: strict_rows.depend([t]))
     self._weighed[(index, loss.ref())] = weighted
     return weighted
 
@@ -206,7 +208,8 @@ class TowerWeights:
              enumerate(losses)]
     if all(weighted is not None for weighted in known):
       return known
-    result = [self.weigh_loss(i, loss, rows_of(i), key="spec")
+    result = [self.weigh_loss(i, loss, rows_of(i), key="spec",
+                              strict_rows=rows_of(i, count_folded=False))
               for i, loss in enumerate(losses)]
     self._terms.finish("spec")
     for index in sorted(self._scaled):
