@@ -69,10 +69,14 @@ def replicate_model_fn(
     model_fn: an Estimator `model_fn` whose optimizers are wrapped in
       `replicate.TowerOptimizer`.
     loss_reduction: how the `model_fn` reduces its loss over the batch.
-      `Reduction.SUM`: tower losses and gradients are summed. Any other
-      (the default `SUM_BY_NONZERO_WEIGHTS`, `MEAN`, ...): tower i's loss is
-      weighted by its share of the batch `n_i / n`. `Reduction.NONE` is an
-      error: a loss must be a scalar.
+      The default `SUM_BY_NONZERO_WEIGHTS` reads it from the graph, term by
+      term (`replicate.gradients.loss_rule`): sums count as they are, means
+      and ratios of sums by every tower's count, terms not from the rows
+      once; a loss it cannot read is refused with the fix. `Reduction.SUM`
+      or `MEAN` / `SUM_OVER_BATCH_SIZE` state it: a term the graph reads
+      otherwise is refused, one it cannot read is weighted as stated (1, or
+      the tower's share `n_i / n`). `Reduction.NONE` is an error: a loss
+      must be a scalar.
     devices: device strings, e.g. `['/gpu:0', '/gpu:1']`. None: every local
       GPU, or with no GPU every local CPU device, counted with the
       Estimator's `session_config` (so `ConfigProto(device_count={'CPU': 4})`

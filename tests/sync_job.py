@@ -114,7 +114,8 @@ def model_fn(features, labels, mode, params):
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
       labels, logits, weights=features["w"],
       reduction=tf.compat.v1.losses.Reduction.MEAN)
-  replicate.loss_denominator(tf.reduce_sum(features["w"]))
+  if not params.get("read_loss"):  # else read from the graph
+    replicate.loss_denominator(tf.reduce_sum(features["w"]))
   loss += tf.compat.v1.losses.get_regularization_loss()
   # A statistic of the rows, updated as batch norm's are (UPDATE_OPS).
   feature_mean = tf.compat.v1.get_variable(
@@ -223,6 +224,8 @@ def main(argv):
                       help="static batch shapes (a task's batches alike)")
   parser.add_argument("--weight-decay", action="store_true",
                       help="a second optimizer call: decay not from rows")
+  parser.add_argument("--read-loss", action="store_true",
+                      help="no loss_denominator: the loss rule reads it")
   parser.add_argument("--embedding", action="store_true",
                       help="an embedding lookup: sparse gradients")
   parser.add_argument("--sparse-optimizers", action="store_true",
@@ -252,6 +255,7 @@ def main(argv):
               "embedding": arguments.embedding,
               "sparse_optimizers": arguments.sparse_optimizers,
               "weight_decay": arguments.weight_decay,
+              "read_loss": arguments.read_loss,
               "wrap": replicate.TowerOptimizer})
   path = os.path.join(arguments.model_dir,
                       "values-{}-{}.npz".format(task["type"], task["index"]))

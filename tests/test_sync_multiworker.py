@@ -77,7 +77,8 @@ class Lines(io.TextIOBase):
 
 def _cluster(model_dir, tasks, max_steps, batches, log, hidden="4",
              batch_norm=None, chief_late=0, towers="2", embedding=False,
-             weight_decay=False, static=False, sparse_optimizers=False):
+             weight_decay=False, static=False, sparse_optimizers=False,
+             read_loss=False):
   command = [sys.executable, os.path.join(HERE, "sync_job.py"),
              str(model_dir), str(max_steps), batches, "--hidden", hidden,
              "--towers", towers]
@@ -91,6 +92,8 @@ def _cluster(model_dir, tasks, max_steps, batches, log, hidden="4",
     command += ["--static"]
   if sparse_optimizers:
     command += ["--sparse-optimizers"]
+  if read_loss:
+    command += ["--read-loss"]
   if chief_late:  # the chief's process starts `chief_late` s after the rest
     command = ["sh", "-c", 'case "$TF_CONFIG" in *\'"type": "chief"\'*) '
                "sleep {};; esac; exec \"$@\"".format(chief_late), "sh"
@@ -107,13 +110,14 @@ def _task_names(tasks):
 
 def _run(model_dir, tasks, max_steps, batches, hidden="4", batch_norm=None,
          towers="2", embedding=False, weight_decay=False, static=False,
-         sparse_optimizers=False):
+         sparse_optimizers=False, read_loss=False):
   """Runs the job to its end; returns every task's exit code and the log."""
   log = Lines()
   with _cluster(model_dir, tasks, max_steps, batches, log, hidden,
                 batch_norm, towers=towers, embedding=embedding,
                 weight_decay=weight_decay, static=static,
-                sparse_optimizers=sparse_optimizers) as cluster:
+                sparse_optimizers=sparse_optimizers,
+                read_loss=read_loss) as cluster:
     codes = {"{}:{}".format(*task): cluster.wait(*task, timeout=240)
              for task in _task_names(tasks)}
   return codes, log
@@ -182,6 +186,17 @@ def test_two_tasks_with_uneven_and_empty_batches_train_as_one_device(
   events = [name for name in os.listdir(tmp_path / "cluster")
             if name.startswith("events.out.tfevents")]
   assert len(events) == 1, events
+
+
+def test_two_tasks_combine_a_weighted_loss_read_from_the_graph(tmp_path):
+  # No loss_denominator: the loss rule reads the weighted MEAN (a ratio of
+  # sums) and the regularization (once), and sums every ratio's
+  # denominator over both tasks' towers.
+  batches = "6,5,4;5,0,3"
+  codes, log = _run(tmp_path / "cluster", 2, 10, batches, read_loss=True)
+  assert codes == {"chief:0": 0, "worker:0": 0}, log.text()[-3000:]
+  expected = _reference(tmp_path / "reference", batches, 3)
+  _assert_every_task_like(tmp_path / "cluster", 2, expected)
 
 
 def test_workers_wait_for_a_late_chief_without_errors(tmp_path):

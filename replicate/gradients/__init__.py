@@ -9,6 +9,8 @@
 - `stand_ins`: values that exist only once every tower is built.
 - `touched`: gradients from `tf.gradients` or a tape that the `model_fn`
   changes before `apply_gradients`, made the whole batch's.
-- `weighting`: each tower's weight (its share, or `loss_denominator`).
+- `weighting`: each tower's weight (its share, or `loss_denominator`),
+  and its loss weighted term by term (`loss_rule` reads the terms, with
+  `loss_ops`; `term_weights` weighs them).
 - `aggregation`: sums of dense and sparse gradients; towers without rows.
 """

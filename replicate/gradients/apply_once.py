@@ -83,23 +83,23 @@ class Wrapping:
     return checked(wrapped(), self._family)
 
   def _weighted_loss(self, loss):
-    """The loss weighted by the current tower's weight.
+    """The loss weighted for the current tower (see
+    `weighting.TowerWeights.weigh_loss`).
 
-    The weight is held by an op of its own, recorded in the tower weights,
-    so that `weighting.weighed_once` knows a gradient computed through it
-    is weighted.
+    The result passes through an op of its own, recorded in the tower
+    weights, so that `weighting.weighed_once` knows a gradient computed
+    through it is weighted.
     """
     context = _active_context()
     if context is None:
       return loss
     index = context.progress.tower_index
-    weight = context.weights.of(index)
-    if isinstance(weight, float) and weight == 1.0:
-      return loss
 
     def weighted(value):
-      marker = tf.identity(sharding.weight_as(weight, value.dtype),
-                           name="tower_weight")
+      value = context.weights.weigh_loss(
+          index, value, context.progress.rows_of(index),
+          strict_rows=context.progress.rows_of(index, count_folded=False))
+      marker = tf.identity(tf.ones([], value.dtype), name="tower_weight")
       context.weights.add_weight_op(index, marker.op)
       return value * marker
 

@@ -3,12 +3,16 @@
 On gradients: `weighed_once` weights each gradient a tower passes to
 `apply_gradients` once, however it was made (see there).
 
-On weights: with `Reduction.SUM` every tower's loss counts fully (weight 1);
-with an averaging reduction tower i's loss counts `n_i / n`, its share of
-the batch, which is exact when the loss is a mean over rows. A loss that
-averages over something else (non-zero weights, the tokens a padding mask
-keeps, a sum of weights) states its denominator with `loss_denominator`,
-and tower i then counts `d_i / sum_j d_j`, worked out at run time.
+On weights: each tower's loss is weighted term by term as the graph says
+it is reduced over the tower's rows (`replicate.gradients.loss_rule`, put
+together by `replicate.gradients.term_weights`): a sum counts as it is, a
+mean or a ratio of sums as the tower's sum over every tower's count, a term
+not from the rows once. A loss the rule cannot read is refused with the
+fix. A tower that states its denominator with `loss_denominator` is
+weighted `d_i / sum_j d_j` as a whole instead, worked out at run time: the
+explicit form wins over what the graph says. `TowerWeights.of` is the one
+weight of a tower (its share `n_i / n`, 1 with `Reduction.SUM`, or
+`d_i / sum_j d_j`), which gradients computed outside the optimizer get.
 
 On towers whose denominator is 0 (every row padding): such a tower weighs
 0, but its loss is 0 / 0 = NaN, and 0 x NaN is NaN, in the loss and in
@@ -23,6 +27,7 @@ from typing import Any, List, Optional, Set
 import tensorflow as tf
 
 from replicate.gradients import stand_ins
+from replicate.gradients import term_weights
 from replicate.shard import sharding
 from replicate.towers import current
 
@@ -38,9 +43,13 @@ def loss_denominator(denominator: Any) -> tf.Tensor:
 
   On towers: inside `replicate_model_fn`, with an averaging
   `loss_reduction`, tower i's loss (and so its gradients) is weighted by
-  `d_i / sum_j d_j` instead of its share of the rows, so that N towers
-  train on the loss one device would compute on the whole batch. Call it in
-  the `model_fn` before the optimizer, once per tower. Outside
+  `d_i / sum_j d_j` as a whole, instead of term by term as the graph reads
+  it, so that N towers train on the loss one device would compute on the
+  whole batch. The graph is read without it for the usual forms
+  (`tf.compat.v1.losses`, Keras losses, `reduce_sum(l * w) /
+  reduce_sum(w)`); state it for a loss the rule refuses (e.g. one that
+  divides by `tf.maximum(tf.reduce_sum(w), 1.0)`). Call it in the
+  `model_fn` before the optimizer, once per tower. Outside
   `replicate_model_fn`, or with one tower, it does nothing.
 
   ```python
@@ -120,6 +129,7 @@ def weighed_once(context, grads_and_vars: list, whole=()) -> list:
     if grad is None or is_whole or _ops_of(grad) & weighted:
       result.append((grad, variable))
     elif rows.depend([grad]):
+      context.weights.note_scaled(index)
       result.append((_scaled(grad, weight), variable))
     elif index == 0 and counts_once:
       result.append((grad, variable))
@@ -170,7 +180,9 @@ class TowerWeights:
   """Each tower's loss weight, by rows or by stated denominators."""
 
   def __init__(self, weights: List[Any], has_rows: List[Any],
-               sums_losses: bool, sum_over_tasks=lambda tensor, name: tensor):
+               sums_losses: bool, sum_over_tasks=lambda tensor, name: tensor,
+               *, shares: Optional[List[Any]] = None,
+               reduction: Optional[str] = None, is_first_task: bool = True):
     # In a synchronous cluster, the sum of a value over every task.
     self._sum_over_tasks = sum_over_tasks
     self._weights = list(weights)
@@ -183,6 +195,83 @@ class TowerWeights:
     # Per tower, the ops holding its loss weight: a gradient computed
     # through one of them is already weighted (see `weighed_once`).
     self._weight_ops = [set() for _ in weights]
+    # The loss rule (`replicate.gradients.loss_rule`): each tower's loss
+    # weighted term by term, unless the tower stated its denominator.
+    if reduction is None:
+      reduction = (tf.compat.v1.losses.Reduction.SUM if sums_losses else
+                   tf.compat.v1.losses.Reduction.SUM_BY_NONZERO_WEIGHTS)
+    self._terms = term_weights.TermWeights(
+        len(weights), list(weights) if shares is None else shares, has_rows,
+        reduction, is_first_task, sum_over_tasks)
+    self._loss_calls = [0] * len(weights)
+    self._weighed = {}  # (tower, loss) -> the loss weighted
+    # Towers whose gradients, computed outside the optimizer, were scaled
+    # by the tower's one weight (`weighed_once`).
+    self._scaled = set()
+
+  def note_scaled(self, index: int) -> None:
+    """Tower `index`'s gradients were scaled by `of(index)` as they are."""
+    self._scaled.add(index)
+
+  def weigh_loss(self, index: int, loss, rows, key=None,
+                 strict_rows=None) -> tf.Tensor:
+    """Tower `index`'s `loss` weighted so that the towers' sum is one
+    device's loss on the whole batch.
+
+    By the denominator the tower stated (`loss_denominator`), or else term
+    by term as the graph says (`replicate.gradients.term_weights`). `rows`:
+    the tower's `replicate.shard.rows.TowerRows`. `key` matches the loss
+    across towers; by default, the k-th loss the tower's optimizer weighs.
+    """
+    weight = self.of(index)
+    loss = tf.convert_to_tensor(loss)
+    if self._denominators[index] is not None:
+      return loss * sharding.weight_as(weight, loss.dtype)
+    if key is None:
+      key = ("optimizer", self._loss_calls[index])
+      self._loss_calls[index] += 1
+    weighted = self._terms.weigh(
+        key, index, loss, lambda t: rows.depend([t]),
+        None if strict_rows is None else lambda t: strict_rows.depend([t]))
+    self._weighed[(index, loss.ref())] = weighted
+    return weighted
+
+  def weigh_spec_losses(self, losses: List[Any], rows_of) -> List[tf.Tensor]:
+    """Every tower's spec loss weighted (see `weigh_loss`): the tensor its
+    optimizer weighed, if it is the same loss, else weighed here."""
+    losses = [tf.convert_to_tensor(loss) for loss in losses]
+    known = [self._weighed.get((i, loss.ref())) for i, loss in
+             enumerate(losses)]
+    if all(weighted is not None for weighted in known):
+      return known
+    result = [self.weigh_loss(i, loss, rows_of(i), key="spec",
+                              strict_rows=rows_of(i, count_folded=False))
+              for i, loss in enumerate(losses)]
+    self._terms.finish("spec")
+    for index in sorted(self._scaled):
+      if self._denominators[index] is None:
+        self._check_scaled(index, losses[index])
+    return result
+
+  def _check_scaled(self, index, loss):
+    """Gradients scaled by the tower's one weight (its share of the rows,
+    or 1 with `Reduction.SUM`) are right only for a loss every term of
+    which that weight fits; else refused."""
+    kinds = self._terms.kinds_of("spec", index)
+    fits = term_weights.FITS_ONE_WEIGHT[self._terms.reduction]
+    wrong = [kind for kind in kinds if kind not in fits]
+    if wrong:
+      raise ValueError(
+          "Tower {} applies gradients it computed itself (tf.gradients or "
+          "a GradientTape, not TowerOptimizer.compute_gradients or "
+          "minimize), which can only be scaled by one weight per tower "
+          "(its share of the rows, or 1 with Reduction.SUM), but its loss "
+          "{!r} has a term that is {}, which that weight does not fit. Fix: "
+          "take the gradients with TowerOptimizer.compute_gradients(loss), "
+          "which weights each term of the loss as the graph reads it, or "
+          "state what the loss divides by with "
+          "replicate.loss_denominator(d).".format(
+              index, loss.op.name, wrong[0]))
 
   def of(self, index: int):
     """Tower `index`'s weight (float or scalar tensor), now fixed."""
@@ -250,8 +339,10 @@ class TowerWeights:
     return value
 
   def finish(self) -> None:
-    """Connects the sum of the denominators; every tower must state one."""
+    """Connects the sums of the denominators and of the loss terms; every
+    tower must state a denominator if one does."""
     if self._total is None:
+      self._terms.finish()
       return
     missing = [i for i, d in enumerate(self._denominators) if d is None]
     if missing:
@@ -259,6 +350,7 @@ class TowerWeights:
           "replicate.loss_denominator was called in some towers but not in "
           "tower(s) {}: every tower's model_fn must state its loss "
           "denominator, whatever its data.".format(missing))
+    self._terms.finish()
     with tf.name_scope("loss_denominator_over_towers"):
       stand_ins.connect(self._total, self._sum_over_tasks(
           tf.math.add_n(self._denominators), "loss_denominator_over_tasks"))

@@ -49,7 +49,7 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
       predictions_lib.combine_outputs(tower_specs, layout,
                                       frozenset(progress.tower_ops[0])))
   if tower_specs[0].loss is not None:
-    fields["loss"] = _weighted_loss(tower_specs, weights)
+    fields["loss"] = _weighted_loss(tower_specs, weights, progress)
     if mode == ModeKeys.TRAIN:
       fields["loss"] = layout.sum_over_tasks(fields["loss"], "loss_over_tasks")
   if mode == ModeKeys.TRAIN and any(
@@ -95,16 +95,18 @@ def _outline(spec):
   }
 
 
-def _weighted_loss(tower_specs, weights):
+def _weighted_loss(tower_specs, weights, progress):
+  """The sum of the towers' losses, each weighted as the loss rule reads it
+  (`weighting.TowerWeights.weigh_spec_losses`): the optimizer's weighted
+  loss where the spec's loss is the one it minimized."""
   with tf.name_scope("loss_over_towers"):
+    weighted = weights.weigh_spec_losses([spec.loss for spec in tower_specs],
+                                         progress.rows_of)
     terms = []
     # A tower that does not count (no rows, or a loss denominator of 0) is
     # chosen away, not weighed 0: its loss may be NaN (0 / 0).
-    for spec, weight, counts in zip(tower_specs, weights.all(),
-                                    weights.counts()):
+    for loss, counts in zip(weighted, weights.counts()):
       if counts is False:
         continue
-      loss = tf.convert_to_tensor(spec.loss)
-      terms.append(sharding.zero_unless_rows(
-          loss * sharding.weight_as(weight, loss.dtype), counts))
+      terms.append(sharding.zero_unless_rows(loss, counts))
     return tf.math.add_n(terms, name="sum")

@@ -52,11 +52,15 @@ class TowerRows:
   """
 
   def __init__(self, shard: Any, tower_ops: Optional[Container] = None,
-               inputs_of: Optional[Callable] = None):
+               inputs_of: Optional[Callable] = None,
+               count_folded: bool = True):
     self._shard = {t.ref() for t in tf.nest.flatten(shard,
                                                    expand_composites=True)
                    if isinstance(t, tf.Tensor)}
     self._tower_ops = tower_ops
+    # False: a folded constant is not taken for the rows (the loss rule's
+    # second look at a term it cannot read).
+    self._count_folded = count_folded
     self._answers = {}  # op -> whether it depends on the rows
     self._inputs_of = inputs_of or (lambda op: op.inputs)
 
@@ -124,7 +128,7 @@ class TowerRows:
     return False
 
   def _is_folded_shape(self, op: tf.Operation) -> bool:
-    return (op.type == "Const" and
+    return (self._count_folded and op.type == "Const" and
             (self._tower_ops is None or op in self._tower_ops) and
             _FOLDED_SHAPE.fullmatch(op.name.split("/")[-1]) is not None)
 

@@ -68,7 +68,9 @@ class ReplicationContext:
     self.weights = weighting.TowerWeights(
         [1.0] * layout.num_towers if sums_losses else
         [tower.share for tower in layout.towers], layout.has_rows,
-        sums_losses, layout.sum_over_tasks)
+        sums_losses, layout.sum_over_tasks,
+        shares=[tower.share for tower in layout.towers],
+        reduction=loss_reduction, is_first_task=layout.is_first_task)
     # For the variable creator (`replicate.variables.matching`): tower 0's
     # variables, in order.
     self.tower0_variables = matching.Tower0Variables()

@@ -66,11 +66,11 @@ class BuildProgress:
       return frozenset(self.tower_ops[index])
     return frozenset(self._graph.get_operations()[self._first_op[index]:])
 
-  def rows_of(self, index: int) -> rows.TowerRows:
+  def rows_of(self, index: int, count_folded: bool = True) -> rows.TowerRows:
     """`replicate.shard.rows`'s rule for what tower `index` built so far."""
     tower = self._towers[index]
     return rows.TowerRows((tower.features, tower.labels),
-                          self.ops_so_far(index))
+                          self.ops_so_far(index), count_folded)
 
   @contextlib.contextmanager
   def building_own_ops(self):

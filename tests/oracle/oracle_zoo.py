@@ -930,6 +930,65 @@ def seeded_model_fn(features, labels, mode):
 
 
 # ---------------------------------------------------------------------------
+# tensorflow/models' Transformer (TF 1 Estimator): the padded, label-smoothed
+# token cross entropy, averaged over the target tokens that are not padding,
+# with no loss_denominator (replicate reads the ratio from the graph).
+
+
+def _transformer_xent(logits, labels, smoothing, vocab_size):
+  with tf.name_scope("loss"):
+    logit_length, label_length = tf.shape(logits)[1], tf.shape(labels)[1]
+    longest = tf.maximum(logit_length, label_length)
+    logits = tf.pad(logits, [[0, 0], [0, longest - logit_length], [0, 0]])
+    labels = tf.pad(labels, [[0, 0], [0, longest - label_length]])
+    with tf.name_scope("smoothing_cross_entropy"):
+      confidence = 1.0 - smoothing
+      low_confidence = (1.0 - confidence) / tf.cast(vocab_size - 1,
+                                                    tf.float32)
+      soft_targets = tf.one_hot(tf.cast(labels, tf.int32), depth=vocab_size,
+                                on_value=confidence, off_value=low_confidence)
+      xentropy = tf.nn.softmax_cross_entropy_with_logits(
+          logits=logits, labels=soft_targets)
+      # The best loss reachable with smoothed targets, subtracted.
+      normalizing_constant = -(
+          confidence * tf.math.log(confidence) +
+          tf.cast(vocab_size - 1, tf.float32) * low_confidence *
+          tf.math.log(low_confidence + 1e-20))
+      xentropy -= normalizing_constant
+    weights = tf.cast(tf.not_equal(labels, 0), tf.float32)
+    return xentropy * weights, weights
+
+
+def transformer_model_fn(features, labels, mode, params):
+  embedding = tf.compat.v1.get_variable(
+      "embedding", [6, 4],
+      initializer=tf.compat.v1.random_normal_initializer(stddev=0.5))
+  hidden = tf.nn.embedding_lookup(embedding, features["tokens"])
+  logits = tf.compat.v1.layers.dense(hidden, 6, name="presoftmax")
+  if mode == ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={
+        "outputs": tf.argmax(logits, axis=-1)})
+  xentropy, weights = _transformer_xent(logits, labels,
+                                        params["label_smoothing"], 6)
+  loss = tf.reduce_sum(xentropy) / tf.reduce_sum(weights)
+  if mode == ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
+        "accuracy": tf.compat.v1.metrics.accuracy(
+            labels, tf.argmax(logits, axis=-1), weights=weights)})
+  train_op = replicate.TowerOptimizer(
+      tf.compat.v1.train.AdamOptimizer(0.1, beta2=0.997)).minimize(
+          loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _transformer_data():
+  tokens = _token_data(13, 6)
+  targets = np.roll(tokens, -1, axis=1) % 6
+  targets[tokens == 0] = 0  # padding targets, as the inputs' padding
+  return {"tokens": tokens}, targets.astype(np.int64)
+
+
+# ---------------------------------------------------------------------------
 # Canned estimators: compat.v1 and TF 2, DNN / Linear / DNNLinearCombined,
 # binary / multi-class / regressor, with and without a weight column. Nine
 # of the 36 combinations, chosen (an orthogonal array) so that every pair of
@@ -1065,6 +1124,11 @@ def _zoo():
       _custom("masked_token_loss", masked_model_fn, _masked_data(),
               {"tokens": _fixed([5], tf.int64), "label": _fixed([5], tf.int64)},
               ["tokens"]),
+      _custom("transformer_padded_xent", transformer_model_fn,
+              _transformer_data(),
+              {"tokens": _fixed([5], tf.int64),
+               "label": _fixed([5], tf.int64)}, ["tokens"],
+              params={"label_smoothing": 0.1}),
       # Clipping is a training matter; "batch" has uneven shards (4 + 3,
       # 2 + 2 + 2 ...) and towers without rows (the remainder batch of 1).
       _custom("clip_after_compute_gradients", clipped_model_fn,
