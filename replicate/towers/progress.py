@@ -70,7 +70,7 @@ class BuildProgress:
     """`replicate.shard.rows`'s rule for what tower `index` built so far."""
     tower = self._towers[index]
     return rows.TowerRows((tower.features, tower.labels),
-                          self.ops_so_far(index), count_folded)
+                          self.ops_so_far(index), count_folded=count_folded)
 
   @contextlib.contextmanager
   def building_own_ops(self):
