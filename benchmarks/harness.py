@@ -46,11 +46,12 @@ import functools
 import math
 import tempfile
 import time
-from typing import Callable, List, NamedTuple
+from typing import Callable, List, NamedTuple, Optional
 
 import tensorflow as tf
 
 import replicate
+from benchmarks import expected
 from benchmarks import hand_ring
 from benchmarks import pipelines
 from benchmarks.configs import Config
@@ -114,6 +115,45 @@ def failure(error: tf.errors.OpError) -> str:
             and not line.rstrip().endswith(":")
             and not line.startswith(("Detected at node", "Node:"))]
   return (causes or [type(error).__name__])[0][:160].replace("|", "/")
+
+
+class Outcome(NamedTuple):
+  """A cell, or the cause of its failure; `hidden`: E-level lines dropped."""
+  cell: Optional[Cell]
+  failure: Optional[str]  # `failure(error)`, what the row says
+  hidden: int  # TensorFlow's E-level lines of the expected failure
+  as_expected: bool  # the failure `benchmarks.expected` describes
+
+
+def attempt(model_name: str, config: Config, warmup_steps: int,
+            seconds: float) -> Outcome:
+  """`run_cell`, or the failure's cause if TensorFlow raised.
+
+  The expected failure's cell runs with stderr captured: failing as
+  expected, TensorFlow's E-level lines are dropped from what is written
+  back (`benchmarks.expected`); any other outcome writes back all of it.
+  """
+  if not expected.is_expected(model_name, config):
+    try:
+      return Outcome(run_cell(model_name, config, warmup_steps, seconds),
+                     None, 0, False)
+    except tf.errors.OpError as error:
+      return Outcome(None, failure(error), 0, False)
+  cell = cause = None
+  caught = []
+  try:
+    with expected.captured_stderr() as caught:
+      try:
+        cell = run_cell(model_name, config, warmup_steps, seconds)
+      except tf.errors.OpError as error:
+        cause = failure(error)
+  finally:
+    text, hidden = (caught or [""])[0], 0
+    as_expected = expected.failed_as_expected(model_name, config, cause)
+    if as_expected:
+      text, hidden = expected.error_lines(text)
+    expected.write_back(text)
+  return Outcome(cell, cause, hidden, as_expected)
 
 
 def run_cell(model_name: str, config: Config, warmup_steps: int,

@@ -5,7 +5,11 @@ of towers N: `<stem>_examples_per_sec.png` (training examples/sec, and on
 the right axis the same as a multiple of `single`'s) and
 `<stem>_scaling.png` (step time above, graph build time below). A line per
 configuration family; dashed: the static pipeline; black: `single` on one
-device. A configuration that failed at some N is an x on the N axis.
+device. A point is the median over the repeats; its error bar spans their
+minimum to maximum (for `single`, a grey band), so a noisy run shows as
+long bars rather than as a speed-up. RESULTS.md gives that range for
+examples/sec only; a fresh run's figures have it for every column. A
+configuration that failed at some N is an x on the N axis.
 
 `python -m benchmarks.plot` redraws benchmarks/RESULTS_*.png from
 benchmarks/RESULTS.md alone (its medians, machine and date), without
@@ -51,11 +55,17 @@ SINGLE = {"single": ("-.", "single: one device, unwrapped"),
                             "pipeline")}
 
 
+# The legend's caption of the error bars.
+BARS = "bars: min to max over the repeats; points: medians"
+
+
 class Panel(NamedTuple):
   """One model's figures: medians by configuration, and what failed."""
   title: str  # "mlp: MLP 784-1024-1024-10, global batch 256"
   medians: Dict[str, Dict[str, float]]  # {config name: {column: median}}
   failed: List[str]  # config names
+  # {config name: {column: (min, max) over the repeats}}, where known
+  ranges: Dict[str, Dict[str, Tuple[float, float]]]
 
 
 def main(argv=None):
@@ -102,7 +112,7 @@ def read_results(text: str) -> Tuple[Dict[str, Panel], str]:
   for model, rows in tables.items():
     if model not in titles:
       continue  # only the A/A line of a model without a table
-    medians, failed = {}, []
+    medians, failed, ranges = {}, [], {}
     for name, row in rows.items():
       if name == "A/A":
         continue
@@ -111,7 +121,9 @@ def read_results(text: str) -> Tuple[Dict[str, Panel], str]:
         continue
       medians[name] = {column: _median(row[column]) for column in COLUMNS
                        if _median(row.get(column)) is not None}
-    panels[model] = Panel(titles[model], medians, failed)
+      ranges[name] = {column: _range(row[column]) for column in COLUMNS
+                      if _range(row.get(column)) is not None}
+    panels[model] = Panel(titles[model], medians, failed, ranges)
   repeats = re.search(r" over (\d+) repeats", text)
   return panels, subtitle_of(
       _line(text, "Machine") or "machine not recorded",
@@ -130,6 +142,15 @@ def subtitle_of(machine: str, date: str, repeats) -> str:
 def draw(rates_path: str, scaling_path: str, panels: Dict[str, Panel],
          subtitle: str) -> None:
   """Writes both figures: examples/sec, and step and build time."""
+  from matplotlib import pyplot  # pylint: disable=import-outside-toplevel
+  for figure, path in zip(figures(panels, subtitle),
+                          (rates_path, scaling_path)):
+    figure.savefig(path, dpi=100)
+    pyplot.close(figure)
+
+
+def figures(panels: Dict[str, Panel], subtitle: str):
+  """Both figures, drawn and not saved: examples/sec, step and build time."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   from matplotlib import pyplot  # pylint: disable=import-outside-toplevel
@@ -145,9 +166,9 @@ def draw(rates_path: str, scaling_path: str, panels: Dict[str, Panel],
     _ratio_axis(axis, panel, "examples/sec", "x single's examples/sec")
   for axis in axes.flat[len(panels):]:
     axis.set_visible(False)
-  _finish(figure, pyplot, rates_path,
-          "Training examples/sec against towers: higher is better",
-          subtitle)
+  rates = _finish(figure,
+                  "Training examples/sec against towers: higher is better",
+                  subtitle)
 
   figure = pyplot.figure(figsize=(12, 0.8 + 5.1 * rows),
                          layout="constrained")
@@ -162,29 +183,37 @@ def draw(rates_path: str, scaling_path: str, panels: Dict[str, Panel],
     _ratio_axis(step, panel, "step ms", "x single's step time")
     _lines(build, panel, "build s")
     build.set_ylabel("graph build, s")
-  _finish(figure, pyplot, scaling_path,
-          "Step time and graph build time against towers: lower is better",
-          subtitle)
+  return rates, _finish(
+      figure, "Step time and graph build time against towers: lower is "
+      "better", subtitle)
 
 
 def _lines(axis, panel, column):
   """A line per family and pipeline; `single` as horizontal lines."""
   measured = [configurations.parse_config(name) for name in panel.medians]
   measured = [config for config in measured if not config.is_again]
-  top = 0.0
+  top, has_bars = 0.0, False
   for family, (color, label) in FAMILIES.items():
     for pipeline, style in (("dynamic", "-"), ("static", "--")):
       points = sorted((c.towers, panel.medians[c.name][column])
+                      + _bounds(panel, c.name, column)
                       for c in measured
                       if c.family == family and c.pipeline == pipeline
                       and column in panel.medians[c.name])
       if points:
-        axis.plot(*zip(*points), marker="o", markersize=4, color=color,
-                  linestyle=style, label=label if pipeline == "dynamic"
-                  else family + "-static: the same, static pipeline",
-                  linewidth=2.6 if family == "replicate-ps" else 1.4,
-                  zorder=3 if family == "replicate-ps" else 2)
-        top = max(top, max(value for _, value in points))
+        towers, medians, lows, highs = zip(*points)
+        axis.errorbar(
+            towers, medians, yerr=[[m - low for m, low in zip(medians, lows)],
+                                   [high - m for m, high in
+                                    zip(medians, highs)]],
+            capsize=3, elinewidth=1, marker="o", markersize=4, color=color,
+            linestyle=style, label=label if pipeline == "dynamic"
+            else family + "-static: the same, static pipeline",
+            linewidth=2.6 if family == "replicate-ps" else 1.4,
+            zorder=3 if family == "replicate-ps" else 2)
+        top = max(top, max(highs))
+        if any(high > low for low, high in zip(lows, highs)):
+          has_bars = True
     failed = sorted({configurations.parse_config(name).towers
                      for name in panel.failed
                      if configurations.parse_config(name).family == family})
@@ -197,7 +226,14 @@ def _lines(axis, panel, column):
       value = panel.medians[name][column]
       axis.axhline(value, color="black", linestyle=style, linewidth=1.2,
                    label=label)
-      top = max(top, value)
+      low, high = _bounds(panel, name, column)
+      if high > low:
+        axis.axhspan(low, high, color="0.5", alpha=0.15, linewidth=0,
+                     label="grey band: single's min to max")
+      top = max(top, high)
+  if has_bars:  # the legend's caption of the bars
+    axis.plot([], [], color="0.3", marker="|", markersize=12,
+              markeredgewidth=1.5, linestyle="none", label=BARS)
   towers = sorted({c.towers for c in measured})
   axis.set_xscale("log", base=2)
   axis.set_xticks(towers, [str(n) for n in towers])
@@ -226,8 +262,14 @@ def _ratio_axis(axis, panel, column, label):
   right.set_ylabel(label.replace("x ", "\u00d7 ", 1))
 
 
-def _finish(figure, pyplot, path, title, subtitle):
-  """One legend for the figure, below the panels; the titles; saved."""
+def _bounds(panel, name, column):
+  """(min, max) over the repeats of a point; (median, median) if unknown."""
+  median = panel.medians[name][column]
+  return panel.ranges.get(name, {}).get(column, (median, median))
+
+
+def _finish(figure, title, subtitle):
+  """One legend for the figure, below the panels; the titles."""
   handles, labels = [], []
   for axis in figure.get_axes():
     for handle, label in zip(*axis.get_legend_handles_labels()):
@@ -239,14 +281,15 @@ def _finish(figure, pyplot, path, title, subtitle):
                 loc="outside lower center", ncol=3, fontsize=9,
                 frameon=False)
   figure.suptitle("{}\n{}".format(title, subtitle), fontsize=11)
-  figure.savefig(path, dpi=100)
-  pyplot.close(figure)
+  return figure
 
 
 def _legend_rank(label):
   """Families in FAMILIES' order, each one's static line after it, then
   single's lines, then the failure mark."""
   keys = list(FAMILIES) + list(SINGLE)
+  if label == BARS:
+    return 2 * len(keys) + 1
   for rank, key in enumerate(keys):
     if label.startswith(key + ":"):
       return 2 * rank
@@ -273,6 +316,14 @@ def _median(text):
     return float(text.split(" (")[0].replace(",", ""))
   except (AttributeError, ValueError):
     return None
+
+
+def _range(text):
+  """`27,885 (27,177-28,846)`: (27177.0, 28846.0); None without a range."""
+  found = re.search(r"\(([\d,.]+)-([\d,.]+)\)", text or "")
+  if not found:
+    return None
+  return tuple(float(bound.replace(",", "")) for bound in found.groups())
 
 
 def _line(text, name):

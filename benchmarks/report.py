@@ -51,10 +51,8 @@ def markdown(cells, failures, configs, command, machine):
     lines += ["A/A, {}: {}  ".format(model, aa_line(by_config))]
   lines.append("")
   for model, by_config in cells.items():
-    spec = MODELS[model]
     lines += [
-        "## {}: {}, global batch {}".format(model, spec.description,
-                                            spec.global_batch), "",
+        "## " + title(model), "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS)
     ]
@@ -139,16 +137,39 @@ def plot(rates_path, scaling_path, cells, failures, configs, machine):
   """
   panels = {}
   for model, by_config in cells.items():
-    spec = MODELS[model]
     panels[model] = plotting.Panel(
-        "{}: {}, global batch {}".format(model, spec.description,
-                                         spec.global_batch),
+        title(model),
         {name: _medians(runs) for name, runs in by_config.items() if runs},
-        [c.name for c in configs if c.name in failures[model]])
+        [c.name for c in configs if c.name in failures[model]],
+        {name: _ranges(runs) for name, runs in by_config.items() if runs})
   repeats = max((len(runs) for by_config in cells.values()
                  for runs in by_config.values()), default=0)
   plotting.draw(rates_path, scaling_path, panels, plotting.subtitle_of(
       machine, datetime.date.today().isoformat(), repeats))
+
+
+def title(model):
+  """`wide: 100,000 x 16 embedding, ..., global batch 256`: the model's name
+  once, though its description may start with it too."""
+  spec = MODELS[model]
+  description = spec.description
+  if description.startswith(model + ": "):
+    description = description[len(model) + 2:]
+  return "{}: {}, global batch {}".format(model, description,
+                                          spec.global_batch)
+
+
+def _columns(runs):
+  """{column: each repeat's value} for the plotted columns of the table."""
+  return {"examples/sec": [c.examples_per_second for c in runs],
+          "step ms": [1000 * c.step_seconds for c in runs],
+          "build s": [c.build_seconds for c in runs]}
+
+
+def _ranges(runs):
+  """{column: (min, max) over the repeats}: the plots' error bars."""
+  return {column: (min(values), max(values))
+          for column, values in _columns(runs).items()}
 
 
 def _medians(runs):
