@@ -13,9 +13,10 @@ scaling.png to --output.
 On the default grid: every configuration at N = 1, 2, 4, 8 on the dynamic
 pipeline, `single` and `replicate-N-ps` also on the static one (x static),
 and `single-again`; 5 repeats of cells measured for 1 s. `--quick`: N = 1,
-2, 4, no `rr`, `gather`, `ring`, `handring`, 3 repeats of 0.5 s. A run
-prints its estimated length first, from `harness.estimate_seconds`
-(`--estimate` prints only that), and the time left after every cell.
+2, 4, no `rr`, `gather`, `ring`, `handring`, 3 repeats of 0.5 s: about 6
+minutes on 2 cores (`QUICK_TAKES`). A run prints its estimated length
+first, from `harness.estimate_seconds` (`--estimate` prints only that), and
+the time left after every cell.
 
 On failures: a configuration whose training raises a TensorFlow error is
 reported as failed, with the error's cause, and not run again. The one
@@ -45,6 +46,11 @@ from benchmarks import expected  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks import report  # noqa: E402
 from benchmarks.models import DEFAULT_MODELS, MODELS  # noqa: E402
+
+
+# How long --quick takes, as its help, the estimate it prints and
+# docs/benchmarks.md say (a fresh clone's run took 6 min 13 s).
+QUICK_TAKES = "about 6 minutes on 2 cores"
 
 
 def main(argv=None):
@@ -143,8 +149,8 @@ def make_parser():
   parser = cli.parser("python -m benchmarks", __doc__.splitlines()[0])
   add = parser.add_argument
   add("--quick", action="store_true",
-      help="N up to 4, fewer configurations, 3 repeats of 0.5 s: about 6 "
-      "minutes on 2 cores")
+      help="N up to 4, fewer configurations, 3 repeats of 0.5 s: " +
+      QUICK_TAKES)
   add("--estimate", action="store_true",
       help="print how long the run would take, and stop")
   add("--models", metavar="NAMES", default=",".join(DEFAULT_MODELS),

@@ -611,3 +611,172 @@ def test_recording_keeps_the_rest_of_the_file(tmp_path):
   assert across_workers.read_data(text) == _across_workers_data()
   assert across_workers.main(["--redraw", "--record", str(path)]) == 0
   assert path.read_text() == text
+
+
+def test_a_title_names_its_model_once():
+  # MODELS' descriptions of wide and convnet start with the model's name.
+  assert report.title("wide") == (
+      "wide: 100,000 x 16 embedding, 8 ids a row, global batch 256")
+  assert report.title("convnet").startswith("convnet: 2 conv")
+  for model in MODELS:
+    assert not report.title(model).startswith(model + ": " + model), model
+
+
+def _synthetic_cells():
+  """Three repeats of single and replicate-2-ps on wide, with a spread."""
+  def cell(rate, step, build):
+    return harness.Cell(rate, rate, build, step, 1.5, 100, 2.0)
+
+  return {"wide": {
+      "single": [cell(100.0, 0.010, 0.5), cell(140.0, 0.008, 0.7),
+                 cell(120.0, 0.009, 0.6)],
+      "replicate-2-ps": [cell(90.0, 0.012, 0.9), cell(180.0, 0.006, 1.3),
+                         cell(110.0, 0.010, 1.0)]}}
+
+
+def test_a_fresh_run_plots_titles_without_the_model_twice(monkeypatch):
+  drawn = {}
+  monkeypatch.setattr(plot, "draw", lambda *args: drawn.update(
+      zip(("rates", "scaling", "panels", "subtitle"), args)))
+  report.plot("a.png", "b.png", _synthetic_cells(), {"wide": {}},
+              [configs.parse_config("single"),
+               configs.parse_config("replicate-2-ps")], "2 cores")
+  panel = drawn["panels"]["wide"]
+  assert panel.title == (
+      "wide: 100,000 x 16 embedding, 8 ids a row, global batch 256")
+  # min and max of 90/180/110 examples/sec, 12/6/10 ms, 0.9/1.3/1.0 s
+  assert panel.ranges["replicate-2-ps"] == {
+      "examples/sec": (90.0, 180.0), "step ms": (6.0, 12.0),
+      "build s": (0.9, 1.3)}
+  rates, scaling = plot.figures(drawn["panels"], drawn["subtitle"])
+  titles = [axis.get_title() for axis in rates.get_axes()] + [
+      cell.get_suptitle() for cell in scaling.subfigs]
+  assert "wide: 100,000 x 16 embedding, 8 ids a row, global batch 256" in (
+      titles)
+  assert not any("wide: wide" in title for title in titles), titles
+  _close(rates, scaling)
+
+
+def _bars(axis):
+  """{(tower, median): (low, high)} of an Axes' error bars, to 6 places."""
+  from matplotlib.container import ErrorbarContainer  # pylint: disable=import-outside-toplevel
+  bars = {}
+  for container in axis.containers:
+    if isinstance(container, ErrorbarContainer):
+      line, _, (columns,) = container.lines
+      for x, y, segment in zip(line.get_xdata(), line.get_ydata(),
+                               columns.get_segments()):
+        (_, low), (_, high) = segment
+        bars[(int(x), round(float(y), 6))] = (round(float(low), 6),
+                                              round(float(high), 6))
+  return bars
+
+
+def test_a_fresh_runs_plots_draw_the_repeats_range_as_error_bars(
+    monkeypatch):
+  drawn = {}
+  monkeypatch.setattr(plot, "draw", lambda *args: drawn.update(
+      zip(("rates", "scaling", "panels", "subtitle"), args)))
+  report.plot("a.png", "b.png", _synthetic_cells(), {"wide": {}},
+              [configs.parse_config("single"),
+               configs.parse_config("replicate-2-ps")], "2 cores")
+  rates, scaling = plot.figures(drawn["panels"], drawn["subtitle"])
+  axis = rates.get_axes()[0]
+  # replicate-2-ps at N = 2: median 110 examples/sec, its bar 90 to 180.
+  assert _bars(axis) == {(2, 110.0): (90.0, 180.0)}
+  # single: a band from 100 to 140 around its line at 120.
+  bands = [patch.get_path().get_extents().transformed(
+      patch.get_transform() - axis.transData) for patch in axis.patches]
+  assert [(band.y0, band.y1) for band in bands] == [
+      pytest.approx((100.0, 140.0))]
+  step, build = scaling.subfigs[0].get_axes()[:2]
+  assert _bars(step) == {(2, 10.0): (6.0, 12.0)}
+  assert _bars(build) == {(2, 1.0): (0.9, 1.3)}
+  # The legend says what the bars are.
+  legend = [text.get_text() for text in rates.legends[0].get_texts()]
+  assert plot.BARS in legend
+  _close(rates, scaling)
+
+
+def test_results_md_plots_its_examples_per_sec_range_as_error_bars():
+  with open(readme.RESULTS) as results:
+    panels, subtitle = plot.read_results(results.read())
+  # RESULTS.md: | replicate-2-ps | 26,152 (25,460-27,122) | ... | 9.55 |
+  assert panels["mlp"].ranges["replicate-2-ps"] == {
+      "examples/sec": (25460.0, 27122.0)}
+  rates, _ = plot.figures({"mlp": panels["mlp"]}, subtitle)
+  bars = _bars(rates.get_axes()[0])
+  assert bars[(2, 26152.0)] == (25460.0, 27122.0)
+  _close(rates, _)
+
+
+def _close(*figures):
+  from matplotlib import pyplot  # pylint: disable=import-outside-toplevel
+  for figure in figures:
+    pyplot.close(figure)
+
+
+class _Failing:
+  """harness.run_cell's stand-in: TensorFlow's logging, then its error."""
+
+  def __init__(self, message):
+    self.message = message
+
+  def __call__(self, *args):
+    import os  # pylint: disable=import-outside-toplevel
+    os.write(2, (
+        "2026-11-27 02:45:37.123456: E tensorflow/core/common_runtime/"
+        "base_collective_executor.cc:249] BaseCollectiveExecutor::"
+        "StartAbort INTERNAL: Shape mismatch in the collective instance\n"
+        "2026-11-27 02:45:37.123999: W tensorflow/core/kernels/"
+        "data/a.cc:1] a warning\n"
+        "E1127 02:45:37.124000 1 collective_ops.cc:1] Collective ops is "
+        "aborted by: Shape mismatch\n").encode())
+    raise tf.errors.InternalError(None, None, self.message)
+
+
+def test_the_expected_failure_prints_one_line_without_tensorflows_errors(
+    monkeypatch, capfd):
+  monkeypatch.setattr(harness, "run_cell", _Failing(
+      "Collective ops is aborted by: Shape mismatch in the collective "
+      "instance 105. Op at device CPU:0 expected shape [238]"))
+  config = configs.parse_config("mirrored-2-default")
+  outcome = harness.attempt("dnn_classifier", config, 5, 0.5)
+  assert outcome.as_expected and outcome.hidden == 2
+  assert outcome.failure.startswith("Collective ops is aborted by: Shape")
+  line = main.failed_line(outcome)
+  assert line.startswith("failed as expected: MirroredStrategy's ")
+  assert "2 TensorFlow error lines hidden" in line and "\n" not in line
+  err = capfd.readouterr().err
+  assert " E tensorflow" not in err and "E1127" not in err
+  assert "W tensorflow/core/kernels/data/a.cc:1] a warning" in err  # kept
+
+
+@pytest.mark.parametrize("model, name, message", [
+    ("dnn_classifier", "mirrored-2-default", "Out of memory"),  # another
+    ("mlp", "mirrored-2-default", "Shape mismatch in the collective "
+     "instance 1"),  # not the cell that fails by design
+])
+def test_any_other_failure_keeps_every_line(model, name, message,
+                                            monkeypatch, capfd):
+  monkeypatch.setattr(harness, "run_cell", _Failing(message))
+  outcome = harness.attempt(model, configs.parse_config(name), 5, 0.5)
+  assert not outcome.as_expected and outcome.hidden == 0
+  assert main.failed_line(outcome) == "failed: " + message
+  err = capfd.readouterr().err
+  assert " E tensorflow/core/common_runtime" in err and "E1127" in err
+
+
+def test_the_quick_runs_length_is_said_one_way_everywhere(capsys):
+  # A fresh clone's --quick run took 6 min 13 s; the estimate it prints,
+  # its --help and docs/benchmarks.md all say about 6 minutes.
+  assert main.QUICK_TAKES == "about 6 minutes on 2 cores"
+  main.main(["--quick", "--estimate"])
+  assert capsys.readouterr().out.rstrip().endswith(
+      ": " + main.QUICK_TAKES + ".")
+  parser = main.make_parser()
+  assert main.QUICK_TAKES in " ".join(parser.format_help().split())
+  with open(readme.README) as text:
+    docs = " ".join(text.read().split())
+  assert docs.count(main.QUICK_TAKES) == 2  # the command list, the prose
+  assert "few minutes" not in docs and "about 5 minutes" not in docs
