@@ -86,7 +86,7 @@ def main(argv=None):
           del cells[model][config.name]
           print("[{:>3}/{}] {:<15} {:<24} {}".format(
               done, total, model, config.name, failed_line(outcome)),
-                flush=True)
+            flush=True)
           continue
         cell = outcome.cell
         cells[model][config.name].append(cell)
