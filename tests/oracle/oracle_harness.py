@@ -146,10 +146,11 @@ def cells(full: bool) -> List[Cell]:
              if cell.mode == "train" and cell.tower_count > 1}
   for index, model in enumerate(ZOO):
     if model not in trained:
-      pipeline = dict(model_factors(model))["pipeline"]
+      factors = dict(model_factors(model))
+      pipeline, strategies = factors["pipeline"], factors["strategy"]
       sample.append(Cell(model, "batch" if "batch" in pipeline else
                          pipeline[0], "3",
-                         STRATEGIES[index % len(STRATEGIES)], "train"))
+                         strategies[index % len(strategies)], "train"))
   return sample
 
 
