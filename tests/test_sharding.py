@@ -1,5 +1,7 @@
 """Splitting batches into tower shards, and each shard's loss weight."""
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -153,15 +155,28 @@ def test_unsplittable_inputs_are_clear_errors(graph, make_features, expected):
     sharding.split_batch(make_features(), None, 2)
 
 
-def _empty_batch_model_fn(features, labels, mode):
+def _empty_batch_model_fn(features, labels, mode,
+                          reduction=Reduction.SUM_BY_NONZERO_WEIGHTS):
   w = tf.compat.v1.get_variable(
       "w", [4, 1], initializer=tf.compat.v1.constant_initializer(
           [1.0, 2.0, 3.0, 4.0]))
   predictions = tf.matmul(features, w)
   if mode == tf.estimator.ModeKeys.PREDICT:
     return tf.estimator.EstimatorSpec(mode, predictions=predictions)
-  return regression_spec(mode, labels, predictions,
-                         tf.compat.v1.train.AdamOptimizer(0.1))
+  if reduction == Reduction.SUM_BY_NONZERO_WEIGHTS:
+    return regression_spec(mode, labels, predictions,
+                           tf.compat.v1.train.AdamOptimizer(0.1))
+  # The loss reduced as loss_reduction says (the loss rule refuses a
+  # loss_reduction the graph contradicts).
+  loss = tf.compat.v1.losses.mean_squared_error(labels, predictions,
+                                                reduction=reduction)
+  train_op = replicate.TowerOptimizer(
+      tf.compat.v1.train.AdamOptimizer(0.1)).minimize(
+          loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=train_op,
+      eval_metric_ops={"mae": tf.compat.v1.metrics.mean_absolute_error(
+          labels, predictions)})
 
 
 def _on_an_empty_batch(model_fn, mode):
@@ -189,11 +204,12 @@ def _on_an_empty_batch(model_fn, mode):
 @pytest.mark.parametrize("towers", [2, 3])
 def test_a_batch_known_to_be_empty_trains_a_no_op_step_as_unwrapped(
     towers, reduction):
+  model_fn = functools.partial(_empty_batch_model_fn, reduction=reduction)
   wrapped = replicate.replicate_model_fn(
-      _empty_batch_model_fn, devices=cpus(towers), loss_reduction=reduction)
+      model_fn, devices=cpus(towers), loss_reduction=reduction)
   for mode in (tf.estimator.ModeKeys.TRAIN, tf.estimator.ModeKeys.EVAL,
                tf.estimator.ModeKeys.PREDICT):
-    expected, _ = _on_an_empty_batch(_empty_batch_model_fn, mode)
+    expected, _ = _on_an_empty_batch(model_fn, mode)
     got, got_variables = _on_an_empty_batch(wrapped, mode)
     assert len(got) == len(expected), mode
     for got_value, expected_value in zip(got, expected):

@@ -136,7 +136,7 @@ class CrossTask:
 
     `timeout`: seconds the collective waits for the others (0: no limit).
     """
-    with tf.device(self.device), tf.name_scope(name), self._in_step():
+    with tf.device(self.device), tf.name_scope(name), self.in_step():
       summed = tf.raw_ops.CollectiveReduceV2(
           input=tensor, merge_op="Add", final_op="Id", ordering_token=[],
           communication_hint=_HINT, timeout_seconds=timeout,
@@ -175,7 +175,7 @@ class CrossTask:
     """
     in_step = instance_key is None
     with tf.device(self.device), (
-        self._in_step() if in_step else contextlib.nullcontext()):
+        self.in_step() if in_step else contextlib.nullcontext()):
       gathered = tf.raw_ops.CollectiveGatherV2(
           input=tensor, ordering_token=[], communication_hint=_HINT,
           timeout_seconds=timeout,
@@ -216,7 +216,7 @@ class CrossTask:
     with tf.device(self.device), tf.name_scope(name):
       return gather_ragged(self, [values, tf.cast(indices, tf.int64)])
 
-  def _in_step(self):
+  def in_step(self):
     """After the check that every input goes on, once there is one."""
     if self.after_check is None:
       return contextlib.nullcontext()
@@ -280,7 +280,7 @@ def gather_ragged(cross: "CrossTask", tensors: Sequence[tf.Tensor]
     first_key = reserve_instance_keys(graph, _BUCKETS)
     padding = [[0, cap - mine[0]]] + [[0, 0]] * (tensor.shape.rank - 1)
     padded = tf.pad(tensor, padding)
-    with cross._in_step():  # pylint: disable=protected-access
+    with cross.in_step():
       gathered = tf.raw_ops.CollectiveGatherV2(
           input=padded, ordering_token=[], communication_hint=_HINT,
           timeout_seconds=0, group_size=tf.constant(cross.group.size),
