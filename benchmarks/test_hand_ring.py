@@ -69,7 +69,8 @@ def test_only_handring_configurations_go_through_the_hand_ring():
   config = configs.parse_config("replicate-4-handring")
   assert config.uses_hand_ring
   assert config.replicate_arguments == {"variable_strategy": "replicated",
-                                        "all_reduce": "gather"}
+                                        "all_reduce": "gather",
+                                        "sync_batch_norm": False}
   assert config.replicate_arguments["all_reduce"] in allreduce.ALGORITHMS
   for name in ("replicate-4-gather", "replicate-4-ring", "single",
                "mirrored-2-default"):
