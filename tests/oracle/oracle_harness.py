@@ -154,6 +154,26 @@ def cells(full: bool) -> List[Cell]:
   return sample
 
 
+def ci_cells() -> List[Cell]:
+  """The cross `make test-oracle` runs: every cell of more than one tower,
+  but an export only once per (model, pipeline, towers).
+
+  Left out, as the pairwise sample of `make test` still covers them: one
+  tower (the `model_fn` placed on its device, no wrapper at work), and an
+  export's other strategies (a SavedModel is built as one unplaced tower
+  whatever the strategy, so they export the same graph).
+  """
+  kept = []
+  for cell in cells(full=True):
+    strategies = dict(model_factors(cell.model))["strategy"]
+    if cell.towers == "1":
+      continue
+    if cell.mode == "export" and cell.strategy != strategies[0]:
+      continue
+    kept.append(cell)
+  return kept
+
+
 def shard(all_cells: List[Cell], spec: str) -> List[Cell]:
   """The cells of shard "i/n": those of the (model, pipeline) pairs i,
   i + n, ... in the cross's order.

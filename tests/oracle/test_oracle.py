@@ -19,8 +19,13 @@ import oracle_pairwise
 import oracle_zoo
 from oracle_zoo import ZOO
 
-IS_FULL = os.environ.get("REPLICATE_ORACLE") == "full"
-CELLS = harness.cells(full=IS_FULL)
+# "full": the whole cross (`make test-oracle-full`); "ci": the cross less
+# what the sample covers for it (`make test-oracle`, harness.ci_cells);
+# else the pairwise sample (`make test`).
+ORACLE = os.environ.get("REPLICATE_ORACLE")
+IS_FULL = ORACLE == "full"
+CELLS = (harness.ci_cells() if ORACLE == "ci" else
+         harness.cells(full=IS_FULL))
 if os.environ.get("REPLICATE_ORACLE_SHARD"):  # `make test-oracle`: 2 at once
   CELLS = harness.shard(CELLS, os.environ["REPLICATE_ORACLE_SHARD"])
 
@@ -129,3 +134,19 @@ def test_the_clip_is_active_on_one_device(workspace):
                for rows in (slice(0, 3), slice(3, 6), slice(6, 7),
                             slice(0, 2))]
   assert min(norms) > oracle_zoo.CLIP_NORM, norms
+
+
+def test_the_ci_cross_leaves_out_only_what_the_sample_covers_for_it():
+  everything = harness.cells(full=True)
+  ci = harness.ci_cells()
+  assert set(map(str, ci)) < set(map(str, everything))
+  left_out = [cell for cell in everything if cell not in ci]
+  # One tower, or an export of a strategy other than the model's first.
+  assert all(cell.towers == "1" or cell.mode == "export"
+             for cell in left_out)
+  assert not any(cell.mode == "export" and cell.towers != "1" and
+                 cell.strategy == dict(harness.model_factors(cell.model))[
+                     "strategy"][0] for cell in left_out)
+  # Every training cell of more than one tower stays.
+  assert {str(c) for c in everything
+          if c.mode == "train" and c.towers != "1"} <= set(map(str, ci))
