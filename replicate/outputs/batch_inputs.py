@@ -56,6 +56,22 @@ _OVER_TOWERS = {"max": tf.reduce_max, "min": tf.reduce_min,
 _REDUCTIONS = frozenset(["Sum", "Mean", "Max", "Min", "Prod", "Any", "All",
                          "EuclideanNorm"])
 _FOLDED_SIZE = re.compile(r"Size(_[0-9]+)?")
+_FOLDED_SHAPE = re.compile(r"Shape(_[0-9]+)?")
+# Ops whose output, of a shape unknown when built, may be anything made of
+# the rows (a `py_func` corpus score): never taken for a sum's parts.
+_OPAQUE = frozenset(["PyFunc", "PyFuncStateless", "EagerPyFunc"])
+
+
+def _is_shape(tensor):
+  """A shape of a tensor (`tf.shape(x)`, or its value folded to a constant):
+  a vector of sizes, never a row tensor, even when its length is the
+  shard's rows."""
+  op = tensor.op
+  if tensor.dtype.base_dtype not in (tf.int32, tf.int64):
+    return False
+  return op.type == "Shape" or (
+      op.type == "Const" and
+      _FOLDED_SHAPE.fullmatch(op.name.split("/")[-1]) is not None)
 
 
 class BatchValue(NamedTuple):
@@ -131,7 +147,7 @@ class _Finder:
 
   def _is_row(self, tensor):
     rank = tensor.shape.rank
-    if not rank:
+    if not rank or _is_shape(tensor):
       return False
     rows = tf.compat.dimension_value(tensor.shape[0])
     if rows != self._row_count:
@@ -152,6 +168,39 @@ class _Finder:
         return False
     return True
 
+  def _is_row_count(self, tensor):
+    """`tf.shape(x)[0]` of a row tensor `x`: the shard's rows, a count that
+    sums over towers, like `Size`."""
+    op = tensor.op
+    while op.type in ("Cast", "Identity") and op.inputs:
+      tensor = op.inputs[0]
+      op = tensor.op
+    if op.type != "StridedSlice" or not op.get_attr("shrink_axis_mask") & 1:
+      return False
+    shape = op.inputs[0]
+    if not _is_shape(shape) or not self._from_rows(shape):
+      return False
+    begin = tf.get_static_value(op.inputs[1])
+    if begin is None or np.reshape(begin, [-1])[:1].tolist() != [0]:
+      return False
+    if shape.op.type == "Shape":
+      return self._is_row(shape.op.inputs[0])
+    return True
+
+  def _is_opaque(self, tensor):
+    """Whether a tensor of unknown rank may come from an op whose output is
+    anything made of the rows (a `py_func`), through ops of unknown rank."""
+    pending, seen = [tensor], set()
+    while pending:
+      t = pending.pop()
+      if t.ref() in seen or t.shape.rank is not None:
+        continue
+      seen.add(t.ref())
+      if t.op.type in _OPAQUE:
+        return True
+      pending.extend(t.op.inputs)
+    return False
+
   def is_additive(self, value):
     """Whether the write adds a sum or count of the rows (or nothing of
     them): the towers' changes then sum to one device's."""
@@ -160,10 +209,16 @@ class _Finder:
     op = value.op
     if op.type == "Const":
       return True  # a count folded from a static shape
+    if self._is_row_count(value):
+      return True
     if op.type in _ADDITIVE:
       # A rank unknown when built (`precision_at_k`'s set sizes) is no
-      # scalar either.
-      return op.inputs[0].shape.rank != 0
+      # scalar either, unless an op such as a `py_func` made it (a corpus
+      # score over the rows: a value over the batch).
+      source = op.inputs[0]
+      if source.shape.rank is None:
+        return not self._is_opaque(source)
+      return source.shape.rank != 0
     if op.type in _SCATTERED:
       return True
     if op.type in _LINEAR:
@@ -190,6 +245,9 @@ class _Finder:
       op = tensor.op
       if self._loss is not None and tensor is self._loss:
         found.append(BatchValue(tensor, "loss", reader, position, None))
+        continue
+      if self._is_row_count(tensor):
+        found.append(BatchValue(tensor, "sum", reader, position, None))
         continue
       if op.type == "Const":
         if _FOLDED_SIZE.fullmatch(op.name.split("/")[-1]):

@@ -156,6 +156,11 @@ def _make_once(change, tower0_changes, runs):
   tower0_writes = [c.op for c in tower0_changes
                    if c.variable is not None and
                    c.variable is change.variable and c.op in runs]
+  # Not after a write of tower 0's that waits for this one already: an
+  # accumulator of the whole batch's gradients, reset once the update ran,
+  # where the update reads this tower's (zero) part, made after this add.
+  tower0_writes = [write for write in tower0_writes if op not in set(
+      graph_walk.ops_behind([write], follow_control=True))]
   _change_nothing(op, after=tower0_writes)
 
 
