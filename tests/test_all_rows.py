@@ -266,6 +266,11 @@ REFUSED = {
         "TopKV2"),
     "sort_axis_0": (lambda q, y: tf.sort(q, axis=0), "TopKV2"),
     "cumsum_axis_0": (lambda q, y: tf.cumsum(q, axis=0), "Cumsum"),
+    # In-batch negatives through einsum: silently off before (review).
+    "einsum_negatives": (lambda q, y: tf.einsum("id,jd->ij", q, q),
+                         "Einsum"),
+    "einsum_over_rows": (lambda q, y: q * tf.einsum("id,id->d", q, q),
+                         "Einsum"),
     "class_sums": (lambda q, y: tf.gather(
         tf.math.unsorted_segment_sum(q, y, 3), y), "UnsortedSegmentSum"),
 }
@@ -309,6 +314,8 @@ KEPT_APART = {
     "sampled_softmax": _sampled_softmax,
     "int_cumsum": lambda q, y: q * tf.cast(tf.cumsum(y), tf.float32)[:, None],
     "top_k_in_rows": lambda q, y: tf.math.top_k(q, 2).values,
+    "einsum_within_rows": lambda q, y: tf.reduce_sum(
+        tf.einsum("bi,bj->bij", q, q), 2),
 }
 
 

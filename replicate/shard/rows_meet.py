@@ -186,6 +186,28 @@ def _matmul(finder, op):
   return None
 
 
+def _einsum(finder, op):
+  """`tf.einsum` of two tensors with rows whose batch axes (each operand's
+  first subscript) differ (`'id,jd->ij'`: [rows, rows]) or are summed
+  away (`'id,id->d'`); a shared batch axis kept in the output (`'bij,bjk->
+  bik'`) keeps rows apart, as batched matmuls do."""
+  if len(op.inputs) != 2 or not all(
+      finder.carries_rows(t) and not finder.sampled(t) for t in op.inputs):
+    return None
+  operands, _, output = op.get_attr("equation").decode().partition("->")
+  subscripts = operands.split(",")
+  if len(subscripts) != 2 or any(not sub or sub.startswith(".")
+                                 for sub in subscripts):
+    return None  # the batch axis under an ellipsis is aligned, kept apart
+  first, second = subscripts[0][0], subscripts[1][0]
+  if first != second:
+    return "the two operands' batch axes ({!r}, {!r}) meet".format(
+        first, second)
+  if first not in output:
+    return "it sums over the batch axis {!r}".format(first)
+  return None
+
+
 def _top_k(finder, op):
   """`top_k`, `sort`, `argsort` over the batch axis: along a vector of one
   value per row, or along dimension 0 moved last by a transpose."""
@@ -234,6 +256,7 @@ _ROW_COMBINING = {
     "BatchMatMul": _matmul,
     "BatchMatMulV2": _matmul,
     "BatchMatMulV3": _matmul,
+    "Einsum": _einsum,
     "TopKV2": _top_k,
     "TopK": _top_k,
     "Cumsum": _cumulative,
