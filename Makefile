@@ -50,8 +50,9 @@ test: $(STAMP)
 # a pairwise-covering sample of it), in two processes at once, each half
 # the (model, pipeline) pairs (graph building is one Python thread; the
 # machines have 2 cores). `make test-oracle` (in .ci/run) leaves out what
-# the sample covers for it: one tower, and an export's other strategies
-# (oracle_harness.ci_cells); `make test-oracle-full` runs every cell.
+# the sample covers for it: one tower, and the other strategies of
+# evaluation, prediction and export (oracle_harness.ci_cells); `make
+# test-oracle-full` runs every cell.
 # The second shows progress; the first's report follows it.
 ORACLE_TMP ?= /tmp/replicate-oracle
 ORACLE ?= ci
