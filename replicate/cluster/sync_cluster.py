@@ -43,6 +43,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+from replicate.cluster import ragged
+
 TIMEOUT_ENV = "REPLICATE_SYNC_TIMEOUT_SECS"
 DEFAULT_TIMEOUT_SECONDS = 120.0
 
@@ -214,7 +216,22 @@ class CrossTask:
           "cast after the lookup), or train with ps tasks.".format(
               values.dtype.base_dtype.name))
     with tf.device(self.device), tf.name_scope(name):
-      return gather_ragged(self, [values, tf.cast(indices, tf.int64)])
+      return ragged.gather_ragged(self, [values, tf.cast(indices, tf.int64)])
+
+  def step_collective(self, op_type: str, tensor: tf.Tensor, instance_key,
+                      **attributes) -> tf.Tensor:
+    """A V2 collective `op_type` of `tensor` in the step (no timeout: the
+    watchdog bounds it), on `instance_key` (an int or an int32 tensor)."""
+    with tf.device(self.device), self.in_step():
+      result = getattr(tf.raw_ops, op_type)(
+          input=tensor, ordering_token=[], communication_hint=_HINT,
+          timeout_seconds=0, **self._keys(instance_key), **attributes)
+    self.step_ops.append(result.op)
+    return result
+
+  def reserve_keys(self, graph: tf.Graph, count: int) -> int:
+    """The first of `count` consecutive fresh instance keys in `graph`."""
+    return reserve_instance_keys(graph, count)
 
   def in_step(self):
     """After the check that every input goes on, once there is one."""
@@ -225,7 +242,7 @@ class CrossTask:
   def _keys(self, instance_key):
     return dict(group_size=tf.constant(self.group.size),
                 group_key=tf.constant(GROUP_KEY),
-                instance_key=tf.constant(instance_key))
+                instance_key=tf.convert_to_tensor(instance_key, tf.int32))
 
 
 def next_instance_key(graph: tf.Graph) -> int:
@@ -238,56 +255,8 @@ def next_instance_key(graph: tf.Graph) -> int:
 # The dtypes of sparse gradients' values CollectiveGatherV2 carries.
 _GATHERED_DTYPES = frozenset([tf.float16, tf.float32, tf.float64])
 
-# How many padded lengths a ragged all-gather can use: 1, 2, 4, ... 2**30.
-_BUCKETS = 31
-
-
 def reserve_instance_keys(graph: tf.Graph, count: int) -> int:
   """The first of `count` consecutive fresh instance keys in `graph`."""
   first = next_instance_key(graph)
   _next_instance_key[graph] = first + count
   return first
-
-
-def gather_ragged(cross: "CrossTask", tensors: Sequence[tf.Tensor]
-                 ) -> List[tf.Tensor]:
-  """Every task's `tensors`, of a length its own, concatenated in rank order.
-
-  Every tensor has the same length `k` on a task (dimension 0); `k` differs
-  between tasks and steps, and may be 0. CollectiveGatherV2 needs the same
-  shape on every task, and an instance keeps the shape of its first run
-  (another shape on a later step aborts: "Shape mismatch in the collective
-  instance"). So: first an all-gather of every task's `k`; then each
-  tensor is padded to the smallest power of two not below the longest `k`
-  and all-gathered on an instance key of that power (a key per power, one
-  shape each, the same on every task since every task has every `k`); the
-  padding is dropped by the gathered lengths. What travels grows with the
-  rows, at most twice the longest task's, never with the variable. The
-  keys are reserved in building order like every step's collective; the
-  collectives carry no timeout (the step's watchdog bounds them).
-  """
-  graph = tensors[0].graph
-  mine = tf.shape(tensors[0], out_type=tf.int32)[:1]
-  counts = cross.gather(mine)  # [tasks]
-  longest = tf.reduce_max(counts)
-  caps = tf.constant([2 ** b for b in range(_BUCKETS)], tf.int32)
-  bucket = tf.reduce_sum(tf.cast(caps < longest, tf.int32))
-  cap = caps[bucket]
-  kept = tf.reshape(tf.range(cap)[tf.newaxis, :] < counts[:, tf.newaxis],
-                    [-1])
-  results = []
-  for tensor in tensors:
-    first_key = reserve_instance_keys(graph, _BUCKETS)
-    padding = [[0, cap - mine[0]]] + [[0, 0]] * (tensor.shape.rank - 1)
-    padded = tf.pad(tensor, padding)
-    with cross.in_step():
-      gathered = tf.raw_ops.CollectiveGatherV2(
-          input=padded, ordering_token=[], communication_hint=_HINT,
-          timeout_seconds=0, group_size=tf.constant(cross.group.size),
-          group_key=tf.constant(GROUP_KEY),
-          instance_key=first_key + bucket)
-    cross.step_ops.append(gathered.op)
-    result = tf.boolean_mask(gathered, kept)
-    result.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
-    results.append(result)
-  return results
