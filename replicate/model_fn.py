@@ -248,21 +248,21 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
   """
   num_towers = len(tower_devices)
   cross = strategy.cross_task
-  total_rows = None
+  task_rows = None
   if cross is not None:
-    features, labels, total_rows = sync_input.take_batch(features, labels,
-                                                         cross)
+    features, labels, task_rows = sync_input.take_batch(features, labels,
+                                                        cross)
   shards = sharding.split_batch(
       features, labels, num_towers,
       is_prediction=mode == tf.estimator.ModeKeys.PREDICT)
-  if cross is not None and total_rows is None:
-    total_rows = sync_input.count_rows(shards.batch_size, cross)
+  if cross is not None and task_rows is None:
+    task_rows = sync_input.count_rows(shards.batch_size, cross)
   device_functions = [
       devices_lib.tower_device_function(device, strategy.variable_device)
       for device in tower_devices
   ]
   layout = layout_lib.TowerLayout.of(tower_devices, device_functions,
-                                     shards, strategy, total_rows=total_rows)
+                                     shards, strategy, task_rows=task_rows)
   with context_lib.replication_context(
       layout, loss_reduction, tower_variables=tower_variables_lib.TowerVariables(
           tf.compat.v1.get_default_graph(), tower_devices,

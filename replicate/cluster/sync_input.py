@@ -10,8 +10,9 @@ starts with one all-gather of (whether this task's input ended, its rows).
 If any task's ended, every task raises `OutOfRangeError` at that point,
 before any variable changes: the Estimator ends training cleanly on every
 task at the same step, and the chief writes its last checkpoint. The same
-all-gather gives the step's rows over every task, `n`, by which each
-tower's share `n_i / n` is counted.
+all-gather gives every task's rows this step: their sum `n`, by which each
+tower's share `n_i / n` is counted, and the rows of the tasks before this
+one (where its rows start in the batch: `replicate.row_offset`).
 
 Input that does not come from a `tf.data.Dataset` (a queue, as
 `numpy_input_fn` makes) cannot be taken so and is refused with the fix;
@@ -34,7 +35,7 @@ _QUEUE_OP_TYPES = frozenset([
 
 
 def take_batch(features, labels, cross) -> Tuple[Any, Any, Optional[tf.Tensor]]:
-  """(features, labels, the step's rows over every task, or None).
+  """(features, labels, every task's rows this step in rank order, or None).
 
   None when the batch does not come from a dataset: the caller counts the
   rows itself (`count_rows`).
@@ -96,13 +97,14 @@ def take_batch(features, labels, cross) -> Tuple[Any, Any, Optional[tf.Tensor]]:
   features, labels = tf.nest.map_structure(
       lambda leaf: replaced.get(leaf, leaf) if isinstance(leaf, tf.Tensor)
       else leaf, (features, labels), expand_composites=True)
-  return features, labels, tf.reduce_sum(every_task[:, 1])
+  return features, labels, every_task[:, 1]
 
 
 def count_rows(batch_size, cross) -> tf.Tensor:
-  """The step's rows over every task, for a batch not taken by `take_batch`."""
-  return cross.sum(tf.cast(tf.reshape(batch_size, []), tf.int64),
-                   name="rows_over_tasks")
+  """Every task's rows this step in rank order (int64 [tasks]), for a batch
+  not taken by `take_batch`."""
+  with tf.name_scope("rows_over_tasks"):
+    return cross.gather(tf.cast(tf.reshape(batch_size, [1]), tf.int64))
 
 
 def _rows_if_any(optional, has_value, types, shapes):

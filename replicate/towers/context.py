@@ -37,7 +37,7 @@ import tensorflow as tf
 from replicate.gradients import optimizer_calls
 from replicate.gradients import weighting
 from replicate.shard import sharding
-from replicate.towers import all_rows as all_rows_lib
+from replicate.towers import all_rows_calls
 from replicate.towers import current
 from replicate.towers import layout as layout_lib
 from replicate.towers import name_counters
@@ -81,7 +81,7 @@ class ReplicationContext:
     # `replicate.batch_norm.batch_norm_sites.BatchNormSync`), or None.
     self.batch_norm = batch_norm
     # The calls of `replicate.all_rows`, per tower.
-    self.all_rows = all_rows_lib.AllRows(layout.num_towers)
+    self.all_rows = all_rows_calls.AllRows(layout.num_towers)
 
   def tower_name_scope(self, index: int) -> str:
     """The name-scope prefix of tower `index` ('' for tower 0 at top level)."""
@@ -150,7 +150,7 @@ class ReplicationContext:
     self.collections.finish()
     with self.progress.building_own_ops():
       self.weights.finish()
-      self.all_rows.finish()
+      self.all_rows.finish(self.layout)
     if self.batch_norm is not None:
       self.batch_norm.finish()
 

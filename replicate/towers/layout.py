@@ -37,19 +37,25 @@ class TowerLayout(NamedTuple):
   strategy: strategies.VariableStrategy  # where variables live, how
   # gradients combine
   graph: tf.Graph  # the graph the towers are built in
+  # In a synchronous cluster, every task's rows this step in rank order
+  # (int64 [tasks]); else None.
+  task_rows: Optional[tf.Tensor] = None
 
   @classmethod
   def of(cls, devices: Sequence[str], device_functions: Sequence[Callable],
          shards: sharding.Shards, strategy: strategies.VariableStrategy,
          graph: Optional[tf.Graph] = None,
-         total_rows: Any = None) -> "TowerLayout":
+         task_rows: Optional[tf.Tensor] = None) -> "TowerLayout":
     """The layout of `shards` on `devices` (`graph`: the default graph).
 
-    `total_rows`: the rows the shares count over, in a synchronous cluster
-    every task's (a tensor); by default the batch's.
+    `task_rows`: in a synchronous cluster, every task's rows this step in
+    rank order; the shares then count over their sum, not the batch's.
     """
-    shares = sharding.shard_shares(
-        shards.sizes, shards.batch_size if total_rows is None else total_rows)
+    total_rows = shards.batch_size
+    if task_rows is not None:
+      with tf.device(strategy.cross_task.device):
+        total_rows = tf.reduce_sum(task_rows)
+    shares = sharding.shard_shares(shards.sizes, total_rows)
     has_rows = sharding.shard_has_rows(shards.sizes)
     towers = [
         Tower(index, device, device_function, shards.features[index],
@@ -57,7 +63,7 @@ class TowerLayout(NamedTuple):
         for index, (device, device_function) in enumerate(
             zip(devices, device_functions))]
     return cls(towers, shards, strategy,
-               graph or tf.compat.v1.get_default_graph())
+               graph or tf.compat.v1.get_default_graph(), task_rows)
 
   @property
   def num_towers(self) -> int:
