@@ -2,7 +2,8 @@
 
   python tests/sync_job.py MODEL_DIR MAX_STEPS BATCHES [--hidden H[,H...]]
       [--towers N[,N...]] [--batch-norm {fused,plain}] [--embedding]
-      [--weight-decay] [--static] [--sparse-optimizers]
+      [--weight-decay] [--static] [--sparse-optimizers] [--negatives]
+      [--clip {compute,gradients}]
 
 `BATCHES` gives, per task in rank order (chief, worker 0, 1, ...), the rows
 of each of its batches: `"6,5,0;5,4,3"` is a chief with batches of 6, 5
@@ -18,7 +19,13 @@ features (`UPDATE_OPS`, as batch norm's statistics), an L2 regularizer, a
 `tower_local_scope("sum")` count of the rows seen and the global step;
 optionally a synchronized batch norm, an embedding (sparse gradients), an
 embedding each for SGD, Adam, Adagrad and FTRL (`--sparse-optimizers`) and
-a second optimizer call whose gradient is not computed from the rows.
+a second optimizer call whose gradient is not computed from the rows;
+in-batch negatives through `replicate.all_rows` and `replicate.row_offset`
+(`--negatives`: every row's query against every row's item of the whole
+batch, every task's); the gradients clipped by global norm between
+`compute_gradients` or `tf.gradients` and `apply_gradients` (`--clip`,
+with SGD, on which the clip shows most; the tests' reference also trains
+`"unclipped"`, the same SGD without the clip).
 Each task has 2 towers (virtual CPUs; `--towers`), trained by
 `tf.estimator.train_and_evaluate` after `replicate.start_server`.
 
@@ -41,6 +48,7 @@ import replicate
 FEATURES = 5
 CLASSES = 3
 VOCABULARY = 11
+CLIP = 0.05  # `--clip`'s global norm: below the batch's (it clips)
 
 
 # The optimizers of `--sparse-optimizers`' embeddings, by table name.
@@ -102,18 +110,26 @@ def model_fn(features, labels, mode, params):
   hidden_layer = tf.compat.v1.layers.Dense(
       params["hidden"], activation=tf.nn.tanh, name="hidden",
       kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=1),
-      kernel_regularizer=tf.keras.regularizers.l2(0.01))
+      # Not with tf.gradients' clip: tower 0's gradient of the rows' loss
+      # plus a regularizer is refused there (its op kinds differ from the
+      # other towers'; weighting it by the tower's share would be wrong).
+      kernel_regularizer=None if params.get("clip") == "gradients" else
+      tf.keras.regularizers.l2(0.01))
   hidden = hidden_layer(inputs)
+  layers = [hidden_layer]
   if params.get("batch_norm"):
     hidden = tf.compat.v1.layers.batch_normalization(
         hidden, training=mode == tf.estimator.ModeKeys.TRAIN, name="norm",
         fused=params["batch_norm"] == "fused")
-  logits = tf.compat.v1.layers.dense(
-      hidden, CLASSES, name="logits",
-      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
+  layers.append(tf.compat.v1.layers.Dense(
+      CLASSES, name="logits",
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2)))
+  logits = layers[-1](hidden)
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
       labels, logits, weights=features["w"],
       reduction=tf.compat.v1.losses.Reduction.MEAN)
+  if params.get("negatives"):
+    loss += _in_batch_negatives(features, layers)
   if not params.get("read_loss"):  # else read from the graph
     replicate.loss_denominator(tf.reduce_sum(features["w"]))
   loss += tf.compat.v1.losses.get_regularization_loss()
@@ -129,16 +145,29 @@ def model_fn(features, labels, mode, params):
         "rows_seen", [], tf.float32, trainable=False,
         initializer=tf.compat.v1.zeros_initializer())
   count = seen.assign_add(tf.cast(tf.shape(labels)[0], tf.float32))
-  optimizer = params["wrap"](tf.compat.v1.train.AdamOptimizer(0.05))
+  clip = params.get("clip")
+  optimizer = params["wrap"](
+      tf.compat.v1.train.GradientDescentOptimizer(0.5) if clip else
+      tf.compat.v1.train.AdamOptimizer(0.05))
   with tf.control_dependencies(
       tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
     # The tables have optimizers of their own.
     # (Tower 0's variables by name: each tower trains its copies of them.)
     trained = [v for v in tf.compat.v1.trainable_variables()
                if not v.op.name.startswith("table_")] if tables else None
-    train_op = optimizer.minimize(
-        loss, tf.compat.v1.train.get_or_create_global_step(),
-        var_list=trained)
+    step = tf.compat.v1.train.get_or_create_global_step()
+    if clip == "compute":
+      grads, variables = zip(*optimizer.compute_gradients(loss,
+                                                          var_list=trained))
+    elif clip == "gradients":  # the layers' own: a tower's copies (not
+      # trainable, so layer.weights)
+      variables = [v for layer in layers for v in layer.weights]
+      grads = tf.gradients(loss, variables)
+    if clip in ("compute", "gradients"):
+      grads, _ = tf.clip_by_global_norm(grads, CLIP)
+      train_op = optimizer.apply_gradients(zip(grads, variables), step)
+    else:  # "unclipped": SGD as the clipped runs, for comparison
+      train_op = optimizer.minimize(loss, step, var_list=trained)
   for name, table in tables.items():
     sparse = params["wrap"](SPARSE_OPTIMIZERS[name]())
     train_op = tf.group(train_op, sparse.minimize(loss, var_list=[table]))
@@ -151,6 +180,26 @@ def model_fn(features, labels, mode, params):
       train_op = decay.apply_gradients([(0.1 * kernel, kernel)])
   return tf.estimator.EstimatorSpec(mode, loss=loss,
                                     train_op=tf.group(train_op, count))
+
+
+def _in_batch_negatives(features, layers):
+  """Two-tower retrieval's loss, in-batch negatives: row r's query against
+  every item of the whole batch, its own (row r of the batch) the label;
+  weighted and divided as the model's other loss term."""
+  towers = []
+  for name, seed in (("query", 5), ("item", 6)):
+    layers.append(tf.compat.v1.layers.Dense(
+        3, activation=tf.nn.tanh, name=name,
+        kernel_initializer=tf.compat.v1.glorot_uniform_initializer(
+            seed=seed)))
+    towers.append(layers[-1](features["x"]))
+  query, item = towers
+  similarity = tf.matmul(query, replicate.all_rows(item), transpose_b=True)
+  targets = tf.range(tf.shape(query)[0]) + replicate.row_offset()
+  xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets,
+                                                        logits=similarity)
+  return tf.math.divide_no_nan(tf.reduce_sum(features["w"] * xent),
+                              tf.reduce_sum(features["w"]))
 
 
 def input_fn_for(batches, model_dir, static=False):
@@ -230,6 +279,11 @@ def main(argv):
                       help="an embedding lookup: sparse gradients")
   parser.add_argument("--sparse-optimizers", action="store_true",
                       help="an embedding each for SGD, Adam, Adagrad, FTRL")
+  parser.add_argument("--negatives", action="store_true",
+                      help="in-batch negatives through replicate.all_rows")
+  parser.add_argument("--clip", choices=["compute", "gradients"],
+                      help="clip by global norm after compute_gradients or "
+                      "tf.gradients")
   parser.add_argument("--batch-norm", choices=["fused", "plain"],
                       help="a batch norm after the hidden layer, "
                       "synchronized across every task's towers")
@@ -256,6 +310,7 @@ def main(argv):
               "sparse_optimizers": arguments.sparse_optimizers,
               "weight_decay": arguments.weight_decay,
               "read_loss": arguments.read_loss,
+              "negatives": arguments.negatives, "clip": arguments.clip,
               "wrap": replicate.TowerOptimizer})
   path = os.path.join(arguments.model_dir,
                       "values-{}-{}.npz".format(task["type"], task["index"]))

@@ -172,14 +172,59 @@ def test_the_chiefs_step_sums_over_its_towers_then_across_tasks(
   assert any(type(h).__name__ == "WatchdogHook" for h in spec.training_hooks)
 
 
-@pytest.mark.parametrize("call", ["all_rows", "row_offset"])
-def test_all_rows_across_tasks_is_refused_with_the_fix(chief_config, call):
+def _negatives_model_fn(features, labels, mode):
+  del labels  # in-batch negatives: row r's item is its label
+  query = tf.compat.v1.layers.dense(features["x"], 2, name="query")
+  item = tf.compat.v1.layers.dense(features["x"], 2, name="item")
+  similarity = tf.matmul(query, replicate.all_rows(item), transpose_b=True)
+  targets = tf.range(tf.shape(query)[0]) + replicate.row_offset()
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=targets, logits=similarity))
+  train_op = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.1)).minimize(
+          loss, tf.compat.v1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_all_rows_across_tasks_gathers_rows_and_sums_their_gradient(
+    chief_config):
+  # API.md: all_rows is the whole batch's rows across every task too.
+  # Forward: the task's rows all-gathered (their count first, then the
+  # rows padded to a power of two, on a key per power); backward: the
+  # gradient w.r.t. every task's rows summed over tasks (padded alike).
   config, _ = chief_config
-  extra = {"all_rows": lambda features, _: replicate.all_rows(features["x"]),
-           "row_offset": lambda *_: replicate.row_offset()}[call]
-  with pytest.raises(ValueError, match=r"replicate\.{}\(\) in a synchronous "
-                     r"cluster.*not supported yet\. Fix: ".format(call)):
-    _build(config, params={"extra": extra})
+  with tf.Graph().as_default() as graph:
+    features, labels = _dataset_batch()
+    replicate.replicate_model_fn(
+        _negatives_model_fn, variable_strategy="replicated")(
+            features, labels, TRAIN, config=config)
+  step = _step_collectives(graph)
+  forward = [op for op in step if "rows_over_tasks" in op.name]
+  assert sorted((op.type, op.inputs[0].dtype.name, str(op.inputs[0].shape))
+                for op in forward) == [
+                    ("CollectiveGatherV2", "float32", "(None, 2)"),
+                    ("CollectiveGatherV2", "int32", "(1,)")]
+  backward = [op for op in step if "all_rows_gradient_over_tasks" in op.name]
+  assert [(op.type, str(op.inputs[0].shape)) for op in backward] == [
+      ("CollectiveReduceV2", "(None, 2)")]
+  for op in forward + backward:  # the rows: a key per padded length
+    if op.inputs[0].shape.rank == 2:
+      assert tf.get_static_value(op.inputs[-1]) is None
+  # Every tower reads the one gather; tower 1's first row counts the rows
+  # of the tasks before this one (the step's first all-gather).
+  offset = graph.get_operation_by_name("tower_1/row_offset")
+  behind = graph_walk.ops_behind([offset])
+  assert any(op.type == "CollectiveGatherV2" and "take_batch" in op.name
+             for op in behind)
+
+
+def test_all_rows_of_a_dtype_collectives_cannot_carry_is_refused(
+    chief_config):
+  config, _ = chief_config
+  with pytest.raises(ValueError, match=r"replicate\.all_rows\(.* in a "
+                     r"synchronous cluster: its rows are string.*Fix: cast"):
+    _build(config, params={"extra": lambda features, _: replicate.all_rows(
+        tf.strings.as_string(features["x"]))})
 
 
 def test_other_variable_strategies_are_refused_with_the_fix(chief_config):

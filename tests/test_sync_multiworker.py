@@ -78,7 +78,7 @@ class Lines(io.TextIOBase):
 def _cluster(model_dir, tasks, max_steps, batches, log, hidden="4",
              batch_norm=None, chief_late=0, towers="2", embedding=False,
              weight_decay=False, static=False, sparse_optimizers=False,
-             read_loss=False):
+             read_loss=False, negatives=False, clip=None):
   command = [sys.executable, os.path.join(HERE, "sync_job.py"),
              str(model_dir), str(max_steps), batches, "--hidden", hidden,
              "--towers", towers]
@@ -94,6 +94,10 @@ def _cluster(model_dir, tasks, max_steps, batches, log, hidden="4",
     command += ["--sparse-optimizers"]
   if read_loss:
     command += ["--read-loss"]
+  if negatives:
+    command += ["--negatives"]
+  if clip:
+    command += ["--clip", clip]
   if chief_late:  # the chief's process starts `chief_late` s after the rest
     command = ["sh", "-c", 'case "$TF_CONFIG" in *\'"type": "chief"\'*) '
                "sleep {};; esac; exec \"$@\"".format(chief_late), "sh"
@@ -110,21 +114,23 @@ def _task_names(tasks):
 
 def _run(model_dir, tasks, max_steps, batches, hidden="4", batch_norm=None,
          towers="2", embedding=False, weight_decay=False, static=False,
-         sparse_optimizers=False, read_loss=False):
+         sparse_optimizers=False, read_loss=False, negatives=False, clip=None):
   """Runs the job to its end; returns every task's exit code and the log."""
   log = Lines()
   with _cluster(model_dir, tasks, max_steps, batches, log, hidden,
                 batch_norm, towers=towers, embedding=embedding,
                 weight_decay=weight_decay, static=static,
                 sparse_optimizers=sparse_optimizers,
-                read_loss=read_loss) as cluster:
+                read_loss=read_loss, negatives=negatives,
+                clip=clip) as cluster:
     codes = {"{}:{}".format(*task): cluster.wait(*task, timeout=240)
              for task in _task_names(tasks)}
   return codes, log
 
 
 def _reference(model_dir, batches, steps, batch_norm=None, embedding=False,
-               weight_decay=False, sparse_optimizers=False, max_steps=None):
+               weight_decay=False, sparse_optimizers=False, max_steps=None,
+               negatives=False, clip=None):
   """The unwrapped model_fn on one device, on the concatenated batches."""
   per_task = sync_job.parse_batches(batches)
 
@@ -147,6 +153,7 @@ def _reference(model_dir, batches, steps, batch_norm=None, embedding=False,
       params={"hidden": 4, "batch_norm": batch_norm, "embedding": embedding,
               "weight_decay": weight_decay,
               "sparse_optimizers": sparse_optimizers,
+              "negatives": negatives, "clip": clip,
               "wrap": lambda optimizer: optimizer})
   estimator.train(input_fn, max_steps=max_steps)
   reader = tf.train.load_checkpoint(str(model_dir))
@@ -197,6 +204,47 @@ def test_two_tasks_combine_a_weighted_loss_read_from_the_graph(tmp_path):
   assert codes == {"chief:0": 0, "worker:0": 0}, log.text()[-3000:]
   expected = _reference(tmp_path / "reference", batches, 3)
   _assert_every_task_like(tmp_path / "cluster", 2, expected)
+
+
+def _assert_clip_active(model_dir, batches, steps, expected, **kwargs):
+  """The reference without the clip ends elsewhere: the clip was active."""
+  unclipped = _reference(model_dir, batches, steps, clip="unclipped",
+                         **kwargs)
+  assert not np.allclose(unclipped["hidden/kernel"], expected["hidden/kernel"],
+                         rtol=1e-3)
+
+
+def test_in_batch_negatives_through_all_rows_and_a_clip_are_one_devices(
+    tmp_path):
+  # Two-tower retrieval: each row's query against every item of the whole
+  # batch (replicate.all_rows: the chief's rows, then the worker's), its own
+  # item's index replicate.row_offset() + r; and clip_by_global_norm
+  # between compute_gradients and apply_gradients, clip active. Uneven
+  # batches; at step 2 the chief's second tower has no rows (1 row on 2
+  # towers) and the worker none at all.
+  batches = "6,1,4;5,0,3"
+  codes, log = _run(tmp_path / "cluster", 2, 10, batches, negatives=True,
+                    clip="compute")
+  assert codes == {"chief:0": 0, "worker:0": 0}, log.text()[-3000:]
+  expected = _reference(tmp_path / "reference", batches, 3, negatives=True,
+                        clip="compute")
+  assert {"query/kernel", "item/kernel"} <= set(expected)
+  _assert_every_task_like(tmp_path / "cluster", 2, expected)
+  _assert_clip_active(tmp_path / "unclipped", batches, 3, expected,
+                      negatives=True)
+
+
+def test_a_clip_after_tf_gradients_is_one_devices(tmp_path):
+  # BERT's way: tf.gradients of the loss, clip_by_global_norm, then
+  # TowerOptimizer.apply_gradients: every task's towers clip the gradient
+  # of the concatenated batch. Tasks of 1 and 2 towers, an empty batch.
+  batches = "6,5,4;5,0,3"
+  codes, log = _run(tmp_path / "cluster", 2, 10, batches, towers="1,2",
+                    clip="gradients")
+  assert codes == {"chief:0": 0, "worker:0": 0}, log.text()[-3000:]
+  expected = _reference(tmp_path / "reference", batches, 3, clip="gradients")
+  _assert_every_task_like(tmp_path / "cluster", 2, expected)
+  _assert_clip_active(tmp_path / "unclipped", batches, 3, expected)
 
 
 def test_workers_wait_for_a_late_chief_without_errors(tmp_path):
