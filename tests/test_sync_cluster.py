@@ -180,9 +180,11 @@ def _negatives_model_fn(features, labels, mode):
   targets = tf.range(tf.shape(query)[0]) + replicate.row_offset()
   loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
       labels=targets, logits=similarity))
-  train_op = replicate.TowerOptimizer(
-      tf.compat.v1.train.GradientDescentOptimizer(0.1)).minimize(
-          loss, tf.compat.v1.train.get_or_create_global_step())
+  train_op = None
+  if mode == TRAIN:
+    train_op = replicate.TowerOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1)).minimize(
+            loss, tf.compat.v1.train.get_or_create_global_step())
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
@@ -216,6 +218,33 @@ def test_all_rows_across_tasks_gathers_rows_and_sums_their_gradient(
   behind = graph_walk.ops_behind([offset])
   assert any(op.type == "CollectiveGatherV2" and "take_batch" in op.name
              for op in behind)
+
+
+@pytest.mark.parametrize("mode", [tf.estimator.ModeKeys.EVAL,
+                                  tf.estimator.ModeKeys.PREDICT])
+def test_all_rows_outside_train_is_the_tasks_own_batch(chief_config, mode):
+  # Only TRAIN crosses tasks: EVAL and PREDICT build one machine's towers
+  # (an evaluator's own batches), and all_rows joins those towers' rows.
+  config, _ = chief_config
+
+  def model_fn(features, labels, mode):
+    if mode == tf.estimator.ModeKeys.PREDICT:
+      query = tf.compat.v1.layers.dense(features["x"], 2, name="query")
+      best = tf.argmax(tf.matmul(query, replicate.all_rows(query),
+                                 transpose_b=True), axis=1)
+      return tf.estimator.EstimatorSpec(mode, predictions={"best": best})
+    return _negatives_model_fn(features, labels, mode)
+
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.get_or_create_global_step()
+    features, labels = _dataset_batch()
+    replicate.replicate_model_fn(model_fn, variable_strategy="replicated")(
+        features, labels, mode, config=config)
+  assert not [op for op in graph.get_operations()
+              if op.type.startswith("Collective")]
+  joined = [op for op in graph.get_operations()
+            if op.name.startswith("all_rows_over_towers/")]
+  assert {op.type for op in joined} >= {"ConcatV2"}
 
 
 def test_all_rows_of_a_dtype_collectives_cannot_carry_is_refused(

@@ -3,7 +3,9 @@
 Every task runs `tests/sync_job.py` under `replicate.launch.LocalCluster`:
 2 and 3 tasks of 2 towers (or 1, 2 and 1), uneven batches across tasks,
 empty batches, inputs that end at different steps, a resume, a one-device
-checkpoint, a synchronized batch norm, an embedding's sparse gradients.
+checkpoint, a synchronized batch norm, an embedding's sparse gradients,
+in-batch negatives through `replicate.all_rows` and `row_offset`, and
+`clip_by_global_norm` after `compute_gradients` and after `tf.gradients`.
 Each run is compared with the unwrapped `model_fn` on one device, on the
 concatenation of every task's batches (chief first), to 1e-5: every
 variable (weights, Adam slots and powers, the moving mean, the tower-local

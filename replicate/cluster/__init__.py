@@ -6,6 +6,9 @@ together):
   leader the collectives need;
 - `sync_cluster`: the tasks, and the collectives across them that the
   build's sums go through (`CrossTask`);
+- `ragged`: collectives of tensors whose length changes every step
+  (sparse gradients, `all_rows`'s rows), padded to a power of two;
+- `rows_over_tasks`: `replicate.all_rows` across tasks;
 - `sync_input`: each task's batch taken so that an ended input stops all;
 - `sync_session`: the start of every session (guard, model check,
   broadcast from the chief) and the watchdog.

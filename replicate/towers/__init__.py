@@ -14,5 +14,6 @@
   names.
 - `scaffolds`: a `model_fn`'s own `local_init_op` extended to every tower.
 - `all_rows`: `replicate.all_rows` and `replicate.row_offset`, every
-  tower's rows of a tensor, gradient summed back to each tower's rows.
+  tower's rows of a tensor, gradient summed back to each tower's rows;
+  `all_rows_calls`: every tower's calls of it, joined once all are built.
 """
