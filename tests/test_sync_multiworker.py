@@ -222,11 +222,11 @@ def test_in_batch_negatives_through_all_rows_and_a_clip_are_one_devices(
   # batch (replicate.all_rows: the chief's rows, then the worker's), its own
   # item's index replicate.row_offset() + r; and clip_by_global_norm
   # between compute_gradients and apply_gradients, clip active. Uneven
-  # batches; at step 2 the chief's second tower has no rows (1 row on 2
-  # towers) and the worker none at all.
-  batches = "6,1,4;5,0,3"
-  codes, log = _run(tmp_path / "cluster", 2, 10, batches, negatives=True,
-                    clip="compute")
+  # batches on tasks of 1 and 2 towers; at step 2 the chief has no rows at
+  # all and the worker's second tower none (1 row on 2 towers).
+  batches = "6,0,4;5,1,3"
+  codes, log = _run(tmp_path / "cluster", 2, 10, batches, towers="1,2",
+                    negatives=True, clip="compute")
   assert codes == {"chief:0": 0, "worker:0": 0}, log.text()[-3000:]
   expected = _reference(tmp_path / "reference", batches, 3, negatives=True,
                         clip="compute")
