@@ -250,6 +250,13 @@ def test_all_rows_outside_train_is_the_tasks_own_batch(chief_config, mode):
 def test_all_rows_of_a_dtype_collectives_cannot_carry_is_refused(
     chief_config):
   config, _ = chief_config
+  # bool travels as int32.
+  graph, _ = _build(config, params={"extra": lambda features, _: (
+      replicate.all_rows(features["x"] > 0))})
+  carried = [(op.inputs[0].dtype.name, str(op.inputs[0].shape))
+             for op in _step_collectives(graph)
+             if "rows_over_tasks" in op.name]
+  assert ("int32", "(None, 3)") in carried
   with pytest.raises(ValueError, match=r"replicate\.all_rows\(.* in a "
                      r"synchronous cluster: its rows are string.*Fix: cast"):
     _build(config, params={"extra": lambda features, _: replicate.all_rows(
