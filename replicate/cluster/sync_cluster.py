@@ -255,6 +255,7 @@ def next_instance_key(graph: tf.Graph) -> int:
 # The dtypes of sparse gradients' values CollectiveGatherV2 carries.
 _GATHERED_DTYPES = frozenset([tf.float16, tf.float32, tf.float64])
 
+
 def reserve_instance_keys(graph: tf.Graph, count: int) -> int:
   """The first of `count` consecutive fresh instance keys in `graph`."""
   first = next_instance_key(graph)
