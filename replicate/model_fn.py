@@ -29,8 +29,8 @@ from replicate.cluster import ps_cluster
 from replicate.cluster import sync_input
 from replicate.cluster import sync_session
 from replicate.towers import context as context_lib
-from replicate.towers import devices as devices_lib
-from replicate.towers import layout as layout_lib
+from replicate.call import devices as devices_lib
+from replicate.call import layout as layout_lib
 from replicate.towers import report
 from replicate import graph_walk
 from replicate.shard import rows_meet

@@ -138,7 +138,7 @@ def test_an_estimator_without_params_logs_no_params_warning():
 
 
 def test_the_towers_built_are_logged_in_one_line(graph, monkeypatch):
-  monkeypatch.setattr(replicate.towers.devices, "local_devices",
+  monkeypatch.setattr(replicate.call.devices, "local_devices",
                       lambda *args, **kwargs: cpus(3))
   with _Lines() as lines:
     replicate.replicate_model_fn(_model_fn, variable_strategy="round_robin")(
@@ -159,7 +159,7 @@ def test_one_tower_where_the_machine_has_more_is_a_warning(
     monkeypatch, gpus, cores, hint):
   monkeypatch.setattr(tf.config, "list_physical_devices",
                       lambda kind=None: ["GPU:%d" % i for i in range(gpus)])
-  monkeypatch.setattr(replicate.towers.devices, "local_devices",
+  monkeypatch.setattr(replicate.call.devices, "local_devices",
                       lambda *args, **kwargs: ["/device:CPU:0"])
   monkeypatch.setattr(replicate.towers.report.os, "cpu_count", lambda: cores)
   wrapped = replicate.replicate_model_fn(_model_fn)

@@ -14,8 +14,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import tensorflow as tf
 
-from replicate.shard import sharding
-from replicate.variables import strategies
+from replicate.call import strategy as strategy_lib
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq: it holds tensors
@@ -23,7 +22,7 @@ class Tower:
   """What is fixed for tower `index` in one call, built once per call."""
   index: int
   device: str
-  device_function: Callable  # places the tower's ops (`towers.devices`)
+  device_function: Callable  # places the tower's ops (`call.devices`)
   features: Any  # the tower's shard of the features
   labels: Any  # the tower's shard of the labels (None when labels are)
   share: Any  # its share of the batch n_i / n: a float or a scalar tensor
@@ -33,14 +32,14 @@ class Tower:
 class TowerLayout(NamedTuple):
   """What is fixed for one call: the towers, the batch, the strategy."""
   towers: List[Tower]
-  shards: sharding.Shards  # the batch's split (sizes, batch size, ...)
-  strategy: strategies.VariableStrategy  # where variables live, how
+  shards: Any  # the batch's split (`replicate.shard.sharding.Shards`)
+  strategy: strategy_lib.VariableStrategy  # where variables live, how
   # gradients combine
   graph: tf.Graph  # the graph the towers are built in
 
   @classmethod
   def of(cls, devices: Sequence[str], device_functions: Sequence[Callable],
-         shards: sharding.Shards, strategy: strategies.VariableStrategy,
+         shards: Any, strategy: strategy_lib.VariableStrategy,
          graph: Optional[tf.Graph] = None,
          total_rows: Any = None) -> "TowerLayout":
     """The layout of `shards` on `devices` (`graph`: the default graph).
@@ -48,9 +47,8 @@ class TowerLayout(NamedTuple):
     `total_rows`: the rows the shares count over, in a synchronous cluster
     every task's (a tensor); by default the batch's.
     """
-    shares = sharding.shard_shares(
-        shards.sizes, shards.batch_size if total_rows is None else total_rows)
-    has_rows = sharding.shard_has_rows(shards.sizes)
+    shares = shards.shares(total_rows)
+    has_rows = shards.has_rows()
     towers = [
         Tower(index, device, device_function, shards.features[index],
               shards.labels[index], shares[index], has_rows[index])

@@ -34,7 +34,7 @@ import tensorflow as tf
 from replicate import _tf
 from replicate.gradients import aggregation
 from replicate.gradients import call_checks
-from replicate.towers import current
+from replicate.call import current
 from replicate.gradients import optimizer_calls
 from replicate.gradients import stand_ins
 from replicate.gradients import touched

@@ -29,7 +29,7 @@ import tensorflow as tf
 from replicate.gradients import stand_ins
 from replicate.gradients import term_weights
 from replicate.shard import sharding
-from replicate.towers import current
+from replicate.call import current
 
 
 def loss_denominator(denominator: Any) -> tf.Tensor:

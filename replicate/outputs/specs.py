@@ -36,8 +36,8 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
   """The EstimatorSpec of the whole batch, from one spec per tower.
 
   The pieces of the build it reads: the call's `layout`
-  (`replicate.towers.layout.TowerLayout`), the towers' `progress`, done
-  (`replicate.towers.progress.BuildProgress`), their optimizer `records`
+  (`replicate.call.layout.TowerLayout`), the towers' `progress`, done
+  (`replicate.call.progress.BuildProgress`), their optimizer `records`
   (`replicate.gradients.optimizer_calls.OptimizerRecords`), their loss
   `weights` (`replicate.gradients.weighting.TowerWeights`) and their
   `variables` (`replicate.variables.tower_variables.TowerVariables`).

@@ -41,6 +41,16 @@ class Shards(NamedTuple):
   # None when every leaf is split by `sizes`.
   leaf_sizes: Optional[List[Tuple[Any, Any]]] = None
 
+  def shares(self, total_rows: Any = None) -> List[Any]:
+    """Each shard's share of `total_rows` (default: the batch's), `n_i / n`
+    (`shard_shares`)."""
+    return shard_shares(
+        self.sizes, self.batch_size if total_rows is None else total_rows)
+
+  def has_rows(self) -> List[Any]:
+    """Whether each shard's outputs count (`shard_has_rows`)."""
+    return shard_has_rows(self.sizes)
+
 
 def split_batch(features, labels, num_shards: int,
                 is_prediction: bool = False) -> Shards:

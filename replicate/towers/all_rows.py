@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from replicate.gradients import stand_ins
 from replicate.shard import sharding
-from replicate.towers import current
+from replicate.call import current
 from replicate import _tf
 
 

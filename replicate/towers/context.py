@@ -7,9 +7,9 @@ whether the towers were built or raised. Nothing is kept in module globals.
 
 On its pieces: the context owns one object per concern, and each build step
 is given, or reads, only the pieces it needs:
-- `layout` (`replicate.towers.layout.TowerLayout`): what is fixed for the
+- `layout` (`replicate.call.layout.TowerLayout`): what is fixed for the
   call: the graph, the towers, the batch's split, the strategy;
-- `progress` (`replicate.towers.progress.BuildProgress`): which tower is
+- `progress` (`replicate.call.progress.BuildProgress`): which tower is
   being built, and what each tower built;
 - `records` (`replicate.gradients.optimizer_calls.OptimizerRecords`): each
   tower's optimizer calls;
@@ -34,14 +34,14 @@ import contextlib
 
 import tensorflow as tf
 
+from replicate.call import current
+from replicate.call import layout as layout_lib
+from replicate.call import name_counters
+from replicate.call import progress as progress_lib
 from replicate.gradients import optimizer_calls
 from replicate.gradients import weighting
-from replicate.shard import sharding
+from replicate.shard import rows
 from replicate.towers import all_rows as all_rows_lib
-from replicate.towers import current
-from replicate.towers import layout as layout_lib
-from replicate.towers import name_counters
-from replicate.towers import progress as progress_lib
 from replicate.towers import scaffolds
 from replicate.towers import tower_collections
 from replicate.variables import matching
@@ -54,7 +54,7 @@ class ReplicationContext:
                tower_variables, batch_norm=None):
     graph = layout.graph
     self.layout = layout
-    self.progress = progress_lib.BuildProgress(layout)
+    self.progress = progress_lib.BuildProgress(layout, rows.TowerRows)
     self.records = optimizer_calls.OptimizerRecords(graph, layout.num_towers)
     self._outer_name_scope = graph.get_name_scope()
     self._outer_variable_scope = tf.compat.v1.get_variable_scope()

@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from replicate.towers import layout as layout_lib
+from replicate.call import layout as layout_lib
 
 
 def variable_getter(context, index: int) -> Callable:

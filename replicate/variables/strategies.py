@@ -16,8 +16,7 @@ one of them has. `"replicated"` copies variables in TRAIN
 with several towers only: evaluation and prediction read tower 0's.
 """
 
-from typing import Any, List, Optional, Protocol, Sequence, Tuple
-from typing import runtime_checkable
+from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -26,51 +25,14 @@ from replicate.communication import allreduce
 from replicate.cluster import ps_cluster
 from replicate.cluster import server
 from replicate.cluster import sync_cluster
-from replicate.towers import devices as devices_lib
+from replicate.call import devices as devices_lib
+from replicate.call.strategy import GradsAndVars  # pylint: disable=unused-import
+from replicate.call.strategy import VariableStrategy
 
 PARAMETER_SERVER = "parameter_server"
 ROUND_ROBIN = "round_robin"
 REPLICATED = "replicated"
 NAMES = (PARAMETER_SERVER, ROUND_ROBIN, REPLICATED)
-
-# A tower's (gradient, variable) pairs, gradients Tensors, IndexedSlices or
-# None.
-GradsAndVars = List[Tuple[Any, tf.Variable]]
-
-
-@runtime_checkable
-class VariableStrategy(Protocol):
-  """What the build asks a strategy object; every strategy has these.
-
-  Read by: `replicate.model_fn` (`variable_device`, for each tower's
-  device function; `copies_variables`, for the towers' variables),
-  `replicate.towers.layout` (`copies_variables`) and
-  `replicate.gradients.optimizer_calls` (`combine`, once per optimizer
-  call, in the last tower).
-  """
-
-  # Whether towers 1..N-1 train their own copies of the trainable variables
-  # (True) or tower 0's (False).
-  copies_variables: bool
-  # In a synchronous cluster, the collectives across tasks
-  # (`replicate.cluster.sync_cluster.CrossTask`); else None.
-  cross_task: Any
-
-  def variable_device(self, op: tf.Operation) -> Optional[str]:
-    """Where the variable `op` creates lives; None: with the tower building
-    it. Called once per variable-creating op, in creation order."""
-
-  def combine(self, per_tower: Sequence[GradsAndVars],
-              has_rows: Sequence[Any],
-              tower_devices: Sequence[str]) -> GradsAndVars:
-    """The (gradient, variable) pairs of the one update, from every tower's.
-
-    `per_tower[i]` is tower i's pairs, the same variables in the same order
-    in every tower (its own copies with `copies_variables`); `has_rows[i]`
-    says whether tower i counts (a bool or a scalar bool tensor);
-    `tower_devices[i]` is where tower i runs.
-    """
-
 
 class _SharedVariables:
   """Every tower trains tower 0's variables; their gradients are summed.

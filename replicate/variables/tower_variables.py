@@ -24,7 +24,7 @@ from typing import List, Optional
 
 import tensorflow as tf
 
-from replicate.towers import name_counters
+from replicate.call import name_counters
 from replicate.variables import tower_local
 
 
