@@ -72,26 +72,30 @@ class TowerLayout(NamedTuple):
     return [tower.has_rows for tower in self.towers]
 
   @property
-  def cross_task(self):
-    """The collectives across a synchronous cluster's tasks, or None."""
+  def cross_task(self) -> Optional[strategy_lib.CrossTask]:
+    """The collectives across a synchronous cluster's tasks, or None (ask
+    `spans_tasks` whether there are any)."""
     return self.strategy.cross_task
+
+  @property
+  def spans_tasks(self) -> bool:
+    """Whether the step's sums cross a synchronous cluster's tasks."""
+    return self.strategy.spans_tasks
 
   @property
   def combines(self) -> bool:
     """Whether anything is combined: several towers, or several tasks."""
-    return self.num_towers > 1 or self.cross_task is not None
+    return self.strategy.builds_towers(self.num_towers)
 
   @property
   def is_first_task(self) -> bool:
     """Whether this task's tower 0 is the first tower of all: always, but
     in a synchronous cluster's tasks other than the chief."""
-    return self.cross_task is None or self.cross_task.group.is_chief
+    return self.strategy.is_first_task
 
   def sum_over_tasks(self, tensor: tf.Tensor, name: str) -> tf.Tensor:
     """`tensor` summed over a synchronous cluster's tasks; else itself."""
-    if self.cross_task is None:
-      return tensor
-    return self.cross_task.sum(tensor, name=name)
+    return self.strategy.sum_over_tasks(tensor, name)
 
   @property
   def is_replicated(self) -> bool:

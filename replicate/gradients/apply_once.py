@@ -164,7 +164,7 @@ class Wrapping:
               for is_whole, (grad, variable) in zip(whole, grads_and_vars)]
     pending = [pair for is_whole, pair in zip(whole, tower0) if not is_whole]
     per_tower = [tower0]
-    if context.layout.is_replicated:
+    if context.variables.has_copies():
       # Every copy gets the same update in the same apply_gradients, so
       # that the optimizer's own step (Adam's beta powers) moves once.
       for index in range(1, context.layout.num_towers):
@@ -225,7 +225,7 @@ class Wrapping:
     """
     context = _active_context()
     originals = []
-    if context is not None and context.layout.is_replicated and variables:
+    if context is not None and context.variables.has_copies() and variables:
       originals = [context.variables.tower0_variable(v) for v in variables]
       originals = [v for v, copy in zip(originals, variables) if v is not copy]
     with backward_pass():
@@ -323,8 +323,8 @@ def tower_variables(var_list):
   which are tower 0's, so they are mapped too.
   """
   context = _active_context()
-  if (context is None or not context.layout.is_replicated or
-      context.progress.tower_index == 0):
+  if context is None or not context.variables.has_copies(
+      context.progress.tower_index):
     return var_list
   if var_list is None:
     var_list = (tf.compat.v1.trainable_variables() + tf.compat.v1.get_collection(

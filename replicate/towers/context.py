@@ -157,7 +157,7 @@ class ReplicationContext:
   def _check_summed_regularization(self):
     """With `Reduction.SUM` across tasks, regularization would count once a
     task: refused (an averaging reduction weighs it by the shares)."""
-    if self.layout.cross_task is None or not self._sums_losses:
+    if not self.layout.spans_tasks or not self._sums_losses:
       return
     losses = self.collections.regularization()
     if losses:
