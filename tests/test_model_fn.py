@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import harness
 import replicate
 from replicate import _tf
 from conftest import EVAL, PREDICT, TRAIN, cpus, regression_spec
@@ -104,21 +105,7 @@ def test_params_or_labels_the_model_fn_cannot_take_are_refused(graph):
   assert spec.predictions.shape.as_list() == [2]
 
 
-class _Lines(list):
-  """The "tensorflow" logger's lines at INFO and above, while installed."""
-
-  def __enter__(self):
-    import logging  # pylint: disable=import-outside-toplevel
-    self._handler = logging.Handler()
-    self._handler.emit = lambda record: self.append(record.getMessage())
-    self._verbosity = tf.compat.v1.logging.get_verbosity()
-    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.INFO)
-    tf.get_logger().addHandler(self._handler)
-    return self
-
-  def __exit__(self, *unused):
-    tf.get_logger().removeHandler(self._handler)
-    tf.compat.v1.logging.set_verbosity(self._verbosity)
+_Lines = harness.LogLines
 
 
 def test_an_estimator_without_params_logs_no_params_warning():
