@@ -10,9 +10,12 @@ The build, per call of the wrapped `model_fn`, one sub-package a step:
 5. `state`: what each tower's step changes, kept, made once, combined or
    refused;
 6. `outputs`: one `EstimatorSpec` from the towers'.
-Beside them: `variables` (where variables live, what a tower sees),
-`communication` (all-reduce), `batch_norm` (synchronized batch norm). Apart:
-`cluster` (`TF_CONFIG` clusters: synchronous, or with ps tasks).
+Beside them: `call` (one call's bookkeeping, read by every step),
+`variables` (where variables live, what a tower sees, the strategy's
+mode), `communication` (all-reduce), `batch_norm` (synchronized batch
+norm), `cluster` (`TF_CONFIG` clusters: synchronous, or with ps tasks).
+`replicate_model_fn` checks its arguments when wrapping; each call checks
+the Estimator's, builds, and wraps the spec for the task's session.
 """
 
 import inspect
@@ -249,7 +252,7 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
       sync_batch_norm_lib.swapped(context):
     tower_specs = []
     # A TPUEstimatorSpec's eval_metrics and scaffold_fn: called once.
-    batch_calls = tpu_spec.PendingBatch()
+    batch_calls = tpu_spec.BatchCalls()
     for tower in layout.towers:
       tower_kwargs = dict(kwargs)
       if "labels" in tower_kwargs:

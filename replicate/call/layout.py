@@ -44,8 +44,22 @@ class TowerLayout(NamedTuple):
          total_rows: Any = None) -> "TowerLayout":
     """The layout of `shards` on `devices` (`graph`: the default graph).
 
-    `total_rows`: the rows the shares count over, in a synchronous cluster
-    every task's (a tensor); by default the batch's.
+    The hand-off from the split (step 1) to every later step: made once,
+    read by all, changed by none.
+
+    Args:
+      devices: the towers' devices, in tower order.
+      device_functions: per tower, the device function its ops are
+        placed by (`replicate.call.devices.tower_device_function`).
+      shards: the batch's split (`replicate.shard.sharding.Shards`).
+      strategy: the call's `VariableStrategy`.
+      graph: the graph the towers are built in (default: the default one).
+      total_rows: the rows the shares count over, in a synchronous cluster
+        every task's (a tensor); by default the batch's.
+
+    Returns:
+      The `TowerLayout`: one `Tower` per device (its shard, its share
+      `n_i / n`, whether it has rows), the split, the strategy, the graph.
     """
     shares = shards.shares(total_rows)
     has_rows = shards.has_rows()

@@ -5,21 +5,21 @@ train, evaluate and export call), made from the instance or function given.
 
 On towers: computing gradients weights the tower's loss by its weight (see
 `replicate.gradients.weighting`) and returns stand-ins for the sums over
-towers (`Wrapping._whole_batch`), so that the `model_fn`'s code between
-`compute_gradients` and `apply_gradients` sees the whole batch's gradients;
-what `apply_gradients` receives computed from them is applied once, as it
-is (a replicated copy gets its own tower's). Gradients made otherwise are
-weighted when they reach `apply_gradients` (`weighting.weighed_once`), so
-each counts its share once, and the user's ops that changed them are made
-to read sums too (`replicate.gradients.touched`). Tower 0's
-`apply_gradients` builds the one update of
-the step with the wrapped optimizer, in tower 0's scopes, on stand-ins for
-the summed gradients (see `replicate.gradients.stand_ins`), so it returns the real update
-and the optimizer's slots exist once it returns. Towers 1..N-1 record their
-gradients and return tower 0's update; the last tower sums (or, with
-replicated variables, all-reduces) every tower's gradients and connects the
-sums to tower 0's update. Calls are matched across towers by position
-(see `replicate.gradients.optimizer_calls`).
+towers (`TowerOptimizerCore._whole_batch`), so that the `model_fn`'s code
+between `compute_gradients` and `apply_gradients` sees the whole batch's
+gradients; what `apply_gradients` receives computed from them is applied
+once, as it is (a replicated copy gets its own tower's). Gradients made
+otherwise are weighted when they reach `apply_gradients`
+(`weighting.weighted_once`), so each counts its share once, and the user's
+ops that changed them are made to read sums too
+(`replicate.gradients.touched`). Tower 0's `apply_gradients` builds the one
+update of the step with the wrapped optimizer, in tower 0's scopes, on
+stand-ins for the summed gradients (see `replicate.gradients.stand_ins`), so
+it returns the real update and the optimizer's slots exist once it returns.
+Towers 1..N-1 record their gradients and return tower 0's update; the last
+tower sums (or, with replicated variables, all-reduces) every tower's
+gradients and connects the sums to tower 0's update. Calls are matched
+across towers by position (see `replicate.gradients.optimizer_calls`).
 
 On `gradient_transformers`: functions `grads_and_vars -> grads_and_vars`
 applied, in order, to the summed gradients before the update (with one
@@ -45,14 +45,14 @@ V1Optimizer = tf.compat.v1.train.Optimizer
 KerasOptimizer = tf.keras.optimizers.legacy.Optimizer
 
 
-class Wrapping:
+class TowerOptimizerCore:
   """What both families share: the wrapped optimizer, weighting, collecting."""
 
   _family = None  # the optimizer class a subclass wraps
 
-  def _init_wrapping(self, optimizer_or_optimizer_fn,
-                     gradient_transformers: Optional[Sequence[Callable]]):
-    if isinstance(optimizer_or_optimizer_fn, Wrapping):
+  def _init_core(self, optimizer_or_optimizer_fn,
+                 gradient_transformers: Optional[Sequence[Callable]]):
+    if isinstance(optimizer_or_optimizer_fn, TowerOptimizerCore):
       raise ValueError(
           "TowerOptimizer was given a TowerOptimizer; wrap the optimizer "
           "once. Received: {!r}.".format(optimizer_or_optimizer_fn))
@@ -87,7 +87,7 @@ class Wrapping:
     `weighting.TowerWeights.weigh_loss`).
 
     The result passes through an op of its own, recorded in the tower
-    weights, so that `weighting.weighed_once` knows a gradient computed
+    weights, so that `weighting.weighted_once` knows a gradient computed
     through it is weighted.
     """
     context = _active_context()
@@ -130,12 +130,12 @@ class Wrapping:
     call_checks.own_copies(context, grads_and_vars)
     index = context.progress.tower_index
     grads_and_vars, touched_here = touched.made_whole(
-        context, grads_and_vars, lambda grad: weighting.weighed_once(
+        context, grads_and_vars, lambda grad: weighting.weighted_once(
             context, [(grad, None)])[0][0],
         set(context.records.whole_ops(index)))
     context.records.add_whole(index, [t.stand_in for t in touched_here])
     whole = weighting.whole_batch(context, grads_and_vars)
-    grads_and_vars = weighting.weighed_once(context, grads_and_vars, whole)
+    grads_and_vars = weighting.weighted_once(context, grads_and_vars, whole)
     if index == 0:
       update = self._build_update(context, grads_and_vars, apply, whole,
                                   touched_here)
@@ -162,7 +162,8 @@ class Wrapping:
     tower0 = [(grad if is_whole else stand_ins.stand_in(
         grad, "pending_gradient"), variable)
               for is_whole, (grad, variable) in zip(whole, grads_and_vars)]
-    pending = [pair for is_whole, pair in zip(whole, tower0) if not is_whole]
+    standing_in = [pair for is_whole, pair in zip(whole, tower0)
+                   if not is_whole]
     per_tower = [tower0]
     if context.variables.has_copies():
       # Every copy gets the same update in the same apply_gradients, so
@@ -176,11 +177,12 @@ class Wrapping:
           if copy is not variable:
             copies.append((stand_ins.stand_in(grad, "pending_gradient"), copy))
         per_tower.append(copies)
-        pending.extend(copies)
+        standing_in.extend(copies)
     with context.progress.applying():
       update = apply(self.optimizer, [
           pair for tower in per_tower for pair in self._transformed(tower)])
-    context.records.record(0, self, grads_and_vars, update, pending=pending,
+    context.records.record(0, self, grads_and_vars, update,
+                           stand_in_pairs=standing_in,
                            whole=whole, touched=touched_here)
     return update
 

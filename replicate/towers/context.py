@@ -176,7 +176,27 @@ class ReplicationContext:
 def replication_context(layout: layout_lib.TowerLayout, loss_reduction,
                         tower_variables, batch_norm=None):
   """Makes a `ReplicationContext` current for the layout's graph, then
-  clears it."""
+  clears it.
+
+  The hand-off from step 2 to steps 3-5: the towers are built inside, with
+  `context.tower_scope(i)`; what the `model_fn` reaches (`TowerOptimizer`,
+  `loss_denominator`, batch norm) fills the context's pieces.
+
+  Args:
+    layout: the call's `TowerLayout`.
+    loss_reduction: how the `model_fn` reduces its loss (a
+      `tf.compat.v1.losses.Reduction`).
+    tower_variables: what each tower's variables are (a
+      `replicate.variables.tower_variables.TowerVariables`).
+    batch_norm: the synchronized batch norms of a TRAIN call, or None.
+
+  Yields:
+    The `ReplicationContext`, current in the layout's graph until the
+    `with` ends, whether the towers were built or raised.
+
+  Raises:
+    ValueError: another wrapped `model_fn` is being built in the graph.
+  """
   graph = layout.graph
   current.check_none(graph)  # before a second context touches the graph
   context = ReplicationContext(layout, loss_reduction, tower_variables,
