@@ -31,67 +31,77 @@ def _loss(spec):
   return {"loss": spec.loss}
 
 
-def train(model_fn: Callable, batches: Sequence[tuple],
+def train(model_fn: Callable, batches: Sequence[Any],
           towers: Optional[int] = None, *, static: bool = False,
-          step_fetches: Callable = _loss,
+          known_rows: bool = False, step_fetches: Callable = _loss,
           after_fetches: Optional[Callable] = None,
-          in_graph: Optional[Callable] = None,
-          input_names: Sequence[Optional[str]] = (None, None),
+          in_graph: Optional[Callable] = None, named_inputs: bool = False,
+          session_towers: Optional[int] = None, like: Any = None,
           **wrap_kwargs) -> Run:
-  """Trains `model_fn` on `batches`, a list of (x, y) arrays, one a step.
+  """Trains `model_fn` on `batches`, one a step.
 
   Args:
-    model_fn: the unwrapped `model_fn`, given features {"x": x} and labels
-      y in TRAIN.
-    batches: per step, (x, y): rows along dimension 0.
+    model_fn: the unwrapped `model_fn`, called in TRAIN with features
+      {"x": x, ...} and labels y.
+    batches: per step, (x, y) arrays, or a dict of arrays whose "y" is the
+      labels and the rest the features; rows along dimension 0.
     towers: None: the `model_fn` as it is, on one device; N: wrapped by
       `replicate.replicate_model_fn` on N virtual CPUs, with `wrap_kwargs`.
     static: the graph gets batches of known size (local variables loaded
-      before each step), else placeholders of unknown batch size, as an
-      `input_fn` ending in `.batch()` gives.
+      before each step), else placeholders, as an `input_fn` gives.
+    known_rows: the placeholders know the batch's rows (else unknown, as
+      an `input_fn` ending in `.batch()` gives).
     step_fetches: `spec` -> {name: tensor} fetched with the `train_op` at
       each step (default: the loss).
     after_fetches: `graph` -> what to fetch once after the last step, or
       None.
     in_graph: called first in the new graph (e.g. Keras's float type).
-    input_names: the static inputs' variable names (None: TensorFlow's).
+    named_inputs: the static inputs' variables are named "input_<key>"
+      (else TensorFlow's default names).
+    session_towers: the session's virtual CPUs (default: 4, or the towers).
+    like: a batch whose inputs' types and shapes the graph takes (default:
+      the first; for no step at all, the initial values).
 
   Returns:
     A `Run`: per step the fetches, then every global variable's value.
   """
+  named = [_named(batch) for batch in batches]
+  template = _named(like) if like is not None else named[0]
   with tf.Graph().as_default() as graph:
     if in_graph is not None:
       in_graph()
     tf.compat.v1.train.get_or_create_global_step()
-    x_batch, y_batch = batches[0]
     if static:
-      x, y = [tf.Variable(value, trainable=False, name=name,
-                          collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
-              for value, name in zip((x_batch, y_batch), input_names)]
-      features, labels = {"x": tf.identity(x)}, tf.identity(y)
+      inputs = {key: tf.Variable(
+          value, trainable=False,
+          name="input_" + key if named_inputs else None,
+          collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+                for key, value in template.items()}
+      given = {key: tf.identity(value) for key, value in inputs.items()}
     else:
-      x, y = [tf.compat.v1.placeholder(tf.as_dtype(value.dtype),
-                                       [None] + list(value.shape[1:]))
-              for value in (x_batch, y_batch)]
-      features, labels = {"x": x}, y
+      inputs = given = {key: tf.compat.v1.placeholder(
+          tf.as_dtype(value.dtype),
+          [len(value) if known_rows else None] + list(value.shape[1:]))
+                        for key, value in template.items()}
+    features = {key: value for key, value in given.items() if key != "y"}
     if towers is not None:
       model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(towers),
                                               **wrap_kwargs)
-    spec = model_fn(features=features, labels=labels, mode=TRAIN)
+    spec = model_fn(features=features, labels=given["y"], mode=TRAIN)
     fetches = step_fetches(spec)
-    with tf.compat.v1.Session(
-        config=session_config(max(4, towers or 1))) as session:
+    with tf.compat.v1.Session(config=session_config(
+        session_towers or max(4, towers or 1))) as session:
       session.run(tf.compat.v1.global_variables_initializer())
       session.run(tf.compat.v1.local_variables_initializer())  # copies
       session.run(tf.compat.v1.tables_initializer())
       steps = []
-      for batch_x, batch_y in batches:
+      for batch in named:
         if static:
-          x.load(batch_x, session)
-          y.load(batch_y, session)
+          for key, value in batch.items():
+            inputs[key].load(value, session)
           feed = None
         else:
-          feed = {x: batch_x, y: batch_y}
+          feed = {inputs[key]: value for key, value in batch.items()}
         steps.append(session.run([spec.train_op, fetches], feed)[1])
       variables = {v.op.name: session.run(v)
                    for v in tf.compat.v1.global_variables()}
@@ -100,6 +110,14 @@ def train(model_fn: Callable, batches: Sequence[tuple],
         after = after_fetches(graph)
         after = session.run(after) if after else {}
   return Run(steps, variables, after)
+
+
+def _named(batch) -> Dict[str, np.ndarray]:
+  """A batch as {input name: array}: (x, y) is {"x": x, "y": y}."""
+  if isinstance(batch, dict):
+    return batch
+  x, y = batch
+  return {"x": x, "y": y}
 
 
 def train_both(model_fn: Callable, towers: int, batches: Sequence[tuple],
@@ -111,8 +129,8 @@ def train_both(model_fn: Callable, towers: int, batches: Sequence[tuple],
       model_fn, batches, towers, **kwargs)
 
 
-_TRAIN_ARGS = ("static", "step_fetches", "after_fetches", "in_graph",
-               "input_names")
+_TRAIN_ARGS = ("static", "known_rows", "step_fetches", "after_fetches",
+               "in_graph", "named_inputs", "session_towers", "like")
 
 
 def _unwrapped(kwargs):

@@ -37,7 +37,7 @@ def _train(model_fn, batches=None, towers=None, static=False, **wrap_kwargs):
   an input_fn ending in `.batch()` does (`harness.train`).
   """
   run = harness.train(model_fn, batches or _batches(), towers, static=static,
-                      input_names=("input_x", "input_y"), **wrap_kwargs)
+                      named_inputs=True, **wrap_kwargs)
   return run.per_step("loss"), run.variables
 
 
