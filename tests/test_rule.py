@@ -60,50 +60,37 @@ def test_a_read_or_a_random_number_is_allowed(graph):
   assert kinds.get("RandomUniform") == rule.ALLOWED
 
 
-def test_an_addition_computed_from_the_rows_is_kept(graph):
-  def build(x):
-    seen = _variable("seen")
-    return seen.assign_add(tf.reduce_sum(x))
-  assert _kinds(graph, build)["seen"] == rule.KEEP
+def _moving_average_in_update_ops(x):
+  moving = _variable("v")
+  update = moving.assign(0.9 * moving + 0.1 * tf.reduce_mean(x))
+  tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, update)
+  return update
 
 
-def test_a_variable_declared_sum_is_kept(graph):
-  def build(x):
-    total = _variable("total", Aggregation.SUM)
-    return total.assign_add(tf.reduce_sum(x))
-  assert _kinds(graph, build)["total"] == rule.KEEP
+# (what tower 1 does to the variable "v", the class the rule gives it)
+_CLASSES = {
+    "an addition computed from the rows is kept": (
+        lambda x: _variable("v").assign_add(tf.reduce_sum(x)), rule.KEEP),
+    "a variable declared SUM is kept": (
+        lambda x: _variable("v", Aggregation.SUM).assign_add(
+            tf.reduce_sum(x)), rule.KEEP),
+    "a change not from the rows is made once": (
+        lambda x: _variable("v").assign_add(1.0), rule.ONCE),
+    "a variable declared ONLY_FIRST_REPLICA is written once": (
+        lambda x: _variable("v", Aggregation.ONLY_FIRST_REPLICA).assign(
+            tf.reduce_sum(x)), rule.ONCE),
+    "a variable declared MEAN is a statistic": (
+        lambda x: _variable("v", Aggregation.MEAN).assign(tf.reduce_mean(x)),
+        rule.STATISTIC),
+    "an assignment from the rows in UPDATE_OPS is a statistic": (
+        _moving_average_in_update_ops, rule.STATISTIC),
+}
 
 
-def test_a_change_not_from_the_rows_is_made_once(graph):
-  def build(x):
-    del x
-    steps = _variable("steps")
-    return steps.assign_add(1.0)
-  assert _kinds(graph, build)["steps"] == rule.ONCE
-
-
-def test_a_variable_declared_only_first_replica_is_written_once(graph):
-  def build(x):
-    last = _variable("last", Aggregation.ONLY_FIRST_REPLICA)
-    return last.assign(tf.reduce_sum(x))
-  assert _kinds(graph, build)["last"] == rule.ONCE
-
-
-def test_a_variable_declared_mean_is_a_statistic(graph):
-  def build(x):
-    mean = _variable("mean", Aggregation.MEAN)
-    return mean.assign(tf.reduce_mean(x))
-  assert _kinds(graph, build)["mean"] == rule.STATISTIC
-
-
-def test_an_assignment_from_the_rows_in_update_ops_is_a_statistic(graph):
-  def build(x):
-    moving = _variable("moving")
-    update = moving.assign(0.9 * moving + 0.1 * tf.reduce_mean(x))
-    tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS,
-                                   update)
-    return update
-  assert _kinds(graph, build)["moving"] == rule.STATISTIC
+@pytest.mark.parametrize("case", sorted(_CLASSES))
+def test_the_class_of_a_change(graph, case):
+  build, kind = _CLASSES[case]
+  assert _kinds(graph, build)["v"] == kind
 
 
 def test_an_undeclared_assignment_from_the_rows_is_refused_with_the_fix(
