@@ -93,14 +93,15 @@ class TowerOptimizerCore:
     context = _active_context()
     if context is None:
       return loss
-    index = context.progress.tower_index
+    progress, weights = context.progress, context.weights
+    index = progress.tower_index
 
     def weighted(value):
-      value = context.weights.weigh_loss(
-          index, value, context.progress.rows_of(index),
-          strict_rows=context.progress.rows_of(index, count_folded=False))
+      value = weights.weigh_loss(
+          index, value, progress.rows_of(index),
+          strict_rows=progress.rows_of(index, count_folded=False))
       marker = tf.identity(tf.ones([], value.dtype), name="tower_weight")
-      context.weights.add_weight_op(index, marker.op)
+      weights.add_weight_op(index, marker.op)
       return value * marker
 
     if callable(loss):
@@ -137,8 +138,10 @@ class TowerOptimizerCore:
     whole = weighting.whole_batch(context, grads_and_vars)
     grads_and_vars = weighting.weighted_once(context, grads_and_vars, whole)
     if index == 0:
-      update = self._build_update(context, grads_and_vars, apply, whole,
-                                  touched_here)
+      update = self._build_update(
+          grads_and_vars, apply, whole, touched_here,
+          variables=context.variables, num_towers=context.layout.num_towers,
+          progress=context.progress, records=context.records)
       if context.progress.is_last_tower:
         # One tower (a synchronous cluster's task): its sums are its own
         # gradients, summed across tasks.
@@ -153,11 +156,16 @@ class TowerOptimizerCore:
       optimizer_calls.connect_sums(context, position)
     return tower0_call.result
 
-  def _build_update(self, context, grads_and_vars, apply, whole, touched_here):
+  def _build_update(self, grads_and_vars, apply, whole, touched_here, *,
+                    variables, num_towers, progress, records):
     """Tower 0's update, on stand-ins for the sums over towers.
 
     A gradient that is already the whole batch's (`whole`) is applied as
     it is; a replicated copy's stand-in for it is connected to its tower's.
+
+    It is given what it reads of the call: its `variables` (a replicated
+    tower's copies), `num_towers`, `progress` (the update is built
+    `applying`) and `records` (where tower 0's call goes).
     """
     tower0 = [(grad if is_whole else stand_ins.stand_in(
         grad, "pending_gradient"), variable)
@@ -165,25 +173,25 @@ class TowerOptimizerCore:
     standing_in = [pair for is_whole, pair in zip(whole, tower0)
                    if not is_whole]
     per_tower = [tower0]
-    if context.variables.has_copies():
+    if variables.has_copies():
       # Every copy gets the same update in the same apply_gradients, so
       # that the optimizer's own step (Adam's beta powers) moves once.
-      for index in range(1, context.layout.num_towers):
+      for index in range(1, num_towers):
         copies = []
         for grad, variable in grads_and_vars:
           if grad is None:
             continue
-          copy = context.variables.copy_early(index, variable)
+          copy = variables.copy_early(index, variable)
           if copy is not variable:
             copies.append((stand_ins.stand_in(grad, "pending_gradient"), copy))
         per_tower.append(copies)
         standing_in.extend(copies)
-    with context.progress.applying():
+    with progress.applying():
       update = apply(self.optimizer, [
           pair for tower in per_tower for pair in self._transformed(tower)])
-    context.records.record(0, self, grads_and_vars, update,
-                           stand_in_pairs=standing_in,
-                           whole=whole, touched=touched_here)
+    records.record(0, self, grads_and_vars, update,
+                   stand_in_pairs=standing_in, whole=whole,
+                   touched=touched_here)
     return update
 
   def _whole_batch(self, grads_and_vars):
@@ -204,15 +212,15 @@ class TowerOptimizerCore:
       return grads_and_vars  # apply_gradients there is refused anyway
     whole = [(stand_ins.whole_batch(grad), variable)
              for grad, variable in grads_and_vars]
-    index = context.progress.tower_index
-    position = context.records.record_gradients(index, grads_and_vars, whole)
-    if index > 0 and len(context.records.gradient_calls[0]) <= position:
+    records, index = context.records, context.progress.tower_index
+    position = records.record_gradients(index, grads_and_vars, whole)
+    if index > 0 and len(records.gradient_calls[0]) <= position:
       raise ValueError(
           "Tower {} made {} TowerOptimizer.compute_gradients calls, more than "
           "tower 0's {}: each tower's model_fn was supposed to make the same "
           "optimizer calls in the same order. Make the calls independent of "
           "the tower's data.".format(
-              index, position + 1, len(context.records.gradient_calls[0])))
+              index, position + 1, len(records.gradient_calls[0])))
     if context.progress.is_last_tower:
       optimizer_calls.connect_whole_batch(context, position)
     return whole
@@ -226,9 +234,11 @@ class TowerOptimizerCore:
     and the variable hold the same value.
     """
     context = _active_context()
+    towers_variables = None if context is None else context.variables
     originals = []
-    if context is not None and context.variables.has_copies() and variables:
-      originals = [context.variables.tower0_variable(v) for v in variables]
+    if towers_variables is not None and towers_variables.has_copies() and (
+        variables):
+      originals = [towers_variables.tower0_variable(v) for v in variables]
       originals = [v for v, copy in zip(originals, variables) if v is not copy]
     with backward_pass():
       own = list(compute(loss, list(variables)))
@@ -238,7 +248,7 @@ class TowerOptimizerCore:
             originals, tf.compat.v1.gradients(loss, originals))}
       for position, variable in enumerate(variables):
         extra = by_original.get(
-            context.variables.tower0_variable(variable).ref())
+            towers_variables.tower0_variable(variable).ref())
         if extra is not None:
           own[position] = extra if own[position] is None else (
               aggregation.add_gradients([own[position], extra]))
