@@ -10,9 +10,12 @@ The build, per call of the wrapped `model_fn`, one sub-package a step:
 5. `state`: what each tower's step changes, kept, made once, combined or
    refused;
 6. `outputs`: one `EstimatorSpec` from the towers'.
-Beside them: `variables` (where variables live, what a tower sees),
-`communication` (all-reduce), `batch_norm` (synchronized batch norm). Apart:
-`cluster` (`TF_CONFIG` clusters: synchronous, or with ps tasks).
+Beside them: `call` (one call's bookkeeping, read by every step),
+`variables` (where variables live, what a tower sees, the strategy's
+mode), `communication` (all-reduce), `batch_norm` (synchronized batch
+norm), `cluster` (`TF_CONFIG` clusters: synchronous, or with ps tasks).
+`replicate_model_fn` checks its arguments when wrapping; each call checks
+the Estimator's, builds, and wraps the spec for the task's session.
 """
 
 import inspect
@@ -21,18 +24,14 @@ from typing import Callable, Optional, Sequence
 import tensorflow as tf
 
 # First: it refuses a TensorFlow other than 2.15 with the fix.
-from replicate import _tf
+from replicate import _tf  # pylint: disable=unused-import
 from replicate.communication import allreduce
 from replicate import arguments
-from replicate import canned
 from replicate.cluster import ps_cluster
-from replicate.cluster import sync_input
-from replicate.cluster import sync_session
 from replicate.towers import context as context_lib
-from replicate.towers import devices as devices_lib
-from replicate.towers import layout as layout_lib
+from replicate.call import devices as devices_lib
+from replicate.call import layout as layout_lib
 from replicate.towers import report
-from replicate import graph_walk
 from replicate.shard import rows_meet
 from replicate.shard import batch_reductions
 from replicate.shard import sharding
@@ -43,16 +42,6 @@ from replicate.batch_norm import sync_batch_norm as sync_batch_norm_lib
 from replicate.variables import tower_variables as tower_variables_lib
 
 Reduction = tf.compat.v1.losses.Reduction
-
-# Ops that feed an input pipeline's batches; features that come from these
-# are training or prediction input, not a serving signature's placeholders.
-_PIPELINE_OP_TYPES = frozenset([
-    "IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional",
-    "QueueDequeue", "QueueDequeueV2", "QueueDequeueMany", "QueueDequeueManyV2",
-    "QueueDequeueUpTo", "QueueDequeueUpToV2"
-])
-_PLACEHOLDER_OP_TYPES = frozenset(["Placeholder", "PlaceholderWithDefault"])
-
 
 def replicate_model_fn(
     model_fn: Callable,
@@ -181,29 +170,27 @@ def replicate_model_fn(
   estimator.train(input_fn, steps=100)
   ```
   """
-  arguments.check_loss_reduction(loss_reduction)
-  fixed_devices = devices_lib.normalize_devices(devices)
-  arguments.check_variable_strategy(variable_strategy)
-  arguments.check_all_reduce(all_reduce, compact_gradients, variable_strategy)
-  canned.check_canned_model_fn(model_fn, loss_reduction)
-  model_fn_args = _tf.fn_args(model_fn)
-  arguments.check_takes_features(model_fn, model_fn_args)
-  arguments.check_sync_batch_norm(sync_batch_norm)
+  fixed_devices, model_fn_args = arguments.check_all(
+      model_fn, loss_reduction, devices, variable_strategy, sync_batch_norm,
+      all_reduce, compact_gradients)
 
   def build(features, labels, mode, params, config):
-    kwargs = _model_fn_kwargs(model_fn, model_fn_args, labels, mode, params,
-                              config)
-    if _is_export_graph(mode, features):
+    # Check: the Estimator's arguments, the cluster.
+    kwargs = arguments.model_fn_kwargs(model_fn, model_fn_args, labels, mode,
+                                       params, config)
+    if arguments.is_export_graph(mode, features):
       return tpu_spec.as_estimator_spec(model_fn(features=features, **kwargs))
     batch_norm_sync = sync_batch_norm_lib.check_cluster(sync_batch_norm,
                                                         config, mode)
-    tower_devices, strategy = strategies.for_call(
-        variable_strategy, fixed_devices, config, mode, all_reduce,
-        compact_gradients)
+    strategies.check_cluster(variable_strategy, config, mode)
+    # Build: the towers on their devices, with the strategy.
+    tower_devices = strategies.tower_devices(fixed_devices, config, mode)
+    strategy = strategies.for_call(variable_strategy, tower_devices, config,
+                                   mode, all_reduce, compact_gradients)
     report.log_towers(tower_devices, variable_strategy, mode,
                       config if fixed_devices is None and
                       not ps_cluster.num_ps_tasks(config, mode) else None)
-    if len(tower_devices) == 1 and strategy.cross_task is None:
+    if not strategy.builds_towers(len(tower_devices)):
       # Placed as a tower, so that in a cluster the variables still go to
       # the ps tasks rather than following the one device.
       with tf.compat.v1.get_default_graph().device(
@@ -215,10 +202,8 @@ def replicate_model_fn(
       spec = _build_towers(model_fn, features, labels, mode, kwargs,
                            tower_devices, loss_reduction, strategy,
                            batch_norm_sync)
-    if strategy.cross_task is not None:
-      return sync_session.for_task(spec, strategy.cross_task)
-    return ps_cluster.for_cluster(spec, config,
-                               ps_cluster.num_ps_tasks(config, mode))
+    # Wrap: what the task's session needs around the one spec.
+    return strategy.for_session(spec, config, mode)
 
   def replicated_model_fn(features, labels, mode, params=None, config=None):
     return build(features, labels, mode, params, config)
@@ -247,16 +232,12 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
   `batch_norm_sync(layout)` makes the call's batch-norm sites, or None.
   """
   num_towers = len(tower_devices)
-  cross = strategy.cross_task
-  task_rows = None
-  if cross is not None:
-    features, labels, task_rows = sync_input.take_batch(features, labels,
-                                                        cross)
+  features, labels, task_rows = strategy.take_batch(features, labels)
   shards = sharding.split_batch(
       features, labels, num_towers,
       is_prediction=mode == tf.estimator.ModeKeys.PREDICT)
-  if cross is not None and task_rows is None:
-    task_rows = sync_input.count_rows(shards.batch_size, cross)
+  if task_rows is None:
+    task_rows = strategy.count_rows(shards.batch_size)
   device_functions = [
       devices_lib.tower_device_function(device, strategy.variable_device)
       for device in tower_devices
@@ -271,7 +252,7 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
       sync_batch_norm_lib.swapped(context):
     tower_specs = []
     # A TPUEstimatorSpec's eval_metrics and scaffold_fn: called once.
-    batch_calls = tpu_spec.PendingBatch()
+    batch_calls = tpu_spec.BatchCalls()
     for tower in layout.towers:
       tower_kwargs = dict(kwargs)
       if "labels" in tower_kwargs:
@@ -299,57 +280,3 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
         mode, tower_specs, layout=layout, progress=context.progress,
         records=context.records, weights=context.weights,
         variables=context.variables)
-
-
-def _model_fn_kwargs(model_fn, model_fn_args, labels, mode, params, config):
-  """The keyword arguments the Estimator would pass, checked the same way.
-
-  Everything, features included, goes by keyword, so the model_fn's
-  parameters may come in any order, as the Estimator allows.
-  """
-  kwargs = {}
-  if "mode" in model_fn_args:
-    kwargs["mode"] = mode
-  if "labels" in model_fn_args:
-    kwargs["labels"] = labels
-  elif labels is not None:
-    raise ValueError(
-        "The model_fn {!r} does not take labels, but the input_fn returns "
-        "labels. Add a labels argument to the model_fn or return features "
-        "only.".format(model_fn))
-  if "params" in model_fn_args:
-    kwargs["params"] = params
-  elif params:
-    raise ValueError(
-        "The model_fn {!r} does not take params, but params {!r} were given "
-        "to the Estimator. Add a params argument to the model_fn.".format(
-            model_fn, params))
-  if "config" in model_fn_args:
-    kwargs["config"] = config
-  return kwargs
-
-
-def _is_export_graph(mode, features):
-  """Whether the graph is a SavedModel's, to build as one unplaced tower.
-
-  A serving graph is PREDICT with features fed by placeholders. The TRAIN
-  and EVAL graphs of `experimental_export_all_saved_models` are fed by
-  placeholders too, but so is training through a `FeedFnHook` (and a
-  model_fn called by hand), which must keep its towers: for those modes the
-  Estimator's export method is recognised among the callers.
-  """
-  if mode == tf.estimator.ModeKeys.PREDICT and _is_serving_input(features):
-    return True
-  return _tf.in_saved_model_export()
-
-
-def _is_serving_input(features):
-  """Whether features come from placeholders rather than an input pipeline."""
-  has_placeholder = False
-  for op in graph_walk.ops_behind(
-      t for t in tf.nest.flatten(features, expand_composites=True)
-      if isinstance(t, tf.Tensor)):
-    if op.type in _PIPELINE_OP_TYPES:
-      return False
-    has_placeholder = has_placeholder or op.type in _PLACEHOLDER_OP_TYPES
-  return has_placeholder

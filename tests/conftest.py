@@ -79,7 +79,7 @@ def replication_context(graph, count=2,
                         reduction=tf.compat.v1.losses.Reduction.MEAN):
   """A replication context for `count` towers on a batch of `count` rows."""
   from replicate.towers import context as context_lib  # pylint: disable=import-outside-toplevel
-  from replicate.towers import layout as layout_lib  # pylint: disable=import-outside-toplevel
+  from replicate.call import layout as layout_lib  # pylint: disable=import-outside-toplevel
   from replicate.shard import sharding  # pylint: disable=import-outside-toplevel
   from replicate.variables import strategies, tower_variables  # pylint: disable=import-outside-toplevel
   layout = layout_lib.TowerLayout.of(

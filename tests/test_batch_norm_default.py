@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import harness
 import replicate
 from conftest import EVAL, PREDICT, TRAIN, cpus, session_config
 
@@ -206,20 +207,7 @@ def test_deepfm_in_place_batch_norm_is_one_device_by_default(
   assert max(differences.values()) < 1e-5, differences
 
 
-class _Lines(list):
-  """The "tensorflow" logger's lines at INFO and above, while installed."""
-
-  def __enter__(self):
-    self._handler = logging.Handler()
-    self._handler.emit = lambda record: self.append(record.getMessage())
-    self._verbosity = tf.compat.v1.logging.get_verbosity()
-    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.INFO)
-    tf.get_logger().addHandler(self._handler)
-    return self
-
-  def __exit__(self, *unused):
-    tf.get_logger().removeHandler(self._handler)
-    tf.compat.v1.logging.set_verbosity(self._verbosity)
+_Lines = harness.LogLines
 
 
 def _batch_norm_lines(lines):

@@ -7,8 +7,8 @@ import tensorflow as tf
 
 from conftest import cpus, replication_context, run_initialized
 from replicate.shard import sharding
-from replicate.towers import layout as layout_lib
-from replicate.towers import current
+from replicate.call import layout as layout_lib
+from replicate.call import current
 from replicate.variables import strategies
 
 

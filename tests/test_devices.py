@@ -4,7 +4,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import session_config
-from replicate.towers import devices
+from replicate.call import devices
 from replicate.variables import strategies
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import harness
 import replicate
 from conftest import TRAIN, cpus, session_config
 
@@ -34,39 +35,12 @@ def _fetch(name, tensor):
 def _train(model_fn, towers=None, rows=6, steps=1, static=False,
            **wrap_kwargs):
   """Trains `model_fn` on `steps` batches: (global variables, fetched)."""
-  batches = _batches(rows, steps)
-  with tf.Graph().as_default() as graph:
-    tf.compat.v1.train.get_or_create_global_step()
-    if static:
-      x = tf.Variable(batches[0][0], trainable=False,
-                      collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
-      y = tf.Variable(batches[0][1], trainable=False,
-                      collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
-      features, labels = {"x": tf.identity(x)}, tf.identity(y)
-    else:
-      x = tf.compat.v1.placeholder(tf.float32, [None, 3])
-      y = tf.compat.v1.placeholder(tf.float32, [None, 1])
-      features, labels = {"x": x}, y
-    if towers is not None:
-      model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(towers),
-                                              **wrap_kwargs)
-    spec = model_fn(features=features, labels=labels, mode=TRAIN)
-    fetches = dict(graph.get_collection(FETCH))
-    with tf.compat.v1.Session(config=session_config(4)) as session:
-      session.run([tf.compat.v1.global_variables_initializer(),
-                   tf.compat.v1.local_variables_initializer(),
-                   tf.compat.v1.tables_initializer()])
-      for batch_x, batch_y in batches:
-        if static:
-          x.load(batch_x, session)
-          y.load(batch_y, session)
-          session.run(spec.train_op)
-        else:
-          session.run(spec.train_op, {x: batch_x, y: batch_y})
-      values = {v.op.name: session.run(v)
-                for v in tf.compat.v1.global_variables()}
-      fetched = session.run(fetches) if fetches else {}
-  return values, fetched
+  run = harness.train(
+      model_fn, _batches(rows, steps), towers, static=static,
+      step_fetches=lambda spec: {},
+      after_fetches=lambda graph: dict(graph.get_collection(FETCH)),
+      **wrap_kwargs)
+  return run.variables, run.after
 
 
 def _assert_same(expected, actual):

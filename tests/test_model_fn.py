@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import harness
 import replicate
 from replicate import _tf
 from conftest import EVAL, PREDICT, TRAIN, cpus, regression_spec
@@ -104,21 +105,7 @@ def test_params_or_labels_the_model_fn_cannot_take_are_refused(graph):
   assert spec.predictions.shape.as_list() == [2]
 
 
-class _Lines(list):
-  """The "tensorflow" logger's lines at INFO and above, while installed."""
-
-  def __enter__(self):
-    import logging  # pylint: disable=import-outside-toplevel
-    self._handler = logging.Handler()
-    self._handler.emit = lambda record: self.append(record.getMessage())
-    self._verbosity = tf.compat.v1.logging.get_verbosity()
-    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.INFO)
-    tf.get_logger().addHandler(self._handler)
-    return self
-
-  def __exit__(self, *unused):
-    tf.get_logger().removeHandler(self._handler)
-    tf.compat.v1.logging.set_verbosity(self._verbosity)
+_Lines = harness.LogLines
 
 
 def test_an_estimator_without_params_logs_no_params_warning():
@@ -138,7 +125,7 @@ def test_an_estimator_without_params_logs_no_params_warning():
 
 
 def test_the_towers_built_are_logged_in_one_line(graph, monkeypatch):
-  monkeypatch.setattr(replicate.towers.devices, "local_devices",
+  monkeypatch.setattr(replicate.call.devices, "local_devices",
                       lambda *args, **kwargs: cpus(3))
   with _Lines() as lines:
     replicate.replicate_model_fn(_model_fn, variable_strategy="round_robin")(
@@ -159,7 +146,7 @@ def test_one_tower_where_the_machine_has_more_is_a_warning(
     monkeypatch, gpus, cores, hint):
   monkeypatch.setattr(tf.config, "list_physical_devices",
                       lambda kind=None: ["GPU:%d" % i for i in range(gpus)])
-  monkeypatch.setattr(replicate.towers.devices, "local_devices",
+  monkeypatch.setattr(replicate.call.devices, "local_devices",
                       lambda *args, **kwargs: ["/device:CPU:0"])
   monkeypatch.setattr(replicate.towers.report.os, "cpu_count", lambda: cores)
   wrapped = replicate.replicate_model_fn(_model_fn)

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import replicate
 from conftest import TRAIN, checkpoint_values, cpus, session_config
-from replicate.towers import current
+from replicate.call import current
 
 
 def _mixed_precision_model_fn(features, labels, mode):

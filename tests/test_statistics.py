@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import harness
 import replicate
-from conftest import TRAIN, cpus, session_config
+from conftest import TRAIN
 
 UPDATE_OPS = tf.compat.v1.GraphKeys.UPDATE_OPS
 _INIT = tf.compat.v1.constant_initializer(0.3)
@@ -22,25 +23,10 @@ _INIT = tf.compat.v1.constant_initializer(0.3)
 def _train(model_fn, batches, towers=None, strategy="parameter_server",
            static=False):
   """Runs one train step per batch; returns {variable op name: value}."""
-  first = batches[0]
-  with tf.Graph().as_default():
-    tf.compat.v1.train.get_or_create_global_step()
-    inputs = {key: tf.compat.v1.placeholder(
-        tf.as_dtype(value.dtype),
-        value.shape if static else (None,) + value.shape[1:])
-              for key, value in first.items()}
-    if towers is not None:
-      model_fn = replicate.replicate_model_fn(
-          model_fn, devices=cpus(towers), variable_strategy=strategy)
-    spec = model_fn(features={k: v for k, v in inputs.items() if k != "y"},
-                    labels=inputs["y"], mode=TRAIN)
-    variables = tf.compat.v1.global_variables()
-    with tf.compat.v1.Session(config=session_config(3)) as session:
-      session.run(tf.compat.v1.global_variables_initializer())
-      session.run(tf.compat.v1.local_variables_initializer())
-      for batch in batches:
-        session.run(spec.train_op, {inputs[k]: batch[k] for k in inputs})
-      return session.run({v.op.name: v for v in variables})
+  wrap_kwargs = {} if towers is None else {"variable_strategy": strategy}
+  return harness.train(model_fn, batches, towers, known_rows=static,
+                       step_fetches=lambda spec: {}, session_towers=3,
+                       **wrap_kwargs).variables
 
 
 def _rows(n=7):

@@ -13,8 +13,11 @@ CONFIG = tf.estimator.RunConfig(session_config=session_config(3))
 
 
 def _for_call(name, mode, towers=3, all_reduce=allreduce.AUTO):
-  return strategies.for_call(name, cpus(towers), CONFIG, mode, all_reduce,
-                             compact=False)
+  """(the towers' devices, the strategy object), found as the build does."""
+  strategies.check_cluster(name, CONFIG, mode)
+  devices = strategies.tower_devices(cpus(towers), CONFIG, mode)
+  return devices, strategies.for_call(name, devices, CONFIG, mode,
+                                      all_reduce, compact=False)
 
 
 def test_replicated_copies_variables_in_training_with_several_towers():

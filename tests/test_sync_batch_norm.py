@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import harness
 import replicate
 from conftest import EVAL, TRAIN, cpus, session_config
 from replicate import _tf
@@ -147,42 +148,18 @@ def _train(model_fn, rows, towers=None, dtype=np.float32, static=False,
   batches of known size (so shares are exact Python numbers), else
   placeholders of unknown batch size, as an input_fn ending in `.batch()`.
   """
-  batches = _batches(rows, dtype)
-  with tf.Graph().as_default() as graph:
-    tf.compat.v1.keras.backend.set_floatx(np.dtype(dtype).name)
-    tf.compat.v1.train.get_or_create_global_step()
-    if static:
-      x = tf.Variable(batches[0][0], trainable=False,
-                      collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
-      y = tf.Variable(batches[0][1], trainable=False,
-                      collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
-      features, labels = {"x": tf.identity(x)}, tf.identity(y)
-    else:
-      x = tf.compat.v1.placeholder(dtype, [None, 6, 6, 3])
-      y = tf.compat.v1.placeholder(tf.int32, [None])
-      features, labels = {"x": x}, y
-    if towers is not None:
-      model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(towers),
-                                              **wrap_kwargs)
-    spec = model_fn(features=features, labels=labels, mode=TRAIN)
-    logits = tf.concat(graph.get_collection(LOGITS), 0)[:rows]
-    result = {"logits": [], "loss": []}
-    with tf.compat.v1.Session(config=session_config(4)) as session:
-      session.run(tf.compat.v1.global_variables_initializer())
-      session.run(tf.compat.v1.local_variables_initializer())
-      for batch_x, batch_y in batches:
-        if static:
-          x.load(batch_x, session)
-          y.load(batch_y, session)
-          feed = None
-        else:
-          feed = {x: batch_x, y: batch_y}
-        step_logits, loss, _ = session.run([logits, spec.loss, spec.train_op],
-                                           feed)
-        result["logits"].append(step_logits)
-        result["loss"].append(loss)
-      result["variables"] = {v.op.name: session.run(v)
-                             for v in tf.compat.v1.global_variables()}
+  def fetches(spec):
+    graph = tf.compat.v1.get_default_graph()
+    return {"logits": tf.concat(graph.get_collection(LOGITS), 0)[:rows],
+            "loss": spec.loss}
+
+  run = harness.train(
+      model_fn, _batches(rows, dtype), towers, static=static,
+      step_fetches=fetches,
+      in_graph=lambda: tf.compat.v1.keras.backend.set_floatx(
+          np.dtype(dtype).name), **wrap_kwargs)
+  result = {"logits": run.per_step("logits"), "loss": run.per_step("loss"),
+            "variables": run.variables}
   tf.compat.v1.keras.backend.set_floatx("float32")
   return result
 

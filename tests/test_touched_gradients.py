@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import harness
 import replicate
-from conftest import TRAIN, cpus, session_config
 
 PS, REPLICATED = "parameter_server", "replicated"
 CLIP = 0.05  # the batch's global norm is 1 to 2: the clip is active
@@ -125,25 +125,10 @@ def _model_fn(way, kind, norms, touch="clip"):
 def _train(way, kind, rows=7, towers=None, touch="clip", **wrap_kwargs):
   """({variable: value}, the norm tower 0 logged at each step)."""
   norms = []
-  model_fn = _model_fn(way, kind, norms, touch)
-  with tf.Graph().as_default():
-    tf.compat.v1.train.get_or_create_global_step()
-    x = tf.compat.v1.placeholder(tf.float32, [None, 3])
-    y = tf.compat.v1.placeholder(tf.int32, [None])
-    if towers is not None:
-      model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(towers),
-                                              **wrap_kwargs)
-    spec = model_fn(features={"x": x}, labels=y, mode=TRAIN)
-    with tf.compat.v1.Session(config=session_config(4)) as session:
-      session.run(tf.compat.v1.global_variables_initializer())
-      session.run(tf.compat.v1.local_variables_initializer())  # copies
-      logged = []
-      for batch_x, batch_y in _batches(rows):
-        logged.append(session.run([spec.train_op, norms[0]],
-                                  {x: batch_x, y: batch_y})[1])
-      values = {v.op.name: session.run(v)
-                for v in tf.compat.v1.global_variables()}
-  return values, logged
+  run = harness.train(_model_fn(way, kind, norms, touch), _batches(rows),
+                      towers, step_fetches=lambda spec: {"norm": norms[0]},
+                      **wrap_kwargs)
+  return run.variables, run.per_step("norm")
 
 
 def _assert_one_device(way, kind, towers, rows=7, touch="clip",
@@ -231,21 +216,8 @@ def test_two_optimizers_and_an_accumulator_of_clipped_gradients(strategy):
 
 
 def _train_model_fn(model_fn, towers=None, **wrap_kwargs):
-  with tf.Graph().as_default():
-    tf.compat.v1.train.get_or_create_global_step()
-    x = tf.compat.v1.placeholder(tf.float32, [None, 3])
-    y = tf.compat.v1.placeholder(tf.int32, [None])
-    if towers is not None:
-      model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(towers),
-                                              **wrap_kwargs)
-    spec = model_fn(features={"x": x}, labels=y, mode=TRAIN)
-    with tf.compat.v1.Session(config=session_config(4)) as session:
-      session.run(tf.compat.v1.global_variables_initializer())
-      session.run(tf.compat.v1.local_variables_initializer())
-      for batch_x, batch_y in _batches(7):
-        session.run(spec.train_op, {x: batch_x, y: batch_y})
-      return {v.op.name: session.run(v)
-              for v in tf.compat.v1.global_variables()}
+  return harness.train(model_fn, _batches(7), towers,
+                       step_fetches=lambda spec: {}, **wrap_kwargs).variables
 
 
 def test_a_gradient_of_whole_batch_and_tower_values_is_refused():

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import harness
 import replicate
 from conftest import TRAIN, cpus, session_config
 
@@ -32,42 +33,12 @@ def _train(model_fn, batches=None, towers=None, static=False, **wrap_kwargs):
   """Trains `model_fn` on `batches`; returns (losses, {variable: value}).
 
   `towers=None` runs the model_fn unwrapped on one device. `static` gives
-  the graph batches of known size (constants), else placeholders of
-  unknown size, as an input_fn ending in `.batch()` does.
+  the graph batches of known size, else placeholders of unknown size, as
+  an input_fn ending in `.batch()` does (`harness.train`).
   """
-  batches = batches or _batches()
-  with tf.Graph().as_default():
-    tf.compat.v1.train.get_or_create_global_step()
-    if static:
-      x = tf.Variable(batches[0][0], trainable=False, name="input_x",
-                      collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
-      y = tf.Variable(batches[0][1], trainable=False, name="input_y",
-                      collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
-      features, labels = {"x": tf.identity(x)}, tf.identity(y)
-    else:
-      x = tf.compat.v1.placeholder(tf.float32, [None, 3])
-      y = tf.compat.v1.placeholder(tf.int32, [None])
-      features, labels = {"x": x}, y
-    if towers is not None:
-      model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(towers),
-                                              **wrap_kwargs)
-    spec = model_fn(features=features, labels=labels, mode=TRAIN)
-    with tf.compat.v1.Session(
-        config=session_config(max(4, towers or 1))) as session:
-      session.run(tf.compat.v1.global_variables_initializer())
-      session.run(tf.compat.v1.local_variables_initializer())
-      losses = []
-      for batch_x, batch_y in batches:
-        if static:
-          x.load(batch_x, session)
-          y.load(batch_y, session)
-          feed = None
-        else:
-          feed = {x: batch_x, y: batch_y}
-        losses.append(session.run([spec.train_op, spec.loss], feed)[1])
-      values = {v.op.name: session.run(v)
-                for v in tf.compat.v1.global_variables()}
-  return losses, values
+  run = harness.train(model_fn, batches or _batches(), towers, static=static,
+                      named_inputs=True, **wrap_kwargs)
+  return run.per_step("loss"), run.variables
 
 
 def _assert_same_training(expected, actual):

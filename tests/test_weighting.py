@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import harness
 import replicate
 from conftest import EVAL, TRAIN, cpus, session_config
 
@@ -212,27 +213,14 @@ def _train_masked(batches, towers=None, static=False, **wrap_kwargs):
   `static` gives the batch a size known when building (so every tower is
   known to have rows), else it is known only at run time.
   """
-  rows = MASKED_ROWS if static else None
-  with tf.Graph().as_default():
-    tf.compat.v1.train.get_or_create_global_step()
-    inputs = x, y, mask = (tf.compat.v1.placeholder(tf.float32, [rows, 3]),
-                           tf.compat.v1.placeholder(tf.int32, [rows]),
-                           tf.compat.v1.placeholder(tf.float32, [rows]))
-    model_fn = _masked_mean_model_fn
-    if towers is not None:
-      model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(towers),
-                                              **wrap_kwargs)
-    spec = model_fn(features={"x": x, "mask": mask}, labels=y, mode=TRAIN)
-    with tf.compat.v1.Session(config=session_config(towers or 1)) as session:
-      session.run(tf.compat.v1.global_variables_initializer())
-      session.run(tf.compat.v1.local_variables_initializer())
-      losses = []
-      for batch in batches:
-        feed = dict(zip(inputs, batch))
-        losses.append(session.run([spec.train_op, spec.loss], feed)[1])
-      values = {v.op.name: session.run(v)
-                for v in tf.compat.v1.global_variables()}
-  return losses, values
+  as_inputs = lambda x, y, mask: {"x": np.asarray(x, np.float32),
+                                  "y": np.asarray(y, np.int32),
+                                  "mask": np.asarray(mask, np.float32)}
+  run = harness.train(
+      _masked_mean_model_fn, [as_inputs(*batch) for batch in batches],
+      towers, known_rows=static, session_towers=towers or 1,
+      like=as_inputs(*_masked_batches(steps=1)[0]), **wrap_kwargs)
+  return run.per_step("loss"), run.variables
 
 
 @pytest.mark.parametrize("static", [False, True])

@@ -28,8 +28,8 @@ from typing import Any, List, Optional
 import tensorflow as tf
 
 from replicate.batch_norm import batch_moments
-from replicate.towers import current
-from replicate.towers import layout as layout_lib
+from replicate.call import current
+from replicate.call import layout as layout_lib
 from replicate.gradients import stand_ins
 from replicate.shard import sharding
 from replicate import _tf

@@ -46,7 +46,7 @@ from replicate.batch_norm import batch_moments
 from replicate.batch_norm import batch_norm_sites
 from replicate.cluster import ps_cluster
 from replicate.cluster import sync_cluster
-from replicate.towers import layout as layout_lib
+from replicate.call import layout as layout_lib
 from replicate import _tf
 
 

@@ -1,4 +1,6 @@
-"""Apart from the build: `TF_CONFIG` clusters and the launcher's processes.
+"""`TF_CONFIG` clusters and the launcher's processes: a floor below the steps
+that sum across tasks (`gradients`, `variables`, whose strategies hold a
+synchronous cluster's `CrossTask`, and `batch_norm`).
 
 Synchronous clusters (chief and workers, no ps; every task's towers step
 together):

@@ -5,21 +5,21 @@ train, evaluate and export call), made from the instance or function given.
 
 On towers: computing gradients weights the tower's loss by its weight (see
 `replicate.gradients.weighting`) and returns stand-ins for the sums over
-towers (`Wrapping._whole_batch`), so that the `model_fn`'s code between
-`compute_gradients` and `apply_gradients` sees the whole batch's gradients;
-what `apply_gradients` receives computed from them is applied once, as it
-is (a replicated copy gets its own tower's). Gradients made otherwise are
-weighted when they reach `apply_gradients` (`weighting.weighed_once`), so
-each counts its share once, and the user's ops that changed them are made
-to read sums too (`replicate.gradients.touched`). Tower 0's
-`apply_gradients` builds the one update of
-the step with the wrapped optimizer, in tower 0's scopes, on stand-ins for
-the summed gradients (see `replicate.gradients.stand_ins`), so it returns the real update
-and the optimizer's slots exist once it returns. Towers 1..N-1 record their
-gradients and return tower 0's update; the last tower sums (or, with
-replicated variables, all-reduces) every tower's gradients and connects the
-sums to tower 0's update. Calls are matched across towers by position
-(see `replicate.gradients.optimizer_calls`).
+towers (`TowerOptimizerCore._whole_batch`), so that the `model_fn`'s code
+between `compute_gradients` and `apply_gradients` sees the whole batch's
+gradients; what `apply_gradients` receives computed from them is applied
+once, as it is (a replicated copy gets its own tower's). Gradients made
+otherwise are weighted when they reach `apply_gradients`
+(`weighting.weighted_once`), so each counts its share once, and the user's
+ops that changed them are made to read sums too
+(`replicate.gradients.touched`). Tower 0's `apply_gradients` builds the one
+update of the step with the wrapped optimizer, in tower 0's scopes, on
+stand-ins for the summed gradients (see `replicate.gradients.stand_ins`), so
+it returns the real update and the optimizer's slots exist once it returns.
+Towers 1..N-1 record their gradients and return tower 0's update; the last
+tower sums (or, with replicated variables, all-reduces) every tower's
+gradients and connects the sums to tower 0's update. Calls are matched
+across towers by position (see `replicate.gradients.optimizer_calls`).
 
 On `gradient_transformers`: functions `grads_and_vars -> grads_and_vars`
 applied, in order, to the summed gradients before the update (with one
@@ -34,7 +34,7 @@ import tensorflow as tf
 from replicate import _tf
 from replicate.gradients import aggregation
 from replicate.gradients import call_checks
-from replicate.towers import current
+from replicate.call import current
 from replicate.gradients import optimizer_calls
 from replicate.gradients import stand_ins
 from replicate.gradients import touched
@@ -45,14 +45,14 @@ V1Optimizer = tf.compat.v1.train.Optimizer
 KerasOptimizer = tf.keras.optimizers.legacy.Optimizer
 
 
-class Wrapping:
+class TowerOptimizerCore:
   """What both families share: the wrapped optimizer, weighting, collecting."""
 
   _family = None  # the optimizer class a subclass wraps
 
-  def _init_wrapping(self, optimizer_or_optimizer_fn,
-                     gradient_transformers: Optional[Sequence[Callable]]):
-    if isinstance(optimizer_or_optimizer_fn, Wrapping):
+  def _init_core(self, optimizer_or_optimizer_fn,
+                 gradient_transformers: Optional[Sequence[Callable]]):
+    if isinstance(optimizer_or_optimizer_fn, TowerOptimizerCore):
       raise ValueError(
           "TowerOptimizer was given a TowerOptimizer; wrap the optimizer "
           "once. Received: {!r}.".format(optimizer_or_optimizer_fn))
@@ -87,20 +87,21 @@ class Wrapping:
     `weighting.TowerWeights.weigh_loss`).
 
     The result passes through an op of its own, recorded in the tower
-    weights, so that `weighting.weighed_once` knows a gradient computed
+    weights, so that `weighting.weighted_once` knows a gradient computed
     through it is weighted.
     """
     context = _active_context()
     if context is None:
       return loss
-    index = context.progress.tower_index
+    progress, weights = context.progress, context.weights
+    index = progress.tower_index
 
     def weighted(value):
-      value = context.weights.weigh_loss(
-          index, value, context.progress.rows_of(index),
-          strict_rows=context.progress.rows_of(index, count_folded=False))
+      value = weights.weigh_loss(
+          index, value, progress.rows_of(index),
+          strict_rows=progress.rows_of(index, count_folded=False))
       marker = tf.identity(tf.ones([], value.dtype), name="tower_weight")
-      context.weights.add_weight_op(index, marker.op)
+      weights.add_weight_op(index, marker.op)
       return value * marker
 
     if callable(loss):
@@ -130,15 +131,17 @@ class Wrapping:
     call_checks.own_copies(context, grads_and_vars)
     index = context.progress.tower_index
     grads_and_vars, touched_here = touched.made_whole(
-        context, grads_and_vars, lambda grad: weighting.weighed_once(
+        context, grads_and_vars, lambda grad: weighting.weighted_once(
             context, [(grad, None)])[0][0],
         set(context.records.whole_ops(index)))
     context.records.add_whole(index, [t.stand_in for t in touched_here])
     whole = weighting.whole_batch(context, grads_and_vars)
-    grads_and_vars = weighting.weighed_once(context, grads_and_vars, whole)
+    grads_and_vars = weighting.weighted_once(context, grads_and_vars, whole)
     if index == 0:
-      update = self._build_update(context, grads_and_vars, apply, whole,
-                                  touched_here)
+      update = self._build_update(
+          grads_and_vars, apply, whole, touched_here,
+          variables=context.variables, num_towers=context.layout.num_towers,
+          progress=context.progress, records=context.records)
       if context.progress.is_last_tower:
         # One tower (a synchronous cluster's task): its sums are its own
         # gradients, summed across tasks.
@@ -153,35 +156,42 @@ class Wrapping:
       optimizer_calls.connect_sums(context, position)
     return tower0_call.result
 
-  def _build_update(self, context, grads_and_vars, apply, whole, touched_here):
+  def _build_update(self, grads_and_vars, apply, whole, touched_here, *,
+                    variables, num_towers, progress, records):
     """Tower 0's update, on stand-ins for the sums over towers.
 
     A gradient that is already the whole batch's (`whole`) is applied as
     it is; a replicated copy's stand-in for it is connected to its tower's.
+
+    It is given what it reads of the call: its `variables` (a replicated
+    tower's copies), `num_towers`, `progress` (the update is built
+    `applying`) and `records` (where tower 0's call goes).
     """
     tower0 = [(grad if is_whole else stand_ins.stand_in(
         grad, "pending_gradient"), variable)
               for is_whole, (grad, variable) in zip(whole, grads_and_vars)]
-    pending = [pair for is_whole, pair in zip(whole, tower0) if not is_whole]
+    standing_in = [pair for is_whole, pair in zip(whole, tower0)
+                   if not is_whole]
     per_tower = [tower0]
-    if context.layout.is_replicated:
+    if variables.has_copies():
       # Every copy gets the same update in the same apply_gradients, so
       # that the optimizer's own step (Adam's beta powers) moves once.
-      for index in range(1, context.layout.num_towers):
+      for index in range(1, num_towers):
         copies = []
         for grad, variable in grads_and_vars:
           if grad is None:
             continue
-          copy = context.variables.copy_early(index, variable)
+          copy = variables.copy_early(index, variable)
           if copy is not variable:
             copies.append((stand_ins.stand_in(grad, "pending_gradient"), copy))
         per_tower.append(copies)
-        pending.extend(copies)
-    with context.progress.applying():
+        standing_in.extend(copies)
+    with progress.applying():
       update = apply(self.optimizer, [
           pair for tower in per_tower for pair in self._transformed(tower)])
-    context.records.record(0, self, grads_and_vars, update, pending=pending,
-                           whole=whole, touched=touched_here)
+    records.record(0, self, grads_and_vars, update,
+                   stand_in_pairs=standing_in, whole=whole,
+                   touched=touched_here)
     return update
 
   def _whole_batch(self, grads_and_vars):
@@ -202,15 +212,15 @@ class Wrapping:
       return grads_and_vars  # apply_gradients there is refused anyway
     whole = [(stand_ins.whole_batch(grad), variable)
              for grad, variable in grads_and_vars]
-    index = context.progress.tower_index
-    position = context.records.record_gradients(index, grads_and_vars, whole)
-    if index > 0 and len(context.records.gradient_calls[0]) <= position:
+    records, index = context.records, context.progress.tower_index
+    position = records.record_gradients(index, grads_and_vars, whole)
+    if index > 0 and len(records.gradient_calls[0]) <= position:
       raise ValueError(
           "Tower {} made {} TowerOptimizer.compute_gradients calls, more than "
           "tower 0's {}: each tower's model_fn was supposed to make the same "
           "optimizer calls in the same order. Make the calls independent of "
           "the tower's data.".format(
-              index, position + 1, len(context.records.gradient_calls[0])))
+              index, position + 1, len(records.gradient_calls[0])))
     if context.progress.is_last_tower:
       optimizer_calls.connect_whole_batch(context, position)
     return whole
@@ -224,9 +234,11 @@ class Wrapping:
     and the variable hold the same value.
     """
     context = _active_context()
+    towers_variables = None if context is None else context.variables
     originals = []
-    if context is not None and context.layout.is_replicated and variables:
-      originals = [context.variables.tower0_variable(v) for v in variables]
+    if towers_variables is not None and towers_variables.has_copies() and (
+        variables):
+      originals = [towers_variables.tower0_variable(v) for v in variables]
       originals = [v for v, copy in zip(originals, variables) if v is not copy]
     with backward_pass():
       own = list(compute(loss, list(variables)))
@@ -236,7 +248,7 @@ class Wrapping:
             originals, tf.compat.v1.gradients(loss, originals))}
       for position, variable in enumerate(variables):
         extra = by_original.get(
-            context.variables.tower0_variable(variable).ref())
+            towers_variables.tower0_variable(variable).ref())
         if extra is not None:
           own[position] = extra if own[position] is None else (
               aggregation.add_gradients([own[position], extra]))
@@ -323,8 +335,8 @@ def tower_variables(var_list):
   which are tower 0's, so they are mapped too.
   """
   context = _active_context()
-  if (context is None or not context.layout.is_replicated or
-      context.progress.tower_index == 0):
+  if context is None or not context.variables.has_copies(
+      context.progress.tower_index):
     return var_list
   if var_list is None:
     var_list = (tf.compat.v1.trainable_variables() + tf.compat.v1.get_collection(

@@ -14,7 +14,7 @@ from replicate import _tf
 
 def not_sync_replicas(context, optimizer):
   """A synchronous cluster needs no `SyncReplicasOptimizer`: refused."""
-  if (context.layout.cross_task is not None and
+  if (context.layout.spans_tasks and
       isinstance(optimizer, tf.compat.v1.train.SyncReplicasOptimizer)):
     raise ValueError(
         "TowerOptimizer wraps a SyncReplicasOptimizer, but this RunConfig's "
@@ -75,7 +75,7 @@ def own_copies(context, grads_and_vars):
   None or wrong; training on it would leave the copies behind unnoticed.
   """
   index = context.progress.tower_index
-  if not context.layout.is_replicated or index == 0:
+  if not context.variables.has_copies(index):
     return
   for _, variable in grads_and_vars:
     copy = context.variables.in_tower(index, variable)

@@ -26,9 +26,10 @@ from replicate.gradients import apply_once
 
 _V1Optimizer = apply_once.V1Optimizer
 _KerasOptimizer = apply_once.KerasOptimizer
+_Core = apply_once.TowerOptimizerCore  # what both families share
 
 
-class TowerOptimizer(apply_once.Wrapping, _V1Optimizer):
+class TowerOptimizer(_Core, _V1Optimizer):
   """Wraps an optimizer so that N towers make one update per step.
 
   Args:
@@ -88,7 +89,7 @@ class TowerOptimizer(apply_once.Wrapping, _V1Optimizer):
                optimizer_or_optimizer_fn: Union[_V1Optimizer, _KerasOptimizer,
                                                 Callable[[], Any]],
                gradient_transformers: Optional[Sequence[Callable]] = None):
-    self._init_wrapping(optimizer_or_optimizer_fn, gradient_transformers)
+    self._init_core(optimizer_or_optimizer_fn, gradient_transformers)
     name = getattr(optimizer_or_optimizer_fn, "get_name", lambda: None)()
     super().__init__(use_locking=False, name=name or "TowerOptimizer")
 
@@ -134,7 +135,7 @@ class TowerOptimizer(apply_once.Wrapping, _V1Optimizer):
     return wrapped.make_session_run_hook(is_chief, num_tokens)
 
 
-class KerasTowerOptimizer(apply_once.Wrapping, _KerasOptimizer):
+class KerasTowerOptimizer(_Core, _KerasOptimizer):
   """`TowerOptimizer` for a Keras legacy optimizer (TF 2 canned estimators).
 
   Made by `replicate.TowerOptimizer(tf.keras.optimizers.legacy.Adam(...))`.
@@ -147,7 +148,7 @@ class KerasTowerOptimizer(apply_once.Wrapping, _KerasOptimizer):
   _family = _KerasOptimizer
 
   def __init__(self, optimizer_or_optimizer_fn, gradient_transformers=None):
-    self._init_wrapping(optimizer_or_optimizer_fn, gradient_transformers)
+    self._init_core(optimizer_or_optimizer_fn, gradient_transformers)
     name = _tf.keras_optimizer_name(optimizer_or_optimizer_fn)
     super().__init__(name=name or "TowerOptimizer")
 

@@ -34,7 +34,7 @@ class OptimizerCall(NamedTuple):
   result: Any  # what the call returned: tower 0's update, in every tower
   # Tower 0 only: the (stand-in gradient, variable) pairs its update was
   # built on, connected to the sums by the last tower (see `stand_ins`).
-  pending: Optional[List[Any]] = None
+  stand_in_pairs: Optional[List[Any]] = None
   # Per pair, whether the gradient is already the whole batch's (computed
   # from `GradientCall` stand-ins): applied as it is, never summed again.
   whole: tuple = ()
@@ -62,11 +62,12 @@ class OptimizerRecords:
     self._whole = [[] for _ in range(num_towers)]  # stand-ins, per tower
 
   def record(self, index: int, optimizer, grads_and_vars, result,
-             pending=None, whole=(), touched=()) -> int:
+             stand_in_pairs=None, whole=(), touched=()) -> int:
     """Records tower `index`'s call; returns its position in the tower."""
     calls = self.calls[index]
     calls.append(OptimizerCall(optimizer, list(grads_and_vars),
-                               self._graph.get_name_scope(), result, pending,
+                               self._graph.get_name_scope(), result,
+                               stand_in_pairs,
                                tuple(whole), tuple(touched)))
     return len(calls) - 1
 
@@ -172,7 +173,7 @@ def connect_sums(context, position):
     by_variable = {variable.ref(): grad for grad, variable in summed}
     by_variable.update({ref: grad for ref, grad in own_values.items()
                         if grad is not None})
-    for stand_in, variable in tower0_call.pending:
+    for stand_in, variable in tower0_call.stand_in_pairs:
       _connect(stand_in, variable, by_variable.get(variable.ref()))
 
 

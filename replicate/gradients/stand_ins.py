@@ -30,6 +30,9 @@ from replicate.shard import rows
 def stand_in(value: Any, name: str = "pending") -> Any:
   """A stand-in for a later value shaped like `value` (Tensor or slices).
 
+  `name` is the op's name in the graph ("pending" by default, as before
+  the stand-ins had their name: graphs keep their op names).
+
   Until connected it passes `value` through, so an unconnected stand-in
   still computes something valid.
   """
@@ -49,24 +52,25 @@ def whole_batch(value: Any, name: str = "whole_batch_gradient") -> Any:
   Marked for `replicate.shard.rows`: what is computed from it is not the
   tower's rows (state written from it is written once).
   """
-  pending = stand_in(value, name)
-  if pending is not None:
-    for tensor in ([pending.values, pending.indices] if isinstance(
-        pending, tf.IndexedSlices) else [pending]):
+  made = stand_in(value, name)
+  if made is not None:
+    for tensor in ([made.values, made.indices] if isinstance(
+        made, tf.IndexedSlices) else [made]):
       setattr(tensor.op, rows.WHOLE_BATCH, True)
-  return pending
+  return made
 
 
-def connect(pending: Any, value: Any) -> None:
-  """Makes the stand-in `pending` pass `value` on, to every reader."""
-  if isinstance(pending, tf.IndexedSlices):
+def connect(standing_in: Any, value: Any) -> None:
+  """Makes the stand-in `standing_in` pass `value` on, to every reader."""
+  if isinstance(standing_in, tf.IndexedSlices):
     value = aggregation.as_slices(value)
-    _pass_on(pending.values, value.values)
-    _pass_on(pending.indices, tf.cast(value.indices, pending.indices.dtype))
+    _pass_on(standing_in.values, value.values)
+    _pass_on(standing_in.indices,
+             tf.cast(value.indices, standing_in.indices.dtype))
     return
   if isinstance(value, tf.IndexedSlices):
     value = tf.convert_to_tensor(value)
-  _pass_on(pending, tf.cast(value, pending.dtype))
+  _pass_on(standing_in, tf.cast(value, standing_in.dtype))
 
 
 def _open_dim0(tensor, name):
@@ -85,8 +89,8 @@ def _pass_on(stand_in: tf.Tensor, value: tf.Tensor) -> None:
   stand_in.op.replicate_connected = True  # read by `is_connected`
 
 
-def is_connected(pending: Any) -> bool:
-  """Whether `connect` gave the stand-in `pending` its value."""
-  if isinstance(pending, tf.IndexedSlices):
-    pending = pending.values
-  return getattr(pending.op, "replicate_connected", False)
+def is_connected(standing_in: Any) -> bool:
+  """Whether `connect` gave the stand-in `standing_in` its value."""
+  if isinstance(standing_in, tf.IndexedSlices):
+    standing_in = standing_in.values
+  return getattr(standing_in.op, "replicate_connected", False)

@@ -25,15 +25,12 @@ received gradient keeps its values, computed from the stand-in's, and gets
 the stand-in's indices.
 """
 
-import contextlib
 import re
 from typing import Any, List, NamedTuple
 
 import tensorflow as tf
 
 from replicate import _tf
-from replicate.communication import allreduce
-from replicate.gradients import aggregation
 from replicate.gradients import stand_ins
 from replicate.shard import sharding
 
@@ -112,20 +109,9 @@ def connect(context, touched_per_tower: List[List[Touched]], scopes) -> None:
   per_tower = [[None if rows is False else sharding.zero_unless_rows(
       t.own, rows) for t in tower] for tower, rows in zip(touched_per_tower,
                                                           counts)]
-  strategy = context.layout.strategy
-  with scopes:
-    if strategy.copies_variables:
-      summed = allreduce.all_reduce_grads(
-          per_tower, context.layout.devices, strategy.algorithm,
-          strategy.compact, strategy.cross_task)
-    else:
-      # With tower 0 (the scopes), or where a ps cluster's worker sums.
-      device = getattr(strategy, "sum_device", None)
-      with tf.device(device) if device else contextlib.nullcontext():
-        totals = [aggregation.add_gradients(
-            [tower[p] for tower in per_tower if tower[p] is not None])
-                  for p in range(len(keys))]
-      summed = [totals] * len(per_tower)
+  with scopes:  # tower 0's, unless the strategy places its sums
+    summed = context.layout.strategy.sum_gradients(per_tower,
+                                                   context.layout.devices)
     for tower, sums in zip(touched_per_tower, summed):
       for record, total in zip(tower, sums):
         stand_ins.connect(record.stand_in, total)

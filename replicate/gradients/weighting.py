@@ -1,6 +1,6 @@
 """How much each tower's loss counts, and `replicate.loss_denominator`.
 
-On gradients: `weighed_once` weights each gradient a tower passes to
+On gradients: `weighted_once` weights each gradient a tower passes to
 `apply_gradients` once, however it was made (see there).
 
 On weights: each tower's loss is weighted term by term as the graph says
@@ -29,7 +29,7 @@ import tensorflow as tf
 from replicate.gradients import stand_ins
 from replicate.gradients import term_weights
 from replicate.shard import sharding
-from replicate.towers import current
+from replicate.call import current
 
 
 def loss_denominator(denominator: Any) -> tf.Tensor:
@@ -104,7 +104,7 @@ def whole_batch(context, grads_and_vars: list) -> tuple:
   return result
 
 
-def weighed_once(context, grads_and_vars: list, whole=()) -> list:
+def weighted_once(context, grads_and_vars: list, whole=()) -> list:
   """The tower's gradients, each weighted by the tower's weight once.
 
   However the gradients were made: through `compute_gradients` or
@@ -193,7 +193,7 @@ class TowerWeights:
     self._counts = list(has_rows)  # see `counts`
     self._total = None  # stand-in for sum_j d_j, connected by `finish`
     # Per tower, the ops holding its loss weight: a gradient computed
-    # through one of them is already weighted (see `weighed_once`).
+    # through one of them is already weighted (see `weighted_once`).
     self._weight_ops = [set() for _ in weights]
     # The loss rule (`replicate.gradients.loss_rule`): each tower's loss
     # weighted term by term, unless the tower stated its denominator.
@@ -206,7 +206,7 @@ class TowerWeights:
     self._loss_calls = [0] * len(weights)
     self._weighed = {}  # (tower, loss) -> the loss weighted
     # Towers whose gradients, computed outside the optimizer, were scaled
-    # by the tower's one weight (`weighed_once`).
+    # by the tower's one weight (`weighted_once`).
     self._scaled = set()
 
   def note_scaled(self, index: int) -> None:

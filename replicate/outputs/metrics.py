@@ -46,7 +46,7 @@ def combine_metrics(tower_specs, layout, variables, *, tower_ops=None,
                     loss=None) -> Dict[str, tuple]:
   """`eval_metric_ops` over the whole batch: tower 0's values, one update.
 
-  `layout` is the call's `replicate.towers.layout.TowerLayout`, `variables`
+  `layout` is the call's `replicate.call.layout.TowerLayout`, `variables`
   its `replicate.variables.tower_variables.TowerVariables`, `tower_ops` the
   ops each tower built (None: values over the batch are not looked for),
   `loss` the combined spec's loss.

@@ -42,7 +42,7 @@ class _CannotCombineError(ValueError):
 def combine_outputs(tower_specs, layout, tower0_ops):
   """(predictions, export_outputs) over every tower, from one spec per tower.
 
-  `layout` is the call's `replicate.towers.layout.TowerLayout`: the towers'
+  `layout` is the call's `replicate.call.layout.TowerLayout`: the towers'
   shards and the batch's split;
   `tower0_ops` the ops tower 0 built, within which `replicate.shard.rows` looks
   for what its values are computed from.

@@ -35,12 +35,27 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
                   variables) -> tf.estimator.EstimatorSpec:
   """The EstimatorSpec of the whole batch, from one spec per tower.
 
-  The pieces of the build it reads: the call's `layout`
-  (`replicate.towers.layout.TowerLayout`), the towers' `progress`, done
-  (`replicate.towers.progress.BuildProgress`), their optimizer `records`
-  (`replicate.gradients.optimizer_calls.OptimizerRecords`), their loss
-  `weights` (`replicate.gradients.weighting.TowerWeights`) and their
-  `variables` (`replicate.variables.tower_variables.TowerVariables`).
+  The hand-off to step 6, after the towers are built and finished.
+
+  Args:
+    mode: the call's `tf.estimator.ModeKeys`.
+    tower_specs: each tower's `EstimatorSpec`, in tower order.
+    layout: the call's `replicate.call.layout.TowerLayout`.
+    progress: the towers' `replicate.call.progress.BuildProgress`, done.
+    records: their optimizer calls
+      (`replicate.gradients.optimizer_calls.OptimizerRecords`).
+    weights: their loss weights (`replicate.gradients.weighting.TowerWeights`).
+    variables: what their variables are
+      (`replicate.variables.tower_variables.TowerVariables`).
+
+  Returns:
+    One `EstimatorSpec`: the batch's loss, the one `train_op` (every
+    state change classified by `replicate.state.rule`), metrics over the
+    batch, predictions in input order.
+
+  Raises:
+    ValueError: towers whose specs differ, or a state change or output
+    that cannot be made one device's, with the fix.
   """
   _check_alike(tower_specs)
   fields = tower_specs[0]._asdict()

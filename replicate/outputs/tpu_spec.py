@@ -60,11 +60,11 @@ def as_estimator_spec(spec: Any) -> Any:
   return _remade(spec, {}).as_estimator_spec()
 
 
-class PendingBatch:
+class BatchCalls:
   """Tower 0's stand-ins for the batch's host-call tensors, to connect."""
 
   def __init__(self):
-    self._pending: List[tuple] = []  # (stand-in, call name, path)
+    self._standing_in: List[tuple] = []  # (stand-in, call name, path)
     self._tower_tensors = {}  # (call name, path) -> [tensor per tower]
     self._tower0_metrics = None
 
@@ -126,9 +126,9 @@ class PendingBatch:
       if shape.rank:
         shape = tf.TensorShape([None]).concatenate(shape[1:])
       opened = tf.compat.v1.placeholder_with_default(tensor, shape)
-      pending = stand_ins.stand_in(opened, name="whole_batch")
-      self._pending.append((pending, name, path))
-      return pending
+      standing_in = stand_ins.stand_in(opened, name="whole_batch")
+      self._standing_in.append((standing_in, name, path))
+      return standing_in
 
     if isinstance(tensors, dict):
       return {key: stand_in_for(repr(key), value)
@@ -139,7 +139,7 @@ class PendingBatch:
     """Once every tower is built: the stand-ins pass on the whole batch's
     tensors."""
     shards = layout.shards
-    for pending, name, path in self._pending:
+    for standing_in, name, path in self._standing_in:
       tensors = self._tower_tensors[(name, path)]
       if len(tensors) != layout.num_towers:
         raise ValueError(
@@ -149,7 +149,7 @@ class PendingBatch:
       with tf.name_scope("whole_batch_{}".format(name)):
         if shards.may_stand_in:
           tensors = [t[:shards.sizes[i]] for i, t in enumerate(tensors)]
-        stand_ins.connect(pending, tf.concat(tensors, axis=0))
+        stand_ins.connect(standing_in, tf.concat(tensors, axis=0))
 
 
 def _flat(tensors):

@@ -46,7 +46,7 @@ import tensorflow as tf
 from replicate import _tf
 from replicate import graph_walk
 from replicate.shard import rows as rows_lib
-from replicate.towers import layout as layout_lib
+from replicate.call import layout as layout_lib
 
 _REDUCTIONS = frozenset(["Sum", "Mean", "Max", "Min", "Prod", "Any", "All"])
 # Scopes of batch norm's moments, which `replicate.batch_norm` owns.

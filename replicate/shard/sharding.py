@@ -41,15 +41,42 @@ class Shards(NamedTuple):
   # None when every leaf is split by `sizes`.
   leaf_sizes: Optional[List[Tuple[Any, Any]]] = None
 
+  def shares(self, total_rows: Any = None) -> List[Any]:
+    """Each shard's share of `total_rows` (default: the batch's), `n_i / n`
+    (`shard_shares`)."""
+    return shard_shares(
+        self.sizes, self.batch_size if total_rows is None else total_rows)
+
+  def has_rows(self) -> List[Any]:
+    """Whether each shard's outputs count (`shard_has_rows`)."""
+    return shard_has_rows(self.sizes)
+
 
 def split_batch(features, labels, num_shards: int,
                 is_prediction: bool = False) -> Shards:
   """Splits `features` and `labels` (tensors, numpy values, nested dicts).
 
+  Step 1's hand-off to step 2: what each tower is built on.
+
   With `is_prediction`, features whose dimension 0 turns out to disagree at
   run time are each split by their own rows, where training and evaluation
   refuse them: each prediction is put back with the rows of the feature it
   is computed from (see `replicate.outputs.predictions`), as unwrapped.
+
+  Args:
+    features: the batch's features, as the `input_fn` gave them.
+    labels: its labels, or None.
+    num_shards: how many towers.
+    is_prediction: whether the call is PREDICT (features split by their
+      own rows when their batch sizes are known only at run time).
+
+  Returns:
+    The `Shards`: per tower its features and labels (the same structures),
+    the rows per tower (`sizes`), the batch size, and whether a tower may
+    be built on a stand-in row.
+
+  Raises:
+    ValueError: no tensor to split, or leaves whose batch sizes disagree.
   """
   features = batch_leaves.to_tensors("features", features)
   labels = batch_leaves.to_tensors("labels", labels)

@@ -54,8 +54,8 @@ def classify(layout, progress, variables,
              tower_specs) -> List[List[Change]]:
   """Per tower, its step's stateful ops, in build order, each classified.
 
-  `layout` is the call's `replicate.towers.layout.TowerLayout`, `progress`
-  its `replicate.towers.progress.BuildProgress` (the towers done: their
+  `layout` is the call's `replicate.call.layout.TowerLayout`, `progress`
+  its `replicate.call.progress.BuildProgress` (the towers done: their
   ops, their `UPDATE_OPS`, replicate's own ops among them), `variables`
   its `replicate.variables.tower_variables.TowerVariables`.
 

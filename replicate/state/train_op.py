@@ -291,7 +291,7 @@ def _check_optimizer_calls(records):
         "the tower's data.".format(", ".join(
             "tower {}: {}".format(i, n) for i, n in enumerate(counts))))
   for call in records.calls[0]:
-    for pending, variable in call.pending or []:
+    for pending, variable in call.stand_in_pairs or []:
       if pending is not None and not stand_ins.is_connected(pending):
         # Fail closed: unconnected, it passes tower 0's own gradient on.
         raise AssertionError(

@@ -23,8 +23,8 @@ from typing import Any, List
 
 import tensorflow as tf
 
+from replicate.call import current
 from replicate.cluster import rows_over_tasks
-from replicate.towers import current
 from replicate import _tf
 
 
@@ -70,7 +70,7 @@ def first_row(layout, index: int) -> tf.Tensor:
   """The index in the whole batch of tower `index`'s first row (int32);
   0 for a tower without rows."""
   local = tf.cast(_offsets(layout.shards.sizes)[index], tf.int32)
-  if layout.cross_task is None:
+  if not layout.spans_tasks:
     return local
   has_rows = layout.has_rows[index]
   if has_rows is False:

@@ -7,9 +7,9 @@ whether the towers were built or raised. Nothing is kept in module globals.
 
 On its pieces: the context owns one object per concern, and each build step
 is given, or reads, only the pieces it needs:
-- `layout` (`replicate.towers.layout.TowerLayout`): what is fixed for the
+- `layout` (`replicate.call.layout.TowerLayout`): what is fixed for the
   call: the graph, the towers, the batch's split, the strategy;
-- `progress` (`replicate.towers.progress.BuildProgress`): which tower is
+- `progress` (`replicate.call.progress.BuildProgress`): which tower is
   being built, and what each tower built;
 - `records` (`replicate.gradients.optimizer_calls.OptimizerRecords`): each
   tower's optimizer calls;
@@ -34,14 +34,14 @@ import contextlib
 
 import tensorflow as tf
 
+from replicate.call import current
+from replicate.call import layout as layout_lib
+from replicate.call import name_counters
+from replicate.call import progress as progress_lib
 from replicate.gradients import optimizer_calls
 from replicate.gradients import weighting
-from replicate.shard import sharding
+from replicate.shard import rows
 from replicate.towers import all_rows_calls
-from replicate.towers import current
-from replicate.towers import layout as layout_lib
-from replicate.towers import name_counters
-from replicate.towers import progress as progress_lib
 from replicate.towers import scaffolds
 from replicate.towers import tower_collections
 from replicate.variables import matching
@@ -54,7 +54,7 @@ class ReplicationContext:
                tower_variables, batch_norm=None):
     graph = layout.graph
     self.layout = layout
-    self.progress = progress_lib.BuildProgress(layout)
+    self.progress = progress_lib.BuildProgress(layout, rows.TowerRows)
     self.records = optimizer_calls.OptimizerRecords(graph, layout.num_towers)
     self._outer_name_scope = graph.get_name_scope()
     self._outer_variable_scope = tf.compat.v1.get_variable_scope()
@@ -157,7 +157,7 @@ class ReplicationContext:
   def _check_summed_regularization(self):
     """With `Reduction.SUM` across tasks, regularization would count once a
     task: refused (an averaging reduction weighs it by the shares)."""
-    if self.layout.cross_task is None or not self._sums_losses:
+    if not self.layout.spans_tasks or not self._sums_losses:
       return
     losses = self.collections.regularization()
     if losses:
@@ -176,7 +176,27 @@ class ReplicationContext:
 def replication_context(layout: layout_lib.TowerLayout, loss_reduction,
                         tower_variables, batch_norm=None):
   """Makes a `ReplicationContext` current for the layout's graph, then
-  clears it."""
+  clears it.
+
+  The hand-off from step 2 to steps 3-5: the towers are built inside, with
+  `context.tower_scope(i)`; what the `model_fn` reaches (`TowerOptimizer`,
+  `loss_denominator`, batch norm) fills the context's pieces.
+
+  Args:
+    layout: the call's `TowerLayout`.
+    loss_reduction: how the `model_fn` reduces its loss (a
+      `tf.compat.v1.losses.Reduction`).
+    tower_variables: what each tower's variables are (a
+      `replicate.variables.tower_variables.TowerVariables`).
+    batch_norm: the synchronized batch norms of a TRAIN call, or None.
+
+  Yields:
+    The `ReplicationContext`, current in the layout's graph until the
+    `with` ends, whether the towers were built or raised.
+
+  Raises:
+    ValueError: another wrapped `model_fn` is being built in the graph.
+  """
   graph = layout.graph
   current.check_none(graph)  # before a second context touches the graph
   context = ReplicationContext(layout, loss_reduction, tower_variables,

@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from replicate.towers import layout as layout_lib
+from replicate.call import layout as layout_lib
 
 
 def variable_getter(context, index: int) -> Callable:
@@ -65,7 +65,7 @@ def variable_creator(context, index: int) -> Callable:
     requested = kwargs.get("name") or "Variable"
     own_name = graph.unique_name(requested, mark_as_used=False)
     if context.progress.is_applying:
-      if not context.layout.is_replicated:
+      if not context.variables.has_copies():
         return next_creator(**kwargs)
       return context.variables.slot_for(own_name, _without_towers(own_name),
                                         next_creator, kwargs)

@@ -9,15 +9,19 @@ tower sees of them, and how the towers' gradients become the update.
 | `PsCluster` | on the ps tasks in turn | tower 0's variable | summed on this worker's CPU, one update sent |
 | `SyncCluster` | as `Replicated`, on this task | as `Replicated` | summed on this task, then across tasks (`replicate.cluster.sync_cluster`) |
 
-`for_call` picks the object for one call of the wrapped `model_fn`, from
-the `variable_strategy` name, the mode and the `RunConfig`; everything else
-asks the object, never the name, through `VariableStrategy`, what every
-one of them has. `"replicated"` copies variables in TRAIN
-with several towers only: evaluation and prediction read tower 0's.
+For one call of the wrapped `model_fn`: `check_cluster` refuses a
+`variable_strategy` the cluster cannot train with, `tower_devices` finds
+the towers' devices, and `for_call` picks the object from the
+`variable_strategy` name, those devices, the mode and the `RunConfig`;
+everything else asks the object, never the name, through
+`VariableStrategy`, what every one of them has, and what its mode means
+through its methods (`replicate.variables.tasks`: `OneTask` or
+`AcrossTasks`). `"replicated"` copies variables in TRAIN with several
+towers only: evaluation and prediction read tower 0's.
 """
 
-from typing import Any, List, Optional, Protocol, Sequence, Tuple
-from typing import runtime_checkable
+import contextlib
+from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -26,53 +30,17 @@ from replicate.communication import allreduce
 from replicate.cluster import ps_cluster
 from replicate.cluster import server
 from replicate.cluster import sync_cluster
-from replicate.towers import devices as devices_lib
+from replicate.call import devices as devices_lib
+from replicate.call.strategy import GradsAndVars
+from replicate.call.strategy import VariableStrategy
+from replicate.variables import tasks
 
 PARAMETER_SERVER = "parameter_server"
 ROUND_ROBIN = "round_robin"
 REPLICATED = "replicated"
 NAMES = (PARAMETER_SERVER, ROUND_ROBIN, REPLICATED)
 
-# A tower's (gradient, variable) pairs, gradients Tensors, IndexedSlices or
-# None.
-GradsAndVars = List[Tuple[Any, tf.Variable]]
-
-
-@runtime_checkable
-class VariableStrategy(Protocol):
-  """What the build asks a strategy object; every strategy has these.
-
-  Read by: `replicate.model_fn` (`variable_device`, for each tower's
-  device function; `copies_variables`, for the towers' variables),
-  `replicate.towers.layout` (`copies_variables`) and
-  `replicate.gradients.optimizer_calls` (`combine`, once per optimizer
-  call, in the last tower).
-  """
-
-  # Whether towers 1..N-1 train their own copies of the trainable variables
-  # (True) or tower 0's (False).
-  copies_variables: bool
-  # In a synchronous cluster, the collectives across tasks
-  # (`replicate.cluster.sync_cluster.CrossTask`); else None.
-  cross_task: Any
-
-  def variable_device(self, op: tf.Operation) -> Optional[str]:
-    """Where the variable `op` creates lives; None: with the tower building
-    it. Called once per variable-creating op, in creation order."""
-
-  def combine(self, per_tower: Sequence[GradsAndVars],
-              has_rows: Sequence[Any],
-              tower_devices: Sequence[str]) -> GradsAndVars:
-    """The (gradient, variable) pairs of the one update, from every tower's.
-
-    `per_tower[i]` is tower i's pairs, the same variables in the same order
-    in every tower (its own copies with `copies_variables`); `has_rows[i]`
-    says whether tower i counts (a bool or a scalar bool tensor);
-    `tower_devices[i]` is where tower i runs.
-    """
-
-
-class _SharedVariables:
+class _SharedVariables(tasks.OneTask):
   """Every tower trains tower 0's variables; their gradients are summed.
 
   Also `"replicated"` outside TRAIN or with one tower, which reads tower
@@ -80,7 +48,6 @@ class _SharedVariables:
   """
 
   copies_variables = False  # tower i sees tower 0's variables
-  cross_task = None
   sum_device: Optional[str] = None  # where sums run (None: with the variable)
 
   def variable_device(self, op: tf.Operation) -> Optional[str]:
@@ -93,6 +60,18 @@ class _SharedVariables:
     del tower_devices
     return aggregation.sum_grads_and_vars(per_tower, has_rows,
                                           self.sum_device)
+
+  def sum_gradients(self, per_tower: Sequence[list],
+                    tower_devices: Sequence[str]) -> List[list]:
+    """Per tower, the sums of the towers' gradients, place by place (None:
+    a tower without rows): one sum, with tower 0 or on `sum_device`."""
+    del tower_devices
+    with (tf.device(self.sum_device) if self.sum_device else
+          contextlib.nullcontext()):
+      totals = [aggregation.add_gradients(
+          [tower[p] for tower in per_tower if tower[p] is not None])
+                for p in range(len(per_tower[0]))]
+    return [totals] * len(per_tower)
 
 
 class ParameterServer(_SharedVariables):
@@ -133,11 +112,10 @@ class PsCluster(_SharedVariables):
     return "/job:ps/task:{}/device:CPU:0".format(position % self._num_ps)
 
 
-class Replicated:
+class Replicated(tasks.OneTask):
   """Every tower trains its own copy; gradients are all-reduced."""
 
   copies_variables = True
-  cross_task = None
 
   def __init__(self, algorithm: str, compact: bool):
     self.algorithm = algorithm
@@ -152,8 +130,16 @@ class Replicated:
         per_tower, has_rows, tower_devices, self.algorithm, self.compact,
         self.cross_task)
 
+  def sum_gradients(self, per_tower: Sequence[list],
+                    tower_devices: Sequence[str]) -> List[list]:
+    """Per tower, the all-reduced sums of the towers' gradients, place by
+    place (None: a tower without rows)."""
+    return allreduce.all_reduce_grads(per_tower, tower_devices,
+                                      self.algorithm, self.compact,
+                                      self.cross_task)
 
-class SyncCluster(Replicated):
+
+class SyncCluster(tasks.AcrossTasks, Replicated):
   """A synchronous cluster's task: `Replicated`, summed across tasks too."""
 
   def __init__(self, cross_task, compact: bool):
@@ -161,39 +147,64 @@ class SyncCluster(Replicated):
     self.cross_task = cross_task
 
 
-def for_call(variable_strategy: str, fixed_devices: Optional[List[str]],
-             config, mode: str, all_reduce: str, compact: bool
-            ) -> Tuple[List[str], VariableStrategy]:
-  """The towers' devices and the strategy object for one model_fn call."""
+def _is_sync_training(config, mode: str) -> bool:
+  return (mode == tf.estimator.ModeKeys.TRAIN and
+          sync_cluster.is_sync_cluster(config))
+
+
+def check_cluster(variable_strategy: str, config, mode: str) -> None:
+  """Refuses a `variable_strategy` (or a `RunConfig`) this call's cluster
+  cannot train with, with the fix; checks a synchronous cluster's server."""
+  if _is_sync_training(config, mode):
+    _check_sync_cluster(variable_strategy, config)
+    return
   num_ps = ps_cluster.num_ps_tasks(config, mode)
-  if (mode == tf.estimator.ModeKeys.TRAIN and
-      sync_cluster.is_sync_cluster(config)):
-    return _sync_cluster(variable_strategy, fixed_devices, config,
-                         all_reduce, compact)
+  if num_ps and variable_strategy == REPLICATED:
+    raise ValueError(
+        "variable_strategy='replicated' keeps a copy of every variable on "
+        "each tower, but this RunConfig's cluster has {} ps task(s), where "
+        "the variables live in multi-worker training. Use "
+        "variable_strategy='parameter_server' (the default) with ps "
+        "tasks.".format(num_ps))
+
+
+def tower_devices(fixed_devices: Optional[List[str]], config,
+                  mode: str) -> List[str]:
+  """The towers' devices for one call: this task's server's in a cluster
+  (`fixed_devices`, or all its GPUs or CPUs), else the local ones."""
+  if _is_sync_training(config, mode) or ps_cluster.num_ps_tasks(config, mode):
+    return ps_cluster.tower_devices(fixed_devices, config)
+  return devices_lib.tower_devices(fixed_devices, config)
+
+
+def for_call(variable_strategy: str, devices: List[str], config, mode: str,
+             all_reduce: str, compact: bool) -> VariableStrategy:
+  """The strategy object for one model_fn call on the towers' `devices`
+  (`tower_devices`), after `check_cluster`."""
+  if _is_sync_training(config, mode):
+    # Across tasks the ring runs over gRPC from the host, where the input,
+    # the start's Python functions and the iterator are; within a task,
+    # `all_reduce` is not used: the towers' sum is an add_n on tower 0.
+    allreduce.resolve_algorithm(all_reduce, devices)  # checks "nccl"
+    cross = sync_cluster.CrossTask(sync_cluster.TaskGroup.of(config),
+                                   devices_lib.cpu_of(devices[0]))
+    return SyncCluster(cross, compact)
+  num_ps = ps_cluster.num_ps_tasks(config, mode)
   if num_ps:
-    if variable_strategy == REPLICATED:
-      raise ValueError(
-          "variable_strategy='replicated' keeps a copy of every variable on "
-          "each tower, but this RunConfig's cluster has {} ps task(s), where "
-          "the variables live in multi-worker training. Use "
-          "variable_strategy='parameter_server' (the default) with ps "
-          "tasks.".format(num_ps))
-    return ps_cluster.tower_devices(fixed_devices, config), PsCluster(
-        num_ps, config)
-  tower_devices = devices_lib.tower_devices(fixed_devices, config)
+    return PsCluster(num_ps, config)
   if variable_strategy == PARAMETER_SERVER:
-    return tower_devices, ParameterServer(tower_devices)
+    return ParameterServer(devices)
   if variable_strategy == ROUND_ROBIN:
-    return tower_devices, RoundRobin(tower_devices)
-  if len(tower_devices) > 1 and mode == tf.estimator.ModeKeys.TRAIN:
-    return tower_devices, Replicated(
-        allreduce.resolve_algorithm(all_reduce, tower_devices), compact)
-  return tower_devices, _SharedVariables()  # "replicated", read only
+    return RoundRobin(devices)
+  if len(devices) > 1 and mode == tf.estimator.ModeKeys.TRAIN:
+    return Replicated(allreduce.resolve_algorithm(all_reduce, devices),
+                      compact)
+  return _SharedVariables()  # "replicated", read only
 
 
-def _sync_cluster(variable_strategy, fixed_devices, config, all_reduce,
-                  compact):
-  """This task's towers and strategy in a synchronous cluster (no ps)."""
+def _check_sync_cluster(variable_strategy, config):
+  """A synchronous cluster trains with "replicated", no start delay, and
+  the server started."""
   group = sync_cluster.TaskGroup.of(config)
   if variable_strategy != REPLICATED:
     raise ValueError(
@@ -215,10 +226,3 @@ def _sync_cluster(variable_strategy, fixed_devices, config, all_reduce,
         "tf.estimator.RunConfig(experimental_max_worker_delay_secs=0). "
         "Received experimental_max_worker_delay_secs={!r}.".format(delay))
   server.check_started(config)
-  tower_devices = ps_cluster.tower_devices(fixed_devices, config)
-  # Across tasks the ring runs over gRPC from the host, where the input,
-  # the start's Python functions and the iterator are; within a task,
-  # `all_reduce` is not used: the towers' sum is an add_n on tower 0.
-  allreduce.resolve_algorithm(all_reduce, tower_devices)  # checks "nccl"
-  cross = sync_cluster.CrossTask(group, devices_lib.cpu_of(tower_devices[0]))
-  return tower_devices, SyncCluster(cross, compact)

@@ -19,7 +19,7 @@ import contextlib
 
 import tensorflow as tf
 
-from replicate.towers import current
+from replicate.call import current
 from replicate.shard import sharding
 
 SUM = "sum"

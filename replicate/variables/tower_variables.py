@@ -24,7 +24,7 @@ from typing import List, Optional
 
 import tensorflow as tf
 
-from replicate.towers import name_counters
+from replicate.call import name_counters
 from replicate.variables import tower_local
 
 
@@ -33,6 +33,8 @@ class TowerVariables:
 
   def __init__(self, graph, devices, is_replicated: bool):
     self.graph = graph
+    # Whether towers 1..N-1 train their own copies (the strategy's
+    # `copies_variables`); asked through `has_copies`.
     self.is_replicated = is_replicated
     self.local_reduce = None  # set inside tower_local_scope
     self._devices = devices
@@ -45,6 +47,12 @@ class TowerVariables:
     self._made_early = set()  # copies whose names no tower has taken yet
     # Per "sum" variable: its value at the last fold, where copies started.
     self._bases = {}
+
+
+  def has_copies(self, index: Optional[int] = None) -> bool:
+    """Whether tower `index` trains its own copies of the trainable
+    variables (tower 0 never does); `index` None: whether any tower does."""
+    return self.is_replicated and index != 0
 
   def check_not_local(self, kwargs):
     """Refuses a local variable in a tower_local_scope, which cannot fold."""

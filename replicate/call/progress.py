@@ -14,16 +14,19 @@ the `model_fn`'s state.
 """
 
 import contextlib
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
 
-from replicate.shard import rows
-from replicate.towers import layout as layout_lib
+from replicate.call import layout as layout_lib
 
 
 class BuildProgress:
   """Which tower is being built, and what the towers built so far."""
 
-  def __init__(self, layout: layout_lib.TowerLayout):
+  def __init__(self, layout: layout_lib.TowerLayout,
+               rows_rule: Callable[..., Any]):
+    # `replicate.shard.rows.TowerRows`, given by the context: what a
+    # tower's ops computed from its rows (`rows_of`).
+    self._rows_rule = rows_rule
     self._graph = layout.graph
     self._towers = layout.towers
     num_towers = layout.num_towers
@@ -66,11 +69,12 @@ class BuildProgress:
       return frozenset(self.tower_ops[index])
     return frozenset(self._graph.get_operations()[self._first_op[index]:])
 
-  def rows_of(self, index: int, count_folded: bool = True) -> rows.TowerRows:
-    """`replicate.shard.rows`'s rule for what tower `index` built so far."""
+  def rows_of(self, index: int, count_folded: bool = True):
+    """`replicate.shard.rows`'s rule (a `TowerRows`) for what tower
+    `index` built so far."""
     tower = self._towers[index]
-    return rows.TowerRows((tower.features, tower.labels),
-                          self.ops_so_far(index), count_folded=count_folded)
+    return self._rows_rule((tower.features, tower.labels),
+                           self.ops_so_far(index), count_folded=count_folded)
 
   @contextlib.contextmanager
   def building_own_ops(self):

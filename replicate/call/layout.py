@@ -14,8 +14,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import tensorflow as tf
 
-from replicate.shard import sharding
-from replicate.variables import strategies
+from replicate.call import strategy as strategy_lib
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq: it holds tensors
@@ -23,7 +22,7 @@ class Tower:
   """What is fixed for tower `index` in one call, built once per call."""
   index: int
   device: str
-  device_function: Callable  # places the tower's ops (`towers.devices`)
+  device_function: Callable  # places the tower's ops (`call.devices`)
   features: Any  # the tower's shard of the features
   labels: Any  # the tower's shard of the labels (None when labels are)
   share: Any  # its share of the batch n_i / n: a float or a scalar tensor
@@ -33,8 +32,8 @@ class Tower:
 class TowerLayout(NamedTuple):
   """What is fixed for one call: the towers, the batch, the strategy."""
   towers: List[Tower]
-  shards: sharding.Shards  # the batch's split (sizes, batch size, ...)
-  strategy: strategies.VariableStrategy  # where variables live, how
+  shards: Any  # the batch's split (`replicate.shard.sharding.Shards`)
+  strategy: strategy_lib.VariableStrategy  # where variables live, how
   # gradients combine
   graph: tf.Graph  # the graph the towers are built in
   # In a synchronous cluster, every task's rows this step in rank order
@@ -43,20 +42,36 @@ class TowerLayout(NamedTuple):
 
   @classmethod
   def of(cls, devices: Sequence[str], device_functions: Sequence[Callable],
-         shards: sharding.Shards, strategy: strategies.VariableStrategy,
+         shards: Any, strategy: strategy_lib.VariableStrategy,
          graph: Optional[tf.Graph] = None,
          task_rows: Optional[tf.Tensor] = None) -> "TowerLayout":
     """The layout of `shards` on `devices` (`graph`: the default graph).
 
-    `task_rows`: in a synchronous cluster, every task's rows this step in
-    rank order; the shares then count over their sum, not the batch's.
+    The hand-off from the split (step 1) to every later step: made once,
+    read by all, changed by none.
+
+    Args:
+      devices: the towers' devices, in tower order.
+      device_functions: per tower, the device function its ops are
+        placed by (`replicate.call.devices.tower_device_function`).
+      shards: the batch's split (`replicate.shard.sharding.Shards`).
+      strategy: the call's `VariableStrategy`.
+      graph: the graph the towers are built in (default: the default one).
+      task_rows: in a synchronous cluster, every task's rows this step in
+        rank order (int64 [tasks]); the shares then count over their sum,
+        not the batch's.
+
+    Returns:
+      The `TowerLayout`: one `Tower` per device (its shard, its share
+      `n_i / n`, whether it has rows), the split, the strategy, the graph,
+      the tasks' rows.
     """
-    total_rows = shards.batch_size
+    total_rows = None
     if task_rows is not None:
       with tf.device(strategy.cross_task.device):
         total_rows = tf.reduce_sum(task_rows)
-    shares = sharding.shard_shares(shards.sizes, total_rows)
-    has_rows = sharding.shard_has_rows(shards.sizes)
+    shares = shards.shares(total_rows)
+    has_rows = shards.has_rows()
     towers = [
         Tower(index, device, device_function, shards.features[index],
               shards.labels[index], shares[index], has_rows[index])
@@ -80,26 +95,30 @@ class TowerLayout(NamedTuple):
     return [tower.has_rows for tower in self.towers]
 
   @property
-  def cross_task(self):
-    """The collectives across a synchronous cluster's tasks, or None."""
+  def cross_task(self) -> Optional[strategy_lib.CrossTask]:
+    """The collectives across a synchronous cluster's tasks, or None (ask
+    `spans_tasks` whether there are any)."""
     return self.strategy.cross_task
+
+  @property
+  def spans_tasks(self) -> bool:
+    """Whether the step's sums cross a synchronous cluster's tasks."""
+    return self.strategy.spans_tasks
 
   @property
   def combines(self) -> bool:
     """Whether anything is combined: several towers, or several tasks."""
-    return self.num_towers > 1 or self.cross_task is not None
+    return self.strategy.builds_towers(self.num_towers)
 
   @property
   def is_first_task(self) -> bool:
     """Whether this task's tower 0 is the first tower of all: always, but
     in a synchronous cluster's tasks other than the chief."""
-    return self.cross_task is None or self.cross_task.group.is_chief
+    return self.strategy.is_first_task
 
   def sum_over_tasks(self, tensor: tf.Tensor, name: str) -> tf.Tensor:
     """`tensor` summed over a synchronous cluster's tasks; else itself."""
-    if self.cross_task is None:
-      return tensor
-    return self.cross_task.sum(tensor, name=name)
+    return self.strategy.sum_over_tasks(tensor, name)
 
   @property
   def is_replicated(self) -> bool:
