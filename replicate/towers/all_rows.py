@@ -46,7 +46,7 @@ def all_rows(tensor: Any) -> tf.Tensor:
         "replicate.all_rows({!r}) needs a tensor with the tower's rows in "
         "dimension 0; this one is a scalar. Fix: pass a tensor of shape "
         "[rows, ...].".format(tensor.name))
-  if context.layout.cross_task is not None:
+  if context.layout.spans_tasks:
     rows_over_tasks.check_dtype(tensor)
   return context.all_rows.gather(context, tensor)
 
