@@ -110,11 +110,7 @@ def model_fn(features, labels, mode, params):
   hidden_layer = tf.compat.v1.layers.Dense(
       params["hidden"], activation=tf.nn.tanh, name="hidden",
       kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=1),
-      # Not with tf.gradients' clip: tower 0's gradient of the rows' loss
-      # plus a regularizer is refused there (its op kinds differ from the
-      # other towers'; weighting it by the tower's share would be wrong).
-      kernel_regularizer=None if params.get("clip") == "gradients" else
-      tf.keras.regularizers.l2(0.01))
+      kernel_regularizer=tf.keras.regularizers.l2(0.01))
   hidden = hidden_layer(inputs)
   layers = [hidden_layer]
   if params.get("batch_norm"):

@@ -73,8 +73,9 @@ def _halved(grad):
   return grad * 0.5
 
 
-def _model_fn(way, kind, norms, touch="clip"):
-  """`way`: where the gradients come from; `touch`: what changes them."""
+def _model_fn(way, kind, norms, touch="clip", regularized=False):
+  """`way`: where the gradients come from; `touch`: what changes them;
+  `regularized`: an L2 regularizer on the hidden kernel, in the loss."""
 
   def model_fn(features, labels, mode):
     x = features["x"]
@@ -84,7 +85,9 @@ def _model_fn(way, kind, norms, touch="clip"):
       # A replicated tower gets its own copy from get_variable.
       variables.append(tf.compat.v1.get_variable(
           name, shape, initializer=tf.compat.v1.constant_initializer(
-              np.linspace(start, stop, np.prod(shape)).reshape(shape))))
+              np.linspace(start, stop, np.prod(shape)).reshape(shape)),
+          regularizer=tf.keras.regularizers.l2(0.5)
+          if regularized and name == "hidden" else None))
       return variables[-1]
 
     def loss_of():
@@ -95,7 +98,10 @@ def _model_fn(way, kind, norms, touch="clip"):
                           tf.gather(table, ids))
       logits = (tf.matmul(hidden, variable("logits", [8, 3], 1, -1)) +
                 variable("logits_bias", [3], 0, 0.1))
-      return tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+      loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+      if regularized:
+        loss += tf.compat.v1.losses.get_regularization_loss()
+      return loss
 
     optimizer = replicate.TowerOptimizer(_optimizer(kind))
     if way == "tape":
@@ -122,20 +128,24 @@ def _model_fn(way, kind, norms, touch="clip"):
   return model_fn
 
 
-def _train(way, kind, rows=7, towers=None, touch="clip", **wrap_kwargs):
+def _train(way, kind, rows=7, towers=None, touch="clip", regularized=False,
+           **wrap_kwargs):
   """({variable: value}, the norm tower 0 logged at each step)."""
   norms = []
-  run = harness.train(_model_fn(way, kind, norms, touch), _batches(rows),
+  run = harness.train(_model_fn(way, kind, norms, touch, regularized),
+                      _batches(rows),
                       towers, step_fetches=lambda spec: {"norm": norms[0]},
                       **wrap_kwargs)
   return run.variables, run.per_step("norm")
 
 
 def _assert_one_device(way, kind, towers, rows=7, touch="clip",
-                       **wrap_kwargs):
-  expected, expected_norms = _train(way, kind, rows, touch=touch)
+                       regularized=False, **wrap_kwargs):
+  expected, expected_norms = _train(way, kind, rows, touch=touch,
+                                    regularized=regularized)
   assert min(expected_norms) > 4 * CLIP  # the clip is active
-  values, norms = _train(way, kind, rows, towers, touch, **wrap_kwargs)
+  values, norms = _train(way, kind, rows, towers, touch, regularized,
+                         **wrap_kwargs)
   np.testing.assert_allclose(norms, expected_norms, rtol=1e-5)
   assert sorted(values) == sorted(expected)
   for name, value in expected.items():
@@ -148,6 +158,17 @@ def _assert_one_device(way, kind, towers, rows=7, touch="clip",
 @pytest.mark.parametrize("way", ["compute", "gradients"])
 def test_clip_by_global_norm_clips_the_batch(way, towers, strategy):
   _assert_one_device(way, "sgd", towers, variable_strategy=strategy)
+
+
+@pytest.mark.parametrize("strategy", [PS, REPLICATED])
+@pytest.mark.parametrize("way", ["compute", "gradients"])
+def test_a_regularized_loss_clips_like_one_device(way, strategy):
+  # The regularization counts once in the batch's gradient. With
+  # "replicated", tf.gradients reaches only the tower's copies: each tower
+  # sees its copies' regularization (refused before, naming the wrong cause;
+  # counted once in tower 0 it would be tower 0's share of it).
+  _assert_one_device(way, "sgd", 3, regularized=True,
+                     variable_strategy=strategy)
 
 
 @pytest.mark.parametrize("towers", [2, 3])

@@ -62,7 +62,8 @@ class ReplicationContext:
     sums_losses = loss_reduction == tf.compat.v1.losses.Reduction.SUM
     self._sums_losses = sums_losses
     self.collections = tower_collections.TowerCollections(
-        graph, layout.num_towers, sums_losses)
+        graph, layout.num_towers, sums_losses,
+        copies_variables=layout.strategy.copies_variables)
     # Loss weights per tower (1 for SUM, else the tower's share n_i / n,
     # built once, by the layout), and the denominators that may replace them.
     self.weights = weighting.TowerWeights(

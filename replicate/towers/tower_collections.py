@@ -7,14 +7,17 @@ what was there before the `model_fn` was called), so that
 batch-norm updates only. `replicate.state.train_op` combines the towers' updates.
 
 On `REGULARIZATION_LOSSES`: regularization belongs to the variables, not to
-a shard, and must count once per step. Every tower sees tower 0's
-regularization losses; what towers 1..N-1 would add themselves is left out
-(with `"replicated"`, a layer regularises the tower's copy of a variable
-again). With an averaging reduction each tower's loss is weighted by its
-share of the batch, so the shares add up to one regularization. With
-`Reduction.SUM` the towers' losses are summed as they are, so towers 1..N-1
-see zeros in place of tower 0's regularization losses, and tower 0's count
-once.
+a shard, and must count once per step. With an averaging reduction each
+tower's loss is weighted by its share of the batch, so the shares add up to
+one regularization. Every tower sees tower 0's regularization losses, with
+one exception: with `"replicated"` a layer regularises the tower's copy of a
+variable again, and tower i sees those, its own, in place of tower 0's. A
+tower's own gradient (`tf.gradients(loss, layer.weights)`, which reaches
+only its copies) then holds the regularization's, as on one device; through
+tower 0's variables it would miss it. The copies hold tower 0's values, so
+the losses are equal. With `Reduction.SUM` the towers' losses are summed as
+they are, so towers 1..N-1 see zeros in place of tower 0's regularization
+losses, and tower 0's count once.
 
 On the end: after the towers are built every collection holds what it held
 before plus what tower 0 added, as the unwrapped `model_fn` leaves it.
@@ -39,9 +42,12 @@ _KEYS = (LOSSES, REGULARIZATION_LOSSES, UPDATE_OPS)
 class TowerCollections:
   """Per-tower views of `LOSSES`, `REGULARIZATION_LOSSES` and `UPDATE_OPS`."""
 
-  def __init__(self, graph: tf.Graph, num_towers: int, sums_losses: bool):
+  def __init__(self, graph: tf.Graph, num_towers: int, sums_losses: bool,
+               copies_variables: bool = False):
     self._graph = graph
     self._sums_losses = sums_losses
+    # Towers 1..N-1 see their copies' regularization (see the docstring).
+    self._own_regularization = copies_variables and not sums_losses
     self._outer = {key: graph.get_collection(key) for key in _KEYS}
     # Per key, per tower: what the tower added to the collection.
     self._added: Dict[str, List[list]] = {
@@ -53,6 +59,10 @@ class TowerCollections:
       return
     for key in (LOSSES, UPDATE_OPS):
       self._set(key, list(self._outer[key]))
+    if self._own_regularization:
+      self._set(REGULARIZATION_LOSSES,
+                list(self._outer[REGULARIZATION_LOSSES]))
+      return
     tower0 = self._added[REGULARIZATION_LOSSES][0]
     if self._sums_losses:
       with tf.name_scope("regularization_counted_in_tower_0"):
@@ -65,12 +75,22 @@ class TowerCollections:
     for key in _KEYS:
       now = self._graph.get_collection(key)
       start = len(self._outer[key])
-      if index > 0 and key == REGULARIZATION_LOSSES:
+      if (index > 0 and key == REGULARIZATION_LOSSES and
+          not self._own_regularization):
         start = len(now)  # towers 1..N-1 add none of their own
       self._added[key][index] = now[start:]
+    own = self._added[REGULARIZATION_LOSSES]
+    if (self._own_regularization and index > 0 and
+        len(own[index]) != len(own[0])):
+      raise ValueError(
+          "Tower {} regularizes {} of its variables' copies, tower 0 {} "
+          "variables (variable_strategy='replicated'): each tower's "
+          "model_fn must create the same variables with the same "
+          "regularizers, whatever its data.".format(
+              index, len(own[index]), len(own[0])))
 
   def regularization(self) -> list:
-    """The regularization losses tower 0 sees (and every tower with it)."""
+    """The regularization losses tower 0 sees."""
     return (list(self._outer[REGULARIZATION_LOSSES]) +
             list(self._added[REGULARIZATION_LOSSES][0]))
 

@@ -37,9 +37,25 @@ def variable_getter(context, index: int) -> Callable:
       if tower0_name == name:
         raise
       variable = getter(tower0_name, *args, **kwargs)
-    return context.variables.for_tower(index, variable)
+    own = context.variables.for_tower(index, variable)
+    if own is not variable and kwargs.get("regularizer") is not None:
+      _regularize_copy(own, name, kwargs["regularizer"])
+    return own
 
   return custom_getter
+
+
+def _regularize_copy(copy, name, regularizer) -> None:
+  """A tower's copy of a variable (variable_strategy="replicated") is
+  regularized as `get_variable` regularizes a variable it creates: the
+  tower then sees its copies' regularization losses
+  (`replicate.towers.tower_collections`), whose gradients reach the copies,
+  as a layer's regularizer does."""
+  with tf.compat.v1.colocate_with(copy), tf.name_scope(name + "/Regularizer/"):
+    loss = regularizer(copy)
+  if loss is not None:
+    tf.compat.v1.add_to_collection(
+        tf.compat.v1.GraphKeys.REGULARIZATION_LOSSES, loss)
 
 
 def variable_creator(context, index: int) -> Callable:
