@@ -76,7 +76,8 @@ class TowerWeights:
   def __init__(self, weights: List[Any], has_rows: List[Any],
                sums_losses: bool, sum_over_tasks=lambda tensor, name: tensor,
                *, shares: Optional[List[Any]] = None,
-               reduction: Optional[str] = None, is_first_task: bool = True):
+               reduction: Optional[str] = None, is_first_task: bool = True,
+               row_counts: Optional[List[Optional[int]]] = None):
     # In a synchronous cluster, the sum of a value over every task.
     self._sum_over_tasks = sum_over_tasks
     self._weights = list(weights)
@@ -96,7 +97,7 @@ class TowerWeights:
                    tf.compat.v1.losses.Reduction.SUM_BY_NONZERO_WEIGHTS)
     self._terms = term_weights.TermWeights(
         len(weights), list(weights) if shares is None else shares, has_rows,
-        reduction, is_first_task, sum_over_tasks)
+        reduction, is_first_task, sum_over_tasks, row_counts)
     self._loss_calls = [0] * len(weights)
     self._weighed = {}  # (tower, loss) -> the loss weighted
     # Towers whose gradients, computed outside the optimizer, were scaled
