@@ -269,3 +269,20 @@ def test_moving_average_of_a_token_mean_loss_uses_the_loss_weights(
                              rtol=1e-5)
   for name in averages + ["dense/kernel"]:
     np.testing.assert_allclose(got[name], expected[name], rtol=1e-5)
+
+
+def test_a_statistic_of_the_loss_and_of_the_rows_is_refused():
+  # The loss's part is made the whole batch's; what else the value reads
+  # from the tower's rows could not be told: refused, naming the write.
+  def model_fn(features, labels, mode):
+    del mode
+    ema = tf.train.ExponentialMovingAverage(0.5, zero_debias=False)
+    return _regression(features["x"], labels,
+                       tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                       extra=lambda loss, labels: [ema.apply(
+                           [loss * tf.reduce_mean(labels)])])
+
+  with pytest.raises(ValueError, match=r"statistic write .*of 'mul.*Exp.*"
+                     r"computed from its loss .*mean_squared_error.*separate "
+                     r"moving average"):
+    _train(model_fn, [_rows()], 2)

@@ -136,6 +136,19 @@ def _of_the_loss(writes, layout, progress, tower_specs, weights) -> set:
       for index in towers:
         _read_instead(found[index][name], whole[name], tower_specs[index],
                       writes[index][position].op)
+    for index in towers:
+      write = writes[index][position].op
+      if progress.rows_of(index).depend([write.inputs[1]]):
+        raise ValueError(
+            "Tower {}'s statistic write {!r} (of {!r}) is computed from its "
+            "loss ({}) "
+            "and from its rows in another way too. replicate_model_fn makes "
+            "a statistic of the loss from the whole batch's loss, weighted "
+            "as the loss is, and cannot tell how the rest combines over the "
+            "batch. Fix: keep a separate moving average of the loss and of "
+            "the other value.".format(
+                index, write.name, writes[index][position].variable.op.name,
+                ", ".join(sorted(found[0]))))
     positions.add(position)
   return positions
 
