@@ -286,3 +286,22 @@ def test_a_statistic_of_the_loss_and_of_the_rows_is_refused():
                      r"computed from its loss .*mean_squared_error.*separate "
                      r"moving average"):
     _train(model_fn, [_rows()], 2)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("stated", [False, True])
+def test_moving_average_of_a_token_mean_with_a_tower_without_rows(
+    static, stated):
+  # 2 rows on 3 towers: a row of weight 1, a row of weight 0 (tower 1's
+  # token mean is 0 / 0), and a tower on a stand-in row. Observed on main
+  # f27fa8c: NaN read from the graph, 0.02372 stated (one device 0.04744).
+  batches = []
+  for seed in range(3):
+    batch = {key: value[-2:] for key, value in _padded(seed).items()}
+    batch["w"] = np.array([1.0, 0.0], np.float32)
+    batches.append(batch)
+  model_fn = _token_mean_with_average(stated, zero_debias=True)
+  expected = _train(model_fn, batches, static=static)
+  got = _train(model_fn, batches, 3, static=static)
+  for name, value in expected.items():
+    np.testing.assert_allclose(got[name], value, rtol=1e-5, err_msg=name)
