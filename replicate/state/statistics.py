@@ -111,12 +111,16 @@ def _of_the_loss(writes, layout, progress, tower_specs, weights) -> set:
   parts = [_loss_parts(spec.loss, progress, index)
            for index, spec in enumerate(tower_specs)]
   whole: Dict[str, tf.Tensor] = {}  # tower 0's name of a part -> its value
+  downstream = {}  # tower -> the ops computed from its loss's parts
   positions = set()
   for position, change in enumerate(writes[0]):
     found = {}
     for index in towers:
       op = writes[index][position].op
-      found[index] = _parts_read(op, parts[index], progress, index)
+      if index not in downstream:
+        downstream[index] = _downstream_of(parts[index].values())
+      found[index] = (_parts_read(op, parts[index], progress, index)
+                      if op in downstream[index] else {})
     if not found[0]:
       continue
     for index in towers:
@@ -189,6 +193,20 @@ def _part_of(parts, name, index):
         "computed from: each tower's model_fn must compute its loss the "
         "same way, whatever its data.".format(index, name))
   return parts[name]
+
+
+def _downstream_of(tensors):
+  """Every op computed from `tensors` (data edges)."""
+  found = set()
+  pending = [t.op for t in tensors]
+  while pending:
+    op = pending.pop()
+    for output in op.outputs:
+      for consumer in output.consumers():
+        if consumer not in found:
+          found.add(consumer)
+          pending.append(consumer)
+  return found
 
 
 def _parts_read(write, parts, progress, index):
