@@ -47,7 +47,7 @@ def _hand_batch_norm(x, training, spelling="v2", axes=(0,)):
   return tf.nn.batch_normalization(x, mean, variance, beta, gamma, 1e-3)
 
 
-def _model_fn(spelling="v2"):
+def _model_fn(spelling="v2", batch_moments_in_eval=False):
   def model_fn(features, labels, mode):
     x = features["x"]
     init = tf.compat.v1.constant_initializer
@@ -64,7 +64,8 @@ def _model_fn(spelling="v2"):
               108, 4)))
       axes = (0,)
     with tf.compat.v1.variable_scope("bn"):
-      hidden = _hand_batch_norm(hidden, mode == TRAIN, spelling, axes)
+      hidden = _hand_batch_norm(
+          hidden, mode == TRAIN or batch_moments_in_eval, spelling, axes)
     hidden = tf.reshape(tf.nn.relu(hidden), [
         -1, 5 * 5 * 4 if conv else 4])
     logits = tf.compat.v1.layers.dense(
@@ -146,8 +147,9 @@ def test_per_tower_moments_are_refused_with_the_fix():
 
 
 def test_moments_over_the_last_axis_are_not_the_batch_s():
-  # Layer norm's moments (BERT's layer_norm: tf.nn.moments(x, [-1])) are
-  # per row: left as they are, with or without sync_batch_norm.
+  # Layer norm's moments (BERT's layer_norm: tf.nn.moments(x, [-1]), and
+  # Keras's LayerNormalization) are per row: left as they are, with or
+  # without sync_batch_norm.
   def model_fn(features, labels, mode):
     hidden = tf.compat.v1.layers.dense(
         tf.reshape(features["x"], [-1, 108]), 4, name="hidden",
@@ -155,6 +157,8 @@ def test_moments_over_the_last_axis_are_not_the_batch_s():
             np.linspace(-0.3, 0.3, 432).reshape(108, 4)))
     mean, variance = tf.nn.moments(hidden, [-1], keepdims=True)
     hidden = (hidden - mean) * tf.math.rsqrt(variance + 1e-3)
+    hidden = tf.keras.layers.LayerNormalization()(hidden * [1.0, 2.0, 3.0,
+                                                             4.0])
     logits = tf.compat.v1.layers.dense(
         hidden, 1, name="out",
         kernel_initializer=tf.compat.v1.constant_initializer(0.2))
@@ -173,3 +177,19 @@ def test_moments_over_the_last_axis_are_not_the_batch_s():
       np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6,
                                  err_msg=name)
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("towers, rows", [(2, 7), (3, 2)])
+def test_moments_of_the_batch_in_evaluation_are_the_batch_s(towers, rows):
+  # A model that normalizes with the batch's moments in EVAL too: nothing
+  # is swapped there; the moments' reductions over the batch axis flow
+  # back into the rows and are combined (`batch_reductions`), as any other.
+  # Observed on main f27fa8c (skipped by their "moments" scope): the eval
+  # loss 0.20178 for one device's 0.20484 (7 rows on 2 towers, trained
+  # and evaluated wrapped; training was off too).
+  model_fn = _model_fn(batch_moments_in_eval=True)
+  expected, expected_loss = _run(model_fn, rows)
+  got, loss = _run(model_fn, rows, towers)
+  np.testing.assert_allclose(got["hidden/kernel"], expected["hidden/kernel"],
+                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
