@@ -15,7 +15,9 @@ variance, with exact gradients, as a Keras layer's. With
 `sync_batch_norm=False` they are refused with the fix
 (`sync_batch_norm.user_moments`). Moments over other axes (layer norm's
 last axis) and moments of values not computed from the rows are
-TensorFlow's own. In EVAL and PREDICT nothing is swapped:
+TensorFlow's own, and so are moments over axes or of a rank unknown when
+the graph is built (whose reductions `replicate.shard.batch_reductions`
+then finds, and refuses in TRAIN). In EVAL and PREDICT nothing is swapped:
 `replicate.shard.batch_reductions` makes the batch reductions of a user's
 moments that flow back into the rows the whole batch's there.
 
@@ -30,6 +32,7 @@ import contextlib
 import threading
 from typing import Callable
 
+import numpy as np
 import tensorflow as tf
 
 _STATE = threading.local()  # depth of `own_moments`
@@ -79,10 +82,11 @@ def swapped(over_the_batch: Callable):
       keepdims = bool(given.get("keepdims") or given.get("keep_dims"))
       x_tensor = tf.convert_to_tensor(x)
       rank = x_tensor.shape.rank
-      try:
-        axes_list = [int(axis) % rank for axis in axes] if rank else []
-      except TypeError:  # axes given as a tensor
-        axes_list = []
+      static_axes = tf.get_static_value(axes) if tf.is_tensor(axes) else axes
+      if static_axes is None or not rank:
+        return call()  # unknown axes or rank: TensorFlow's own, see above
+      axes_list = [int(axis) % rank for axis in
+                   tf.nest.flatten(list(np.ravel(static_axes)))]
       if 0 not in axes_list:
         return call()
       return over_the_batch(call, x_tensor, axes_list, keepdims,
