@@ -390,3 +390,42 @@ def test_own_gradients_of_a_token_mean_are_refused():
           _own_gradients_model_fn(_transformer_loss), devices=cpus(2))(
               {k: inputs[k] for k in ("tokens", "x", "mask")},
               {k: inputs[k] for k in ("targets", "class", "y")}, TRAIN)
+
+
+def _divided_by(divisor):
+  """A row sum divided by a static count: the shard's own rows (`x.shape[0]`
+  in its three spellings) or a hyperparameter of the whole batch's size."""
+  def loss_fn(features, labels):
+    _, row_logits = _logits(features)
+    xentropy = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels["class"], logits=row_logits)
+    rows = features["x"].shape[0]
+    return tf.reduce_sum(xentropy) / {
+        "shape": lambda: rows,
+        "cast": lambda: tf.cast(rows, tf.float32),
+        "int": lambda: int(rows),
+    }.get(divisor, lambda: divisor)()
+  return loss_fn
+
+
+@pytest.mark.parametrize("divisor", ["shape", "cast", "int", "batch_size"])
+@pytest.mark.parametrize("towers, rows", [(2, 8), (2, 7), (3, 8), (3, 2)])
+def test_a_sum_divided_by_the_static_row_count(divisor, towers, rows):
+  # reduce_sum(xent) / x.shape[0] with a batch of known size: TensorFlow
+  # makes x.shape[0] a constant, the tower's row count n_i (4 of 8 rows on
+  # 2 towers). Observed on main f27fa8c: read as a sum scaled by a constant,
+  # summed over towers: the loss 2.19598 for one device's 1.09799 (8 rows
+  # on 2 towers; 2.09240 for 1.05645 with 7), the kernel's change off by
+  # 73 % (116 % with 7). A hyperparameter of the whole batch's size
+  # (`/ params["batch_size"]`) is the same constant on one device: a sum.
+  if divisor == "batch_size":
+    divisor = float(rows)
+  batches = _batches(rows)
+  model_fn = _model_fn(_divided_by(divisor))
+  for mode in (TRAIN, EVAL):
+    expected_losses, expected = _run(model_fn, batches, static=True,
+                                     mode=mode)
+    losses, values = _run(model_fn, batches, towers, static=True, mode=mode)
+    _close(losses, expected_losses, "loss per step")
+    for name, value in expected.items():
+      _close(values[name], value, name)

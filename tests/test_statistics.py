@@ -1,6 +1,7 @@
 """Statistics and counters a train_op keeps, wrapped against unwrapped.
 
-Batch renorm's extra statistics, an ExponentialMovingAverage of the loss,
+Batch renorm's extra statistics, an ExponentialMovingAverage of the loss
+(also of a padded token-mean loss, by the loss's weights),
 an integer counter in UPDATE_OPS, rows counted from a folded `ones_like`,
 Keras batch norm updates grouped with the train_op, and a replicated
 sparse update that must leave the rows the batch did not look up alone.
@@ -194,3 +195,99 @@ def test_keras_batch_norm_updates_grouped_into_train_op(towers, strategy):
   np.testing.assert_allclose(got["batch_normalization/moving_mean"],
                              expected["batch_normalization/moving_mean"],
                              atol=1e-4)
+
+
+def _padded(seed, n=7):
+  """7 rows, some of weight 0: tower 1 of 2 (rows 4-6) is all padding in
+  the second batch, so its token mean is 0 / 0."""
+  rng = np.random.RandomState(seed)
+  weights = (rng.rand(n) > 0.4).astype(np.float32)
+  weights[:3] = [0, 0, 1]
+  return {"x": rng.rand(n, 3).astype(np.float32), "w": weights,
+          "y": rng.rand(n, 1).astype(np.float32)}
+
+
+def _token_mean_with_average(stated, zero_debias):
+  def model_fn(features, labels, mode):
+    del mode
+    predictions = tf.compat.v1.layers.dense(features["x"], 1,
+                                            kernel_initializer=_INIT)
+    weights = features["w"]
+    errors = tf.reduce_sum(tf.square(predictions - labels), 1)
+    if stated:
+      loss = tf.reduce_sum(errors * weights) / tf.maximum(
+          tf.reduce_sum(weights), 1.0)
+      replicate.loss_denominator(tf.reduce_sum(weights))
+    else:
+      loss = tf.reduce_sum(errors * weights) / tf.reduce_sum(weights)
+    average = tf.train.ExponentialMovingAverage(
+        0.5, zero_debias=zero_debias).apply([loss])
+    with tf.control_dependencies([average]):
+      step = replicate.TowerOptimizer(
+          tf.compat.v1.train.GradientDescentOptimizer(0.1)).minimize(
+              loss, tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(TRAIN, loss=loss, train_op=step)
+  return model_fn
+
+
+@pytest.mark.parametrize("towers", [2, 3])
+@pytest.mark.parametrize("stated", [False, True])
+@pytest.mark.parametrize("zero_debias", [False, True])
+def test_moving_average_of_a_token_mean_loss_uses_the_loss_weights(
+    towers, stated, zero_debias):
+  # A moving average of a padded token-mean loss (reduce_sum(l * w) /
+  # reduce_sum(w), or divided by max(reduce_sum(w), 1) and stated with
+  # replicate.loss_denominator), 3 steps: unwrapped the average is 0.103312
+  # (0.118071 with zero_debias). Observed on main f27fa8c, combined by the
+  # row shares n_i / n: NaN read from the graph (tower 1 of 2 is all
+  # padding in the second batch: its 0 / 0 times its share); stated, 0.10181
+  # (2 towers) and 0.05334 (3 towers, 48 % off); with zero_debias 0.11636
+  # and 0.06096. The kernels were equal: only the statistic was off.
+  batches = [_padded(seed) for seed in range(3)]
+  model_fn = _token_mean_with_average(stated, zero_debias)
+  expected = _train(model_fn, batches)
+  got = _train(model_fn, batches, towers)
+  averages = [name for name in expected
+              if name.endswith("ExponentialMovingAverage")]
+  assert averages
+  np.testing.assert_allclose(expected[averages[0]],
+                             0.118071 if zero_debias else 0.103312,
+                             rtol=1e-5)
+  for name in averages + ["dense/kernel"]:
+    np.testing.assert_allclose(got[name], expected[name], rtol=1e-5)
+
+
+def test_a_statistic_of_the_loss_and_of_the_rows_is_refused():
+  # The loss's part is made the whole batch's; what else the value reads
+  # from the tower's rows could not be told: refused, naming the write.
+  def model_fn(features, labels, mode):
+    del mode
+    ema = tf.train.ExponentialMovingAverage(0.5, zero_debias=False)
+    return _regression(features["x"], labels,
+                       tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                       extra=lambda loss, labels: [ema.apply(
+                           [loss * tf.reduce_mean(labels)])])
+
+  with pytest.raises(ValueError, match=r"statistic write .*of 'mul.*Exp.*"
+                     r"computed from its loss .*mean_squared_error.*separate "
+                     r"moving average"):
+    _train(model_fn, [_rows()], 2)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("stated", [False, True])
+def test_moving_average_of_a_token_mean_with_a_tower_without_rows(
+    static, stated):
+  # 2 rows on 3 towers: a row of weight 1, a row of weight 0 (tower 1's
+  # token mean is 0 / 0), and a tower on a stand-in row. Observed on main
+  # f27fa8c: NaN read from the graph, 0.02372 stated (one device 0.04744).
+  batches = []
+  for seed in range(3):
+    batch = {key: value[-2:] for key, value in _padded(seed).items()}
+    batch["w"] = np.array([1.0, 0.0], np.float32)
+    batches.append(batch)
+  model_fn = _token_mean_with_average(stated, zero_debias=True)
+  expected = _train(model_fn, batches, static=static)
+  got = _train(model_fn, batches, 3, static=static)
+  for name, value in expected.items():
+    np.testing.assert_allclose(got[name], value, rtol=1e-5, err_msg=name)

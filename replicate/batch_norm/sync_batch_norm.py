@@ -5,7 +5,10 @@ On where: while TRAIN towers are built, `replicate._tf.batch_norm_swapped`
 sends every training-mode moments call of a Keras batch norm
 (`tf.keras.layers.BatchNormalization` and `tf.compat.v1.layers`, non-fused)
 to `calculate_mean_and_var`, and every `fused_batch_norm(is_training=True)`
-to `fused_batch_norm`. With `sync_batch_norm=True` each becomes a site (see
+to `fused_batch_norm`, and a user's own `tf.nn.moments` over the batch
+axis to `user_moments` (see `replicate.batch_norm.user_moments`: a site, or
+refused with `sync_batch_norm=False`). With `sync_batch_norm=True` each
+becomes a site (see
 `replicate.batch_norm.batch_norm_sites`); a Keras layer declared `synchronized=True` is
 one whatever the flag. With `sync_batch_norm=False` the others stay per
 tower, and tower 0 records their names for the call's INFO line
@@ -44,6 +47,7 @@ import tensorflow as tf
 
 from replicate.batch_norm import batch_moments
 from replicate.batch_norm import batch_norm_sites
+from replicate.batch_norm import user_moments as user_moments_lib
 from replicate.cluster import ps_cluster
 from replicate.cluster import sync_cluster
 from replicate.call import layout as layout_lib
@@ -82,15 +86,59 @@ def check_cluster(sync_all: bool, config, mode: str) -> Callable:
 
 
 def swapped(context):
-  """While the towers are built, batch norm goes through this module."""
+  """While the towers are built, batch norm goes through this module, and
+  a user's own `tf.nn.moments` over the batch axis too
+  (`replicate.batch_norm.user_moments`)."""
   if context.batch_norm is None:
     return contextlib.nullcontext()
-  return _tf.batch_norm_swapped(calculate_mean_and_var, fused_batch_norm)
+  stack = contextlib.ExitStack()
+  stack.enter_context(_tf.batch_norm_swapped(calculate_mean_and_var,
+                                             fused_batch_norm))
+  stack.enter_context(user_moments_lib.swapped(user_moments))
+  return stack
+
+
+def user_moments(original, x, axes, keep_dims, name):
+  """A user's `tf.nn.moments(x, axes)` over the batch axis, at a site.
+
+  With `sync_batch_norm=False` refused: the moments would be the shard's.
+  """
+  context = batch_norm_sites.outer_context()
+  if (context is None or context.progress.tower_index is None or
+      not context.layout.combines or context.batch_norm is None or
+      not _from_rows(context, x)):
+    return original()
+  label = repr(layout_lib.to_tower0_name(tf.compat.v1.get_default_graph(
+      ).unique_name(name or "moments", mark_as_used=False),
+                                         context.progress.tower_index))
+  if not context.batch_norm.sync_all:
+    raise ValueError(
+        "The moments {} (tf.nn.moments over axes {}, which include the "
+        "batch axis) would be each tower's own shard's with "
+        "sync_batch_norm=False, so the values normalized with them would "
+        "not be one device's. Fix: sync_batch_norm=True (the default), "
+        "which makes them the whole batch's, with exact gradients; or take "
+        "the moments of replicate.all_rows(x).".format(label, axes))
+  _check_not_nested(context, label)
+  with tf.name_scope(name or "moments"), user_moments_lib.own_moments(
+      context):
+    mean, variance = batch_moments.local_moments(x, axes, keep_dims)
+    _, mean, variance = context.batch_norm.synced(context, label, x, axes,
+                                                  mean, variance)
+  return mean, variance
 
 
 def calculate_mean_and_var(original, layer, inputs, reduction_axes,
                            keep_dims, mask=None):
-  """Keras `_calculate_mean_and_var`, on the whole batch at a site."""
+  """Keras `_calculate_mean_and_var`, on the whole batch at a site; its
+  moments are replicate's own, synchronized or not."""
+  with user_moments_lib.own_moments(batch_norm_sites.outer_context()):
+    return _layer_moments(original, layer, inputs, reduction_axes,
+                          keep_dims, mask)
+
+
+def _layer_moments(original, layer, inputs, reduction_axes, keep_dims,
+                   mask):
   call_original = lambda: original(layer, inputs, reduction_axes, keep_dims,
                                    mask=mask)
   if 0 not in reduction_axes:
@@ -125,6 +173,13 @@ def fused_batch_norm(original, x, scale, offset, mean=None, variance=None,
   the batch's unbiased variance (Keras moves a fused layer's moving
   variance towards that one).
   """
+  with user_moments_lib.own_moments(batch_norm_sites.outer_context()):
+    return _fused(original, x, scale, offset, mean, variance, epsilon,
+                  data_format, is_training, name, exponential_avg_factor)
+
+
+def _fused(original, x, scale, offset, mean, variance, epsilon,
+           data_format, is_training, name, exponential_avg_factor):
   active = _active(False, lambda: repr(_scope_name(
       batch_norm_sites.outer_context())), x) if is_training else None
   if active is None:

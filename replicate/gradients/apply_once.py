@@ -10,8 +10,8 @@ between `compute_gradients` and `apply_gradients` sees the whole batch's
 gradients; what `apply_gradients` receives computed from them is applied
 once, as it is (a replicated copy gets its own tower's). Gradients made
 otherwise are weighted when they reach `apply_gradients`
-(`weighting.weighted_once`), so each counts its share once, and the user's
-ops that changed them are made to read sums too
+(`gradient_weights.weighted_once`), so each counts its share once, and the
+user's ops that changed them are made to read sums too
 (`replicate.gradients.touched`). Tower 0's `apply_gradients` builds the one
 update of the step with the wrapped optimizer, in tower 0's scopes, on
 stand-ins for the summed gradients (see `replicate.gradients.stand_ins`), so
@@ -39,6 +39,7 @@ from replicate.gradients import optimizer_calls
 from replicate.gradients import stand_ins
 from replicate.gradients import touched
 from replicate.shard import sharding
+from replicate.gradients import gradient_weights
 from replicate.gradients import weighting
 
 V1Optimizer = tf.compat.v1.train.Optimizer
@@ -87,8 +88,8 @@ class TowerOptimizerCore:
     `weighting.TowerWeights.weigh_loss`).
 
     The result passes through an op of its own, recorded in the tower
-    weights, so that `weighting.weighted_once` knows a gradient computed
-    through it is weighted.
+    weights, so that `gradient_weights.weighted_once` knows a gradient
+    computed through it is weighted.
     """
     context = _active_context()
     if context is None:
@@ -131,12 +132,14 @@ class TowerOptimizerCore:
     call_checks.own_copies(context, grads_and_vars)
     index = context.progress.tower_index
     grads_and_vars, touched_here = touched.made_whole(
-        context, grads_and_vars, lambda grad: weighting.weighted_once(
+        context, grads_and_vars,
+        lambda grad: gradient_weights.weighted_once(
             context, [(grad, None)])[0][0],
         set(context.records.whole_ops(index)))
     context.records.add_whole(index, [t.stand_in for t in touched_here])
-    whole = weighting.whole_batch(context, grads_and_vars)
-    grads_and_vars = weighting.weighted_once(context, grads_and_vars, whole)
+    whole = gradient_weights.whole_batch(context, grads_and_vars)
+    grads_and_vars = gradient_weights.weighted_once(context, grads_and_vars,
+                                                    whole)
     if index == 0:
       update = self._build_update(
           grads_and_vars, apply, whole, touched_here,

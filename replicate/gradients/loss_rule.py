@@ -14,7 +14,17 @@ a value not computed from the rows). Each term is one of:
   `count_nonzero(w)`, `tf.size`, `tf.shape(x)[0]`, or what TensorFlow
   folded them into with a batch of known size); it counts as `s` divided
   by every tower's `d` summed. This is every `tf.compat.v1.losses`
-  reduction but SUM, and a Keras loss's SUM_OVER_BATCH_SIZE;
+  reduction but SUM, and a Keras loss's SUM_OVER_BATCH_SIZE. Also `s / c`
+  with `c` a constant equal to the tower's static row count, where that
+  differs from the whole batch's (`reduce_sum(xent) / x.shape[0]`,
+  `tf.cast(x.shape[0], ...)`, `int(x.shape[0])` with a batch of known
+  size, which TensorFlow makes a constant): on one device `c` is the
+  batch's row count, so `c` is read as the tower's count of rows, a mean
+  over rows. A constant that is the same on one device (a hyperparameter
+  equal to the whole batch's size, `/ params["batch_size"]`) differs from
+  the tower's count and stays a scale of a sum. (A hyperparameter that
+  equals the tower's count, not the batch's, is read as the count: state
+  `replicate.loss_denominator` or `loss_reduction` to say otherwise);
 - `ONCE`: not computed from the rows (regularization, a constant): the
   same in every tower, counted once over the towers.
 Anything else is not read, and the caller refuses it or, where the user
@@ -32,6 +42,7 @@ loss libraries give it (`num_elements`) as a count of the rows.
 
 from typing import Callable, List, NamedTuple, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from replicate.gradients import loss_ops
@@ -77,16 +88,20 @@ class Reading(NamedTuple):
 
 
 def read(loss: tf.Tensor, depends: Callable[[tf.Tensor], bool],
-         lenient: bool = False, reaches_rows=None) -> Reading:
+         lenient: bool = False, reaches_rows=None,
+         row_count: Optional[int] = None) -> Reading:
   """Reads `loss`; raises `NotRead` unless `lenient` (then `STATED`).
 
   `reaches_rows(t)`: whether `t` has a data path from the rows, not only
   from a constant folded from a shape; a term not read that has none is
   the same in every tower (a cond on a variable's size): `ONCE`.
+  `row_count`: the tower's static row count where it differs from the
+  whole batch's, else None (a constant divisor equal to it is a count).
   """
   terms: List[Term] = []
   reader = _Reader(depends, lenient, terms)
   reader.reaches_rows = reaches_rows
+  reader.row_count = row_count
   tree = reader.walk(tf.convert_to_tensor(loss))
   return Reading(terms, tree)
 
@@ -98,6 +113,7 @@ class _Reader:
     self._lenient = lenient
     self._terms = terms
     self.reaches_rows = None
+    self.row_count = None
 
   def _leaf(self, term):
     self._terms.append(term)
@@ -156,6 +172,8 @@ class _Reader:
   def _quotient(self, t):
     s, d = t.op.inputs
     if not self._is_count_like(d):
+      if self._is_row_count(d):
+        return self._ratio(t, s, d, of_rows=True)
       if not self._depends(d):
         return ("div", self.walk(s), d, t.op.type)
     if not self._depends(s):
@@ -163,7 +181,15 @@ class _Reader:
                     "by one that is")
     return self._ratio(t, s, d)
 
-  def _ratio(self, t, s, d):
+  def _is_row_count(self, d) -> bool:
+    """A constant equal to the tower's static row count (see the module
+    docstring)."""
+    if self.row_count is None or not loss_ops.one_element(d):
+      return False
+    value = tf.get_static_value(d)
+    return value is not None and float(np.ravel(value)[0]) == self.row_count
+
+  def _ratio(self, t, s, d, of_rows=False):
     numerator = _Reader(self._depends, False, [])
     try:
       numerator_tree = numerator.walk(s)
@@ -173,6 +199,8 @@ class _Reader:
     if any(term.kind != SUM for term in numerator._terms):
       raise NotRead(t.op, "its numerator is not a sum over rows")
     del numerator_tree
+    if of_rows:  # the tower's row count, a constant: a mean over rows
+      return self._leaf(Term(RATIO, t, d, s, True))
     self._check_count(t.op, d)
     of_shapes = self.reaches_rows is not None and loss_ops.of_shapes(
         d, self.reaches_rows)

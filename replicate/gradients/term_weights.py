@@ -53,13 +53,16 @@ class TermWeights:
 
   def __init__(self, num_towers: int, shares: List[Any], has_rows: List[Any],
                reduction: str, is_first_task: bool,
-               sum_over_tasks: Callable):
+               sum_over_tasks: Callable, row_counts=None):
     self._num_towers = num_towers
     self._shares = list(shares)
     self._has_rows = list(has_rows)
     self._reduction = reduction
     self._is_first_task = is_first_task
     self._sum_over_tasks = sum_over_tasks
+    # Per tower, its static row count where it differs from the batch's
+    # (a constant divisor equal to it is the tower's count of rows).
+    self._row_counts = list(row_counts or [None] * num_towers)
     self._groups: Dict[Any, _Group] = {}
     self._kinds: Dict[Any, List[str]] = {}  # (key, tower) -> its terms
     self._readings: Dict[Any, loss_rule.Reading] = {}
@@ -86,7 +89,8 @@ class TermWeights:
     lenient = self._reduction != Reduction.SUM_BY_NONZERO_WEIGHTS
     try:
       reading = loss_rule.read(loss, depends, lenient=lenient,
-                               reaches_rows=reaches_rows)
+                               reaches_rows=reaches_rows,
+                               row_count=self._row_counts[index])
     except loss_rule.NotRead as e:
       raise ValueError(
           "replicate_model_fn cannot read how tower {}'s loss {!r} is "

@@ -17,7 +17,7 @@ ops on the walked path, and those that log them, read the stand-in instead.
 The last tower's `apply_gradients` sums each over towers (matched by
 position, since every tower runs the same code) and
 connects every tower's stand-in. What `apply_gradients` received is then the
-whole batch's, and is applied once (`weighting.whole_batch`).
+whole batch's, and is applied once (`gradient_weights.whole_batch`).
 
 On `IndexedSlices` (embeddings): their values and indices are summed as a
 pair (concatenated, duplicates kept, as one device's gradient has them); a

@@ -1,7 +1,7 @@
 """How much each tower's loss counts, and `replicate.loss_denominator`.
 
-On gradients: `weighted_once` weights each gradient a tower passes to
-`apply_gradients` once, however it was made (see there).
+On gradients: `replicate.gradients.gradient_weights` weights each gradient
+a tower passes to `apply_gradients` once, by what this module says.
 
 On weights: each tower's loss is weighted term by term as the graph says
 it is reduced over the tower's rows (`replicate.gradients.loss_rule`, put
@@ -70,119 +70,14 @@ def loss_denominator(denominator: Any) -> tf.Tensor:
                                          denominator)
 
 
-def whole_batch(context, grads_and_vars: list) -> tuple:
-  """Per pair, whether the gradient is already the whole batch's.
-
-  It is when it was computed from what `TowerOptimizer.compute_gradients`
-  returned this tower (stand-ins for the sums over towers, see
-  `replicate.gradients.apply_once`): clipped, scaled or passed on as it is,
-  it is the same in every tower and is applied once, never summed again.
-  One computed from those and from the tower's rows too (scaled by a
-  value of the tower's rows) is neither, and is refused. (A gradient from
-  `tf.gradients` added to it was made the whole batch's already, by
-  `replicate.gradients.touched`.)
-  """
-  index = context.progress.tower_index
-  ops = context.records.whole_ops(index)
-  if not ops:
-    return (False,) * len(grads_and_vars)
-  whole = _downstream_of(ops)
-  result = tuple(grad is not None and bool(_ops_of(grad) & whole)
-                 for grad, _ in grads_and_vars)
-  rows = context.progress.rows_of(index)
-  for is_whole, (grad, variable) in zip(result, grads_and_vars):
-    if is_whole and rows.depend([grad]):
-      raise ValueError(
-          "Tower {}'s gradient for {!r} passed to apply_gradients is "
-          "computed both from the whole batch's gradients that "
-          "TowerOptimizer.compute_gradients returned and from the tower's "
-          "own rows (e.g. scaled by a value of the tower's rows), so it "
-          "is neither the whole batch's nor the tower's. Fix: compute the "
-          "gradients of the total loss in one compute_gradients call, then "
-          "change them; or pass the change as TowerOptimizer(..., "
-          "gradient_transformers=[...]).".format(index, variable.op.name))
-  return result
-
-
-def weighted_once(context, grads_and_vars: list, whole=()) -> list:
-  """The tower's gradients, each weighted by the tower's weight once.
-
-  However the gradients were made: through `compute_gradients` or
-  `minimize`, which weighted the loss, they are kept as they are;
-  computed from the rows some other way (`tf.gradients(loss, tvars)` as
-  BERT does, a `GradientTape`), they are weighted here. A gradient not
-  computed from the tower's rows (read back from an accumulator every
-  tower added to, a constant) is the same in every tower: tower 0's
-  counts, once (in a synchronous cluster, the chief's tower 0's). "From
-  the rows" is `replicate.shard.rows`'s rule. A gradient that is already
-  the whole batch's (`whole`, see `whole_batch`) is kept as it is.
-  """
-  index = context.progress.tower_index
-  # In a synchronous cluster, the chief's tower 0 is the one tower of all.
-  counts_once = context.layout.is_first_task
-  weight = context.weights.of(index)
-  weighted = _downstream_of(context.weights.weight_ops(index))
-  rows = context.progress.rows_of(index)
-  result = []
-  whole = tuple(whole) or (False,) * len(grads_and_vars)
-  for is_whole, (grad, variable) in zip(whole, grads_and_vars):
-    if grad is None or is_whole or _ops_of(grad) & weighted:
-      result.append((grad, variable))
-    elif rows.depend([grad]):
-      context.weights.note_scaled(index)
-      result.append((_scaled(grad, weight), variable))
-    elif index == 0 and counts_once:
-      result.append((grad, variable))
-    else:
-      result.append((_nothing_like(grad), variable))
-  return result
-
-
-def _downstream_of(ops):
-  """Every op computed from `ops` (data edges), `ops` included."""
-  found = set(ops)
-  frontier = list(ops)
-  while frontier:
-    op = frontier.pop()
-    for output in op.outputs:
-      for consumer in output.consumers():
-        if consumer not in found:
-          found.add(consumer)
-          frontier.append(consumer)
-  return found
-
-
-def _ops_of(grad):
-  if isinstance(grad, tf.IndexedSlices):
-    return {grad.values.op, grad.indices.op}
-  return {tf.convert_to_tensor(grad).op}
-
-
-def _scaled(grad, weight):
-  if isinstance(weight, float) and weight == 1.0:
-    return grad
-  if isinstance(grad, tf.IndexedSlices):
-    return tf.IndexedSlices(grad.values * sharding.weight_as(weight, grad.values.dtype),
-                            grad.indices, grad.dense_shape)
-  grad = tf.convert_to_tensor(grad)
-  return grad * sharding.weight_as(weight, grad.dtype)
-
-
-def _nothing_like(grad):
-  """A gradient that adds nothing to `grad`'s sum over towers."""
-  if isinstance(grad, tf.IndexedSlices):
-    return tf.IndexedSlices(grad.values[:0], grad.indices[:0],
-                            grad.dense_shape)
-  return tf.zeros_like(grad)
-
-
 class TowerWeights:
   """Each tower's loss weight, by rows or by stated denominators."""
 
   def __init__(self, weights: List[Any], has_rows: List[Any],
                sums_losses: bool, sum_over_tasks=lambda tensor, name: tensor,
                *, shares: Optional[List[Any]] = None,
-               reduction: Optional[str] = None, is_first_task: bool = True):
+               reduction: Optional[str] = None, is_first_task: bool = True,
+               row_counts: Optional[List[Optional[int]]] = None):
     # In a synchronous cluster, the sum of a value over every task.
     self._sum_over_tasks = sum_over_tasks
     self._weights = list(weights)
@@ -202,7 +97,7 @@ class TowerWeights:
                    tf.compat.v1.losses.Reduction.SUM_BY_NONZERO_WEIGHTS)
     self._terms = term_weights.TermWeights(
         len(weights), list(weights) if shares is None else shares, has_rows,
-        reduction, is_first_task, sum_over_tasks)
+        reduction, is_first_task, sum_over_tasks, row_counts)
     self._loss_calls = [0] * len(weights)
     self._weighed = {}  # (tower, loss) -> the loss weighted
     # Towers whose gradients, computed outside the optimizer, were scaled
@@ -252,6 +147,22 @@ class TowerWeights:
       if self._denominators[index] is None:
         self._check_scaled(index, losses[index])
     return result
+
+  def whole_batch_value(self, key, values: List[Any], rows_of) -> tf.Tensor:
+    """The whole batch's value of a part of the loss (`values[i]`: tower
+    i's; the loss itself, or a sum of its terms, as a moving average of it
+    reads it), weighted as the loss is: by the stated denominators, or term
+    by term as the graph reads it (`key` names the group of terms). Summed
+    over the towers that count, and over tasks: the same in every tower."""
+    weighted = [self.weigh_loss(i, value, rows_of(i), key=key,
+                                strict_rows=rows_of(i, count_folded=False))
+                for i, value in enumerate(values)]
+    self._terms.finish(key)
+    terms = [sharding.zero_unless_rows(value, counts)
+             for value, counts in zip(weighted, self.counts())
+             if counts is not False]
+    return self._sum_over_tasks(tf.math.add_n(terms),
+                                "statistic_over_tasks")
 
   def _check_scaled(self, index, loss):
     """Gradients scaled by the tower's one weight (its share of the rows,

@@ -70,7 +70,7 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
   if mode == ModeKeys.TRAIN and any(
       spec.train_op is not None for spec in tower_specs):
     fields["train_op"] = train_op_lib.combine_train_op(
-        tower_specs, layout, progress, records, variables)
+        tower_specs, layout, progress, records, variables, weights)
   elif mode == ModeKeys.EVAL:
     fields["eval_metric_ops"] = metrics.combine_metrics(
         tower_specs, layout, variables, tower_ops=progress.tower_ops,

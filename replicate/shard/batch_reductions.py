@@ -19,8 +19,11 @@ rows) counts. A reduction that only flows into scalars (the loss, a
 denominator of it, a metric's total) is the loss rule's and the metrics';
 reductions inside a TF 1 loop or a function body (beam search's "are my rows
 done", whose width is padded instead, see `replicate.outputs.predictions`)
-stay the tower's; so do batch norm's moments (`replicate.batch_norm`) and
-reductions that are not over axis 0. Values are followed from what the spec
+stay the tower's; so do the moments replicate's batch norm built (its
+own ops, by identity: `replicate.batch_norm.user_moments`) and reductions
+that are not over axis 0. A user's own `tf.nn.moments` over the batch axis
+is a synchronized batch-norm site in TRAIN, or refused; elsewhere its
+reductions are combined here like any other. Values are followed from what the spec
 returns (loss, predictions, export outputs, metrics), never through the
 backward pass.
 
@@ -49,9 +52,6 @@ from replicate.shard import rows as rows_lib
 from replicate.call import layout as layout_lib
 
 _REDUCTIONS = frozenset(["Sum", "Mean", "Max", "Min", "Prod", "Any", "All"])
-# Scopes of batch norm's moments, which `replicate.batch_norm` owns.
-_BATCH_NORM_PARTS = ("moments", "batchnorm", "batch_norm",
-                     "batch_normalization")
 _NOT_DIFFERENTIATED = frozenset(["StopGradient", "PreventGradient"])
 _VARIABLE_OPS = frozenset(["VarHandleOp", "VariableV2", "Variable"])
 # A tensor's shape is not its rows: `tf.reduce_prod(tf.shape(x)[1:])`.
@@ -103,7 +103,7 @@ def _reductions_into_rows(layout, progress, spec,
   for op in progress.tower_ops[index]:
     if (op not in forward or op.type not in _REDUCTIONS or
         op in progress.own_ops or _tf.built_in_control_flow(op) or
-        _is_batch_norm(op) or not _reduces_axis0(op) or
+        not _reduces_axis0(op) or
         not _from_row_values(op.inputs[0], shard_tensors, tower_ops)):
       continue
     if _flows_into_rows(op, forward, tower_rows):
@@ -166,11 +166,6 @@ def _export_tensors(export_outputs):
     for field in ("outputs", "scores", "classes", "value"):
       values.append(getattr(output, field, None))
   return values
-
-
-def _is_batch_norm(op) -> bool:
-  return any(part in component.lower() for component in op.name.split("/")
-             for part in _BATCH_NORM_PARTS)
 
 
 def _reduces_axis0(op) -> bool:

@@ -14,10 +14,12 @@ towers' gradient sums pull in) falls in exactly one class:
   change not computed from the rows (a step counter, `gs.assign(gs + 1)`, a
   constant, a copy of other variables), or a variable declared
   `ONLY_FIRST_REPLICA` (the global step);
-- `STATISTIC`: the towers' values are combined by their share of the batch
-  `n_i / n` into tower 0's write: a variable declared `MEAN` (Keras batch
-  norm's moving statistics), or an undeclared one written from the rows
-  through `UPDATE_OPS` or a moving average (`AssignMovingAvg`);
+- `STATISTIC`: the towers' values are combined into tower 0's write, the
+  whole batch's (`replicate.state.statistics`: weighted as the loss is for
+  a value of the loss, else by the towers' shares `n_i / n`): a variable
+  declared `MEAN` (Keras batch norm's moving statistics), or an undeclared
+  one written from the rows through `UPDATE_OPS` or a moving average
+  (`AssignMovingAvg`);
 - refused: anything else raises a `ValueError` that names the op, says why
   and gives the fix. Unknown means refused: nothing is dropped or repeated
   in silence.

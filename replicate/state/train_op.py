@@ -14,17 +14,16 @@ classes. Tower 0's `train_op` runs as the `model_fn` built it. Of towers
   batch's total;
 - `ONCE` changes that the step runs anyway (a step counter the optimizer
   call waits for) are made to change nothing; the others are not run;
-- `STATISTIC` writes: tower 0's writes the towers' values combined by
-  their share of the batch `n_i / n`, and the other towers' are made to
-  change nothing. An `assign` of `(1 - f) m + f x_i`, or an `assign_sub`
-  of `f (m - x_i)`, becomes the same with `x` the share-weighted mean of
-  the `x_i`: a moving mean moves as it would with the whole batch's mean.
+- `STATISTIC` writes: tower 0's writes the whole batch's value, and the
+  other towers' are made to change nothing (`replicate.state.statistics`:
+  by the loss's weights for a value computed from the loss, else by the
+  towers' shares of the batch).
 
 On towers without rows (a stand-in row): their `STATISTIC` values weigh 0,
 and their `KEEP` writes are made to change nothing.
 
 Editing built ops is kept to the inputs of write ops (a value, or an
-ordering), in the fewest places.
+ordering), in the fewest places (`replicate.state.write_edits`).
 """
 
 import collections
@@ -35,18 +34,21 @@ from replicate import _tf
 from replicate import graph_walk
 from replicate.gradients import stand_ins
 from replicate.state import op_kinds
-from replicate.shard import sharding
 from replicate.state import rule
+from replicate.state import statistics
+from replicate.state import write_edits
 
 _KEEP, _ONCE, _STATISTIC = rule.KEEP, rule.ONCE, rule.STATISTIC
 
 
 def combine_train_op(tower_specs, layout, progress, records,
-                     variables) -> tf.Operation:
+                     variables, weights=None) -> tf.Operation:
   """Tower 0's train_op, the other towers' changes per class, the fold.
 
-  `layout`, `progress` (the towers done), `records` (their optimizer calls)
-  and `variables` are the build's pieces (see `replicate.towers.context`).
+  `layout`, `progress` (the towers done), `records` (their optimizer calls),
+  `variables` and `weights` (the loss's, a
+  `replicate.gradients.weighting.TowerWeights`) are the build's pieces
+  (see `replicate.towers.context`).
   """
   _check_optimizer_calls(records)
   classes = rule.classify(layout, progress, variables, tower_specs)
@@ -57,9 +59,9 @@ def combine_train_op(tower_specs, layout, progress, records,
       [tower_specs[0].train_op] +
       [spec.loss for spec in tower_specs if spec.loss is not None],
       follow_control=True))
-  _combine_statistics(
+  statistics.combine(
       [[c for c in tower if c.kind == _STATISTIC] for tower in classes],
-      layout)
+      layout, progress, tower_specs, weights)
   kept = []
   for tower in classes[1:]:
     for change in tower:
@@ -135,10 +137,10 @@ def _keep(change, layout, runs):
   op = change.op
   if has_rows is False:
     if op in runs:
-      _change_nothing(op, after=None)
+      write_edits.change_nothing(op, after=None)
     return []
   if not isinstance(has_rows, bool) and op.type not in op_kinds.IDEMPOTENT_TYPES:
-    _change_nothing_unless_rows(op, has_rows, change.tower)
+    write_edits.change_nothing_unless_rows(op, has_rows, change.tower)
   return [] if op in runs else [op]
 
 
@@ -161,58 +163,8 @@ def _make_once(change, tower0_changes, runs):
   # where the update reads this tower's (zero) part, made after this add.
   tower0_writes = [write for write in tower0_writes if op not in set(
       graph_walk.ops_behind([write], follow_control=True))]
-  _change_nothing(op, after=tower0_writes)
+  write_edits.change_nothing(op, after=tower0_writes)
 
-
-def _combine_statistics(writes, layout) -> None:
-  """Makes tower 0's statistic writes write the towers' weighted values.
-
-  `writes[i]` are tower i's `STATISTIC` changes, in build order.
-  """
-  for change in writes[0]:
-    _check_rewritable(change.op)
-  names = lambda changes: [c.variable.op.name for c in changes]
-  for index, tower_writes in enumerate(writes[1:], start=1):
-    if layout.towers[index].has_rows is False:
-      # A tower on a stand-in row: its loss and gradients are dropped, so
-      # the step may run none of its writes; any it runs change nothing.
-      for change in tower_writes:
-        _change_nothing(change.op, after=[c.op for c in writes[0]])
-      writes[index] = []
-      continue
-    if names(tower_writes) != names(writes[0]):
-      raise ValueError(
-          "Tower {}'s step updates the statistics {} and tower 0's {} "
-          "(writes through UPDATE_OPS, moving averages, or of variables "
-          "declared aggregation=MEAN): each tower's model_fn must make the "
-          "same updates (batch norm, moving averages), whatever its "
-          "data.".format(index, names(tower_writes), names(writes[0])))
-  with tf.name_scope("update_ops_over_towers"):
-    tower0_writes = [c.op for c in writes[0]]
-    sums = []
-    for position in range(len(tower0_writes)):
-      terms = []
-      for index, tower_writes in enumerate(writes):
-        rows = layout.towers[index].has_rows
-        if rows is False:
-          continue
-        value = tower_writes[position].op.inputs[1]
-        if not value.dtype.is_floating:  # a count: weighed in float
-          value = tf.cast(value, tf.float64)
-        share = sharding.weight_as(layout.towers[index].share,
-                                   value.dtype)
-        terms.append(sharding.zero_unless_rows(value * share, rows))
-      sums.append(tf.math.add_n(terms))
-    if layout.cross_task is not None and sums:
-      # Every statistic of the step in one collective per dtype.
-      sums = layout.cross_task.sum_all(sums, name="statistics_over_tasks")
-    for position, (tower0_write, summed) in enumerate(zip(tower0_writes,
-                                                          sums)):
-      for tower_writes in writes[1:]:
-        if tower_writes:
-          _change_nothing(tower_writes[position].op, after=[tower0_write])
-      _tf.update_input(tower0_write, 1,
-                       _as_dtype_of(summed, tower0_write.inputs[1]))
 
 
 def _wait_for_every_tower(classes, progress) -> None:
@@ -267,12 +219,6 @@ def _reads_after(variable_op, own_writes, tower_ops):
   return reads
 
 
-def _as_dtype_of(value, like):
-  """`value` in `like`'s dtype, rounded to the nearest for an integer."""
-  if like.dtype.is_floating:
-    return value
-  return tf.cast(tf.math.round(value), like.dtype)
-
 
 def _check_optimizer_calls(records):
   counts = records.counts()
@@ -298,56 +244,3 @@ def _check_optimizer_calls(records):
             "replicate: the sum over towers of the gradient for {!r} was "
             "never built (a bug in replicate; please report it).".format(
                 variable.op.name))
-
-
-def _check_rewritable(op):
-  if _tf.built_in_control_flow(op) or op.graph.building_function:
-    raise ValueError(
-        "The write {!r} is built inside control flow (a tf.cond, a while "
-        "loop or a tf.function), where replicate_model_fn cannot combine "
-        "the towers' writes or make them once. Build it outside control "
-        "flow (for batch norm: pass a Python bool as training).".format(
-            op.name))
-
-
-def _change_nothing(op, after):
-  """Makes a write leave its variable as it is, once `after` have run."""
-  _check_rewritable(op)
-  after = list(after or [])
-  if op_kinds.WRITE_KINDS[op.type] == "set":
-    with tf.control_dependencies(after):
-      value = _read(op)
-  else:
-    value = tf.zeros_like(op.inputs[1])
-  _tf.update_input(op, 1, value)
-  for other in after:
-    _tf.add_control_input(op, other)
-
-
-def _change_nothing_unless_rows(op, has_rows, index):
-  """Where the tower may have no rows, its write changes nothing then."""
-  if op.type not in op_kinds.WRITE_KINDS:
-    raise ValueError(
-        "Tower {}'s op {!r} ({}) changes state from the tower's rows, but "
-        "the batch's size is known only when the step runs, so the tower "
-        "may run on a stand-in row (a batch with fewer rows than towers), "
-        "where replicate can undo only a variable's assign or assign_add. "
-        "Fix: make the change with assign_add outside the tf.function, or "
-        "give the input_fn a static batch (.batch(b, "
-        "drop_remainder=True)).".format(index, op.name, op.type))
-  _check_rewritable(op)
-  value = op.inputs[1]
-  if op_kinds.WRITE_KINDS[op.type] == "set":
-    unchanged = _read(op)
-  else:
-    unchanged = tf.zeros_like(value)
-  _tf.update_input(op, 1, tf.where(has_rows, value, unchanged))
-
-
-def _read(write_op):
-  """The current value of the variable `write_op` writes."""
-  target = write_op.inputs[0]
-  if target.dtype == tf.resource:
-    return tf.raw_ops.ReadVariableOp(resource=target,
-                                     dtype=write_op.get_attr("dtype"))
-  return tf.identity(target)

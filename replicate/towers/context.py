@@ -71,7 +71,8 @@ class ReplicationContext:
         [tower.share for tower in layout.towers], layout.has_rows,
         sums_losses, layout.sum_over_tasks,
         shares=[tower.share for tower in layout.towers],
-        reduction=loss_reduction, is_first_task=layout.is_first_task)
+        reduction=loss_reduction, is_first_task=layout.is_first_task,
+        row_counts=_row_counts(layout))
     # For the variable creator (`replicate.variables.matching`): tower 0's
     # variables, in order.
     self.tower0_variables = matching.Tower0Variables()
@@ -211,3 +212,15 @@ def replication_context(layout: layout_lib.TowerLayout, loss_reduction,
 
 def _join(scope: str, name: str) -> str:
   return scope + "/" + name if scope else name
+
+
+def _row_counts(layout):
+  """Per tower, its static row count where the towers' counts differ from
+  the whole batch's (several towers or tasks, a batch of known size); a
+  tower without rows is built on one stand-in row. Else None."""
+  sizes = layout.shards.sizes
+  if not layout.combines or not isinstance(sizes, list):
+    return None
+  whole = layout.shards.batch_size
+  return [None if layout.cross_task is None and max(size, 1) == whole
+          else max(size, 1) for size in sizes]
