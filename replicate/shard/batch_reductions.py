@@ -60,7 +60,7 @@ _SHAPE_OPS = frozenset(["Shape", "ShapeN", "Size", "Rank"])
 
 def combine(layout, progress, tower_specs, mode) -> None:
   """Makes every tower's batch reductions flowing into rows the batch's."""
-  if layout.num_towers < 2 and layout.cross_task is None:
+  if not layout.combines:
     return
   found = [_reductions_into_rows(layout, progress, spec, index)
            for index, spec in enumerate(tower_specs)]
@@ -249,7 +249,7 @@ def _combined(ops: List[tf.Operation], layout) -> tf.Tensor:
                 tf.fill(tf.shape(partials[0]),
                         _identity(kind, partials[0].dtype))]
     value = _REDUCE[kind](tf.stack(kept), axis=0)
-    if layout.cross_task is not None:
+    if layout.spans_tasks:
       value = _over_tasks(value, kind, layout)
   shape = partials[0].shape
   for partial in partials[1:]:

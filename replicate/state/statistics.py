@@ -72,7 +72,7 @@ def combine(writes, layout, progress, tower_specs, weights) -> None:
     positions = [p for p in range(len(tower0_writes)) if p not in of_loss]
     sums = [_share_weighted(writes, position, layout)
             for position in positions]
-    if layout.cross_task is not None and sums:
+    if layout.spans_tasks and sums:
       # Every statistic of the step in one collective per dtype.
       sums = layout.cross_task.sum_all(sums, name="statistics_over_tasks")
     for position, tower0_write in enumerate(tower0_writes):

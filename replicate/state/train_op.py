@@ -52,7 +52,7 @@ def combine_train_op(tower_specs, layout, progress, records,
   """
   _check_optimizer_calls(records)
   classes = rule.classify(layout, progress, variables, tower_specs)
-  if layout.cross_task is not None:
+  if layout.spans_tasks:
     _check_over_tasks(classes, variables, progress.update_built)
     _after_the_check(classes, layout.cross_task.after_check)
   runs = set(graph_walk.ops_behind(

@@ -222,5 +222,5 @@ def _row_counts(layout):
   if not layout.combines or not isinstance(sizes, list):
     return None
   whole = layout.shards.batch_size
-  return [None if layout.cross_task is None and max(size, 1) == whole
+  return [None if not layout.spans_tasks and max(size, 1) == whole
           else max(size, 1) for size in sizes]
