@@ -255,15 +255,18 @@ def _entries():
   assert Reduction.SUM_OVER_NONZERO_WEIGHTS == Reduction.SUM_BY_NONZERO_WEIGHTS
   for reduction in (Reduction.SUM_BY_NONZERO_WEIGHTS, Reduction.MEAN,
                     Reduction.SUM_OVER_BATCH_SIZE, Reduction.SUM):
-    # The default reduction, the row, on every strategy; the
-    # others, whose towers combine the same way, on parameter_server.
+    # The default reduction, the row, with a known batch size too
+    # and on "replicated"; the others, whose towers combine the same way,
+    # on "batch" and parameter_server.
     default = reduction == Reduction.SUM_BY_NONZERO_WEIGHTS
     entries.append(dict(
         name="v1_losses_weights_" + reduction.replace("weighted_", ""),
         model_fn=v1_weighted_loss_model_fn, data=_weighted_data(22),
         example_spec=_WEIGHTED_SPEC, serving_keys=["x", "weight"],
         params={"reduction": reduction},
-        only={"pipeline": ("batch", "drop_remainder"), "towers": MANY_TOWERS,
+        only={"pipeline": ("batch",) + (
+                  ("drop_remainder",) if default else ()),
+              "towers": MANY_TOWERS,
               "strategy": ("parameter_server",) + (
                   ("replicated",) if default else ()),
               "mode": LOSS_MODES}))
