@@ -136,7 +136,8 @@ def multi_term_model_fn(features, labels, mode):
                                          weights=0.5)
   loss = tf.compat.v1.losses.get_total_loss()
   if mode == ModeKeys.EVAL:
-    return tf.estimator.EstimatorSpec(mode, loss=loss)
+    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
+        "total_loss": tf.compat.v1.metrics.mean(loss)})
   train_op = replicate.TowerOptimizer(
       tf.compat.v1.train.GradientDescentOptimizer(0.5)).minimize(
           loss, global_step=tf.compat.v1.train.get_global_step())
