@@ -146,7 +146,8 @@ def multi_term_model_fn(features, labels, mode):
 
 def mean_of_loss_model_fn(features, labels, mode):
   """A seq2seq loss over the real tokens (`weights=` the target mask, the
-  default SUM_BY_NONZERO_WEIGHTS), its value a metric in EVAL."""
+  default SUM_BY_NONZERO_WEIGHTS), its value a metric in EVAL: as it is,
+  weighted by the batch's token count, and the batch's longest target."""
   _, logits = _token_logits(features["tokens"])
   if mode == ModeKeys.PREDICT:
     return tf.estimator.EstimatorSpec(mode, predictions={
@@ -157,6 +158,10 @@ def mean_of_loss_model_fn(features, labels, mode):
   if mode == ModeKeys.EVAL:
     return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
         "eval_loss": tf.compat.v1.metrics.mean(loss),
+        "loss_per_token": tf.compat.v1.metrics.mean(
+            loss, weights=tf.reduce_sum(weights)),
+        "longest_target": tf.compat.v1.metrics.mean(
+            tf.reduce_max(tf.reduce_sum(weights, axis=1))),
         "token_accuracy": tf.compat.v1.metrics.accuracy(
             labels, tf.argmax(logits, axis=-1), weights=weights)})
   train_op = replicate.TowerOptimizer(

@@ -97,7 +97,7 @@ def tagger_model_fn(features, labels, mode):
         tf.compat.v1.nn.rnn_cell.GRUCell(5), embedded,
         sequence_length=lengths, dtype=tf.float32)
   logits = tf.compat.v1.layers.dense(outputs, TAGS, name="tags")
-  mask = tf.sequence_mask(lengths, max_length)
+  mask = tf.sequence_mask(lengths)  # as wide as the batch's longest too
   tags = tf.argmax(logits, axis=-1) * tf.cast(mask, tf.int64)
   if mode == ModeKeys.PREDICT:
     return tf.estimator.EstimatorSpec(mode, predictions={
