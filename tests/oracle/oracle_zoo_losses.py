@@ -5,6 +5,8 @@ Written as their authors write them, for one device: each
 Keras losses with `sample_weight`, each reduction a `model_fn` may use; a
 total loss of terms with different denominators (a padded token mean, a
 row-mean auxiliary loss, L2 regularization) from `get_total_loss()`;
+tensorflow/nmt's step (a token sum over the batch size, `tf.gradients`,
+an active `clip_by_global_norm`, `apply_gradients`);
 `tf.compat.v1.metrics.mean(loss)` of a padded token loss; and a corpus
 score through `py_func` in a `TPUEstimatorSpec`'s `eval_metrics`, as
 google-research/bert's and tensorflow/models' Transformer's `model_fn`s
@@ -170,6 +172,37 @@ def mean_of_loss_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+NMT_CLIP_NORM = 0.5
+
+
+def nmt_model_fn(features, labels, mode):
+  """tensorflow/nmt's training step: the token loss summed and divided by
+  the batch size (`tf.size` of the source lengths), `tf.gradients`, then
+  `clip_by_global_norm` and the optimizer's `apply_gradients`."""
+  source_length = tf.reduce_sum(tf.cast(tf.not_equal(features["tokens"], 0),
+                                        tf.int32), axis=1)
+  batch_size = tf.size(source_length)
+  _, logits = _token_logits(features["tokens"])
+  if mode == ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={
+        "outputs": tf.argmax(logits, axis=-1)})
+  crossent, target_weights = _token_xent(logits, labels)
+  loss = tf.reduce_sum(crossent * target_weights) / tf.cast(batch_size,
+                                                             tf.float32)
+  if mode == ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(mode, loss=loss)
+  params = tf.compat.v1.trainable_variables()
+  gradients = tf.compat.v1.gradients(loss, params,
+                                     colocate_gradients_with_ops=True)
+  clipped_gradients, _ = tf.clip_by_global_norm(gradients, NMT_CLIP_NORM)
+  opt = replicate.TowerOptimizer(tf.compat.v1.train.GradientDescentOptimizer(
+      1.0))
+  train_op = opt.apply_gradients(
+      zip(clipped_gradients, params),
+      global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
 def corpus_score(predicted, reference):
   """A BLEU-like score of a whole batch: clipped 1- and 2-gram matches over
   every row, divided by every row's n-gram count, times a brevity penalty.
@@ -295,6 +328,13 @@ def _entries():
       only={"pipeline": ("batch", "drop_remainder"), "towers": MANY_TOWERS,
             "strategy": ("parameter_server", "replicated"),
             "mode": LOSS_MODES}))
+  entries.append(dict(
+      name="nmt_clip_after_tf_gradients", model_fn=nmt_model_fn,
+      data=_tokens_and_targets(26), example_spec=_TOKEN_SPEC,
+      serving_keys=["tokens"],
+      only={"pipeline": ("batch",), "towers": MANY_TOWERS,
+            "strategy": ("parameter_server", "round_robin"),
+            "mode": ("train",)}))
   entries.append(dict(
       name="metrics_mean_of_loss", model_fn=mean_of_loss_model_fn,
       data=_tokens_and_targets(24), example_spec=_TOKEN_SPEC,

@@ -17,6 +17,7 @@ import tensorflow as tf
 import oracle_harness as harness
 import oracle_pairwise
 import oracle_zoo
+import oracle_zoo_losses
 from oracle_zoo import ZOO
 
 # "full": the whole cross (`make test-oracle-full`); "ci": the cross less
@@ -92,7 +93,8 @@ def test_the_zoo_has_every_pattern_and_at_least_38_models():
   assert len(ZOO) >= 38
   for name in ("clip_after_compute_gradients", "deepfm_contrib_batch_norm",
                "seeded_from_initial_values", "transformer_padded_xent",
-               "bert_clip_active", "terms_of_different_denominators",
+               "bert_clip_active", "nmt_clip_after_tf_gradients",
+               "terms_of_different_denominators",
                "metrics_mean_of_loss", "corpus_metric_tpu_spec",
                "in_batch_negatives_all_rows", "tagger_per_token",
                "decoder_stops_when_its_rows_are_done"):
@@ -145,28 +147,36 @@ def test_the_clip_is_active_on_one_device(workspace):
   assert min(norms) > oracle_zoo.CLIP_NORM, norms
 
 
-def test_bert_s_clip_is_active_on_one_device(workspace):
-  """bert_clip_active clips: from the oracle's start, one device's global
-  gradient norm (BERT's tf.gradients) exceeds BERT_CLIP_NORM on every batch
-  of its cells."""
-  model = ZOO["bert_clip_active"]
+@pytest.mark.parametrize("name,model_fn,clip_norm", [
+    ("bert_clip_active", oracle_zoo.bert_model_fn, oracle_zoo.BERT_CLIP_NORM),
+    ("nmt_clip_after_tf_gradients", oracle_zoo_losses.nmt_model_fn,
+     oracle_zoo_losses.NMT_CLIP_NORM)])
+def test_clips_after_tf_gradients_are_active_on_one_device(
+    name, model_fn, clip_norm, workspace):
+  """The models clipping after their own tf.gradients clip: from the
+  oracle's start, one device's global gradient norm exceeds their clip
+  norm on every batch of their cells."""
+  model = ZOO[name]
   start = tf.train.latest_checkpoint(workspace.start(model))
-  (features,), labels = model.data[0].values(), model.data[1]
+  (key, features), = model.data[0].items()
+  labels = model.data[1]
   with tf.Graph().as_default():
-    ids = tf.compat.v1.placeholder(tf.int64, [None, 5])
-    targets = tf.compat.v1.placeholder(tf.int64, [None])
+    inputs = tf.compat.v1.placeholder(tf.int64, [None, 5])
+    targets = tf.compat.v1.placeholder(tf.int64, [None] + list(
+        labels.shape[1:]))
     tf.compat.v1.train.get_or_create_global_step()
-    spec = oracle_zoo.bert_model_fn(
-        {"input_ids": ids}, targets, tf.estimator.ModeKeys.EVAL, None)
+    arguments = {"params": {}} if name.startswith("bert") else {}
+    spec = model_fn({key: inputs}, targets, tf.estimator.ModeKeys.EVAL,
+                    **arguments)
     norm = tf.linalg.global_norm(tf.gradients(
         spec.loss, tf.compat.v1.trainable_variables()))
     with tf.compat.v1.Session() as session:
       tf.compat.v1.train.Saver().restore(session, start)
-      norms = [session.run(norm, {ids: features[rows],
+      norms = [session.run(norm, {inputs: features[rows],
                                   targets: labels[rows]})
                for rows in (slice(0, 3), slice(3, 6), slice(6, 7),
                             slice(0, 2))]
-  assert min(norms) > oracle_zoo.BERT_CLIP_NORM, norms
+  assert min(norms) > clip_norm, norms
 
 
 def test_the_ci_cross_leaves_out_only_what_the_sample_covers_for_it():
