@@ -44,6 +44,7 @@ import numpy as np
 import tensorflow as tf
 
 import oracle_zoo_losses
+import oracle_zoo_metrics
 import oracle_zoo_rows
 import replicate
 
@@ -1179,7 +1180,8 @@ def _zoo():
   ]
   # The batch-level patterns (issue 30), in modules of their own.
   models += [_custom(**entry) for entry in
-             oracle_zoo_losses.ENTRIES + oracle_zoo_rows.ENTRIES]
+             oracle_zoo_losses.ENTRIES + oracle_zoo_metrics.ENTRIES +
+             oracle_zoo_rows.ENTRIES]
   return {model.name: model for model in models}
 
 

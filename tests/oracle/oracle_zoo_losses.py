@@ -1,24 +1,21 @@
-"""The zoo's models whose loss or metrics are values over the batch.
+"""The zoo's models whose loss is a value over the batch.
 
 Written as their authors write them, for one device: each
 `tf.compat.v1.losses` reduction with a `weights` column holding zeros;
 Keras losses with `sample_weight`, each reduction a `model_fn` may use; a
 total loss of terms with different denominators (a padded token mean, a
-row-mean auxiliary loss, L2 regularization) from `get_total_loss()`;
+row-mean auxiliary loss, L2 regularization) from `get_total_loss()`; and
 tensorflow/nmt's step (a token sum over the batch size, `tf.gradients`,
-an active `clip_by_global_norm`, `apply_gradients`);
-`tf.compat.v1.metrics.mean(loss)` of a padded token loss; and a corpus
-score through `py_func` in a `TPUEstimatorSpec`'s `eval_metrics`, as
-google-research/bert's and tensorflow/models' Transformer's `model_fn`s
-feed it. None states its denominator (`replicate.loss_denominator`): the
-wrapper reads it from the graph.
+an active `clip_by_global_norm`, `apply_gradients`). None states its
+denominator (`replicate.loss_denominator`): the wrapper reads it from the
+graph.
 
 `ENTRIES` holds `oracle_zoo._custom`'s arguments, one dict a model; the zoo
 registers them (this module imports nothing of the zoo, so either imports
-first). Each names the factors its cells take (`only`): the pipelines of
+first). Each names the factors its cells take (`only`): the pipeline of
 uneven shards ("batch": 3 + 3 + 1 rows, the last batch leaving towers
-without rows; "from_tensors": 7 rows, 4 + 3 and 3 + 2 + 2) or of a known
-batch size ("drop_remainder"), and the modes that read the loss.
+without rows), of a known batch size ("drop_remainder"), and the modes
+that read the loss.
 """
 
 import numpy as np
@@ -103,7 +100,7 @@ _WEIGHTED_SPEC = {"x": _fixed([3]), "weight": _fixed([]),
 # on its tower with 3 towers on the first batch, and with "3_small").
 
 
-def _token_logits(tokens):
+def token_logits(tokens):
   embedding = tf.compat.v1.get_variable(
       "embedding", [VOCAB, 4],
       initializer=tf.compat.v1.random_normal_initializer(stddev=0.5))
@@ -111,7 +108,7 @@ def _token_logits(tokens):
   return hidden, tf.compat.v1.layers.dense(hidden, VOCAB, name="presoftmax")
 
 
-def _token_xent(logits, labels):
+def token_xent(logits, labels):
   """The padded token cross entropy, and the mask of real tokens."""
   weights = tf.cast(tf.not_equal(labels, 0), tf.float32)
   xentropy = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
@@ -123,7 +120,7 @@ def multi_term_model_fn(features, labels, mode):
   """A translation loss with an auxiliary length regression and L2 on the
   projection: `add_loss`, a `tf.compat.v1.losses` term and a regularizer,
   summed by `get_total_loss()`."""
-  hidden, logits = _token_logits(features["tokens"])
+  hidden, logits = token_logits(features["tokens"])
   pooled = tf.reduce_mean(hidden, axis=1)
   length = tf.compat.v1.layers.dense(
       pooled, 1, name="length",
@@ -131,7 +128,7 @@ def multi_term_model_fn(features, labels, mode):
   if mode == ModeKeys.PREDICT:
     return tf.estimator.EstimatorSpec(mode, predictions={
         "outputs": tf.argmax(logits, axis=-1), "length": length})
-  xentropy, weights = _token_xent(logits, labels)
+  xentropy, weights = token_xent(logits, labels)
   tf.compat.v1.losses.add_loss(tf.reduce_sum(xentropy) /
                                tf.reduce_sum(weights))
   tf.compat.v1.losses.mean_squared_error(features["length"], length,
@@ -146,32 +143,6 @@ def multi_term_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-def mean_of_loss_model_fn(features, labels, mode):
-  """A seq2seq loss over the real tokens (`weights=` the target mask, the
-  default SUM_BY_NONZERO_WEIGHTS), its value a metric in EVAL: as it is,
-  weighted by the batch's token count, and the batch's longest target."""
-  _, logits = _token_logits(features["tokens"])
-  if mode == ModeKeys.PREDICT:
-    return tf.estimator.EstimatorSpec(mode, predictions={
-        "outputs": tf.argmax(logits, axis=-1)})
-  weights = tf.cast(tf.not_equal(labels, 0), tf.float32)
-  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits,
-                                                          weights=weights)
-  if mode == ModeKeys.EVAL:
-    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
-        "eval_loss": tf.compat.v1.metrics.mean(loss),
-        "loss_per_token": tf.compat.v1.metrics.mean(
-            loss, weights=tf.reduce_sum(weights)),
-        "longest_target": tf.compat.v1.metrics.mean(
-            tf.reduce_max(tf.reduce_sum(weights, axis=1))),
-        "token_accuracy": tf.compat.v1.metrics.accuracy(
-            labels, tf.argmax(logits, axis=-1), weights=weights)})
-  train_op = replicate.TowerOptimizer(
-      tf.compat.v1.train.AdamOptimizer(0.1)).minimize(
-          loss, global_step=tf.compat.v1.train.get_global_step())
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
-
-
 NMT_CLIP_NORM = 0.5
 
 
@@ -182,11 +153,11 @@ def nmt_model_fn(features, labels, mode):
   source_length = tf.reduce_sum(tf.cast(tf.not_equal(features["tokens"], 0),
                                         tf.int32), axis=1)
   batch_size = tf.size(source_length)
-  _, logits = _token_logits(features["tokens"])
+  _, logits = token_logits(features["tokens"])
   if mode == ModeKeys.PREDICT:
     return tf.estimator.EstimatorSpec(mode, predictions={
         "outputs": tf.argmax(logits, axis=-1)})
-  crossent, target_weights = _token_xent(logits, labels)
+  crossent, target_weights = token_xent(logits, labels)
   loss = tf.reduce_sum(crossent * target_weights) / tf.cast(batch_size,
                                                              tf.float32)
   if mode == ModeKeys.EVAL:
@@ -203,67 +174,6 @@ def nmt_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-def corpus_score(predicted, reference):
-  """A BLEU-like score of a whole batch: clipped 1- and 2-gram matches over
-  every row, divided by every row's n-gram count, times a brevity penalty.
-  Padding (0) is not a token. Not a mean of per-row values."""
-  matches, totals, length, reference_length = [0, 0], [0, 0], 0, 0
-  for guess, truth in zip(predicted.tolist(), reference.tolist()):
-    guess = [token for token in guess if token]
-    truth = [token for token in truth if token]
-    length, reference_length = length + len(guess), reference_length + len(
-        truth)
-    for n in (1, 2):
-      grams = [tuple(guess[i:i + n]) for i in range(len(guess) - n + 1)]
-      wanted = [tuple(truth[i:i + n]) for i in range(len(truth) - n + 1)]
-      totals[n - 1] += len(grams)
-      matches[n - 1] += sum(min(grams.count(g), wanted.count(g))
-                            for g in set(grams))
-  if not all(totals) or not length:
-    return np.float32(0.0)
-  precision = np.exp(np.mean(np.log([(m + 1.0) / (t + 1.0)
-                                     for m, t in zip(matches, totals)])))
-  brevity = min(1.0, np.exp(1.0 - reference_length / length))
-  return np.float32(precision * brevity)
-
-
-def corpus_metric_fn(logits, labels):
-  """The metric_fn of the TPUEstimatorSpec: the score of the batch."""
-  predicted = tf.argmax(logits, axis=-1) * tf.cast(tf.not_equal(labels, 0),
-                                                   tf.int64)
-  score = tf.compat.v1.py_func(corpus_score, [predicted, labels], tf.float32,
-                               stateful=False)
-  return {"approx_bleu_score": tf.compat.v1.metrics.mean(score)}
-
-
-def corpus_metric_model_fn(features, labels, mode, params):
-  """BERT's and the Transformer's shape: a TPUEstimatorSpec (run with
-  use_tpu=False) whose eval_metrics computes a corpus score."""
-  del params  # TPUEstimator's batch_size and the like
-  _, logits = _token_logits(features["tokens"])
-  if mode == ModeKeys.PREDICT:
-    return tf.compat.v1.estimator.tpu.TPUEstimatorSpec(
-        mode, predictions={"outputs": tf.argmax(logits, axis=-1)})
-  xentropy, weights = _token_xent(logits, labels)
-  loss = tf.reduce_sum(xentropy) / tf.reduce_sum(weights)
-  if mode == ModeKeys.EVAL:
-    return tf.compat.v1.estimator.tpu.TPUEstimatorSpec(
-        mode, loss=loss, eval_metrics=(corpus_metric_fn, [logits, labels]))
-  train_op = replicate.TowerOptimizer(
-      tf.compat.v1.train.AdamOptimizer(0.1)).minimize(
-          loss, global_step=tf.compat.v1.train.get_global_step())
-  return tf.compat.v1.estimator.tpu.TPUEstimatorSpec(mode, loss=loss,
-                                                     train_op=train_op)
-
-
-def as_tpu_estimator_on_cpu(model_fn):
-  """`model_fn`, its TPUEstimatorSpec converted as TPUEstimator(use_tpu=
-  False) converts it on CPU: the oracle's run (Estimator refuses one)."""
-  def converted(features, labels, mode, params):
-    return model_fn(features, labels, mode, params).as_estimator_spec()
-  return converted
-
-
 def _token_data(seed):
   rng = np.random.RandomState(seed)
   tokens = rng.randint(1, VOCAB, (ROWS, 5)).astype(np.int64)
@@ -274,7 +184,7 @@ def _token_data(seed):
   return tokens, targets.astype(np.int64)
 
 
-def _tokens_and_targets(seed):
+def tokens_and_targets(seed):
   tokens, targets = _token_data(seed)
   return {"tokens": tokens}, targets
 
@@ -285,7 +195,7 @@ def _multi_term_data():
   return {"tokens": tokens, "length": length}, targets
 
 
-_TOKEN_SPEC = {"tokens": _fixed([5], tf.int64), "label": _fixed([5], tf.int64)}
+TOKEN_SPEC = {"tokens": _fixed([5], tf.int64), "label": _fixed([5], tf.int64)}
 
 
 def _entries():
@@ -323,32 +233,18 @@ def _entries():
   entries.append(dict(
       name="terms_of_different_denominators", model_fn=multi_term_model_fn,
       data=_multi_term_data(),
-      example_spec=dict(_TOKEN_SPEC, length=_fixed([1])),
+      example_spec=dict(TOKEN_SPEC, length=_fixed([1])),
       serving_keys=["tokens"],
       only={"pipeline": ("batch", "drop_remainder"), "towers": MANY_TOWERS,
             "strategy": ("parameter_server", "replicated"),
             "mode": LOSS_MODES}))
   entries.append(dict(
       name="nmt_clip_after_tf_gradients", model_fn=nmt_model_fn,
-      data=_tokens_and_targets(26), example_spec=_TOKEN_SPEC,
+      data=tokens_and_targets(26), example_spec=TOKEN_SPEC,
       serving_keys=["tokens"],
       only={"pipeline": ("batch",), "towers": MANY_TOWERS,
             "strategy": ("parameter_server", "round_robin"),
             "mode": ("train",)}))
-  entries.append(dict(
-      name="metrics_mean_of_loss", model_fn=mean_of_loss_model_fn,
-      data=_tokens_and_targets(24), example_spec=_TOKEN_SPEC,
-      serving_keys=["tokens"],
-      only={"pipeline": ("batch", "from_tensors"), "towers": MANY_TOWERS,
-            "strategy": ("parameter_server",), "mode": LOSS_MODES}))
-  entries.append(dict(
-      name="corpus_metric_tpu_spec", model_fn=corpus_metric_model_fn,
-      unwrapped_model_fn=as_tpu_estimator_on_cpu(corpus_metric_model_fn),
-      data=_tokens_and_targets(25), example_spec=_TOKEN_SPEC,
-      serving_keys=["tokens"], params={},
-      only={"pipeline": ("batch", "from_tensors"), "towers": MANY_TOWERS,
-            "strategy": ("parameter_server", "replicated"),
-            "mode": LOSS_MODES}))
   return entries
 
 

@@ -1,7 +1,7 @@
 """The zoo's batch-level models as written for one device, where no exact
 form exists without the fix: refused, naming the op and the fix.
 
-The zoo (oracle_zoo_losses.py, oracle_zoo_rows.py) holds the fixed forms,
+The zoo (oracle_zoo_metrics.py, oracle_zoo_rows.py) holds the fixed forms,
 each exact in its cells: the corpus score in a `TPUEstimatorSpec`'s
 `eval_metrics`, in-batch negatives through `replicate.all_rows`. Here the
 same models as a user first writes them: the corpus score in plain
@@ -14,6 +14,7 @@ import tensorflow as tf
 
 import oracle_zoo  # registers the modules below into the zoo
 import oracle_zoo_losses as losses
+import oracle_zoo_metrics as metrics
 import oracle_zoo_rows as rows
 import replicate
 
@@ -27,11 +28,12 @@ def _devices(count):
 def plain_corpus_metric_model_fn(features, labels, mode):
   """corpus_metric_tpu_spec's model as an Estimator user writes it: the
   metric_fn's metrics returned as `eval_metric_ops`."""
-  _, logits = losses._token_logits(features["tokens"])
-  xentropy, weights = losses._token_xent(logits, labels)
+  _, logits = losses.token_logits(features["tokens"])
+  xentropy, weights = losses.token_xent(logits, labels)
   loss = tf.reduce_sum(xentropy) / tf.reduce_sum(weights)
   return tf.estimator.EstimatorSpec(
-      mode, loss=loss, eval_metric_ops=losses.corpus_metric_fn(logits, labels))
+      mode, loss=loss,
+      eval_metric_ops=metrics.corpus_metric_fn(logits, labels))
 
 
 def _build(model_fn, mode, features, labels, towers=2, params=None):
@@ -60,9 +62,9 @@ def test_the_corpus_score_is_not_a_mean_of_the_towers_scores():
   towers' scores do not average to the batch's."""
   _, targets = oracle_zoo.ZOO["corpus_metric_tpu_spec"].data
   guess = (targets + 1) % losses.VOCAB * (targets != 0)
-  batch = losses.corpus_score(guess[:3], targets[:3])
-  towers = [losses.corpus_score(guess[:2], targets[:2]),
-            losses.corpus_score(guess[2:3], targets[2:3])]
+  batch = metrics.corpus_score(guess[:3], targets[:3])
+  towers = [metrics.corpus_score(guess[:2], targets[:2]),
+            metrics.corpus_score(guess[2:3], targets[2:3])]
   assert abs(batch - np.mean(towers)) > 1e-3, (batch, towers)
 
 
