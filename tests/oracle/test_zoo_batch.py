@@ -8,6 +8,8 @@ same models as a user first writes them: the corpus score in plain
 `eval_metric_ops`, the negatives of the tower's own rows.
 """
 
+import itertools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -75,3 +77,27 @@ def test_in_batch_negatives_without_all_rows_are_refused(mode):
   with pytest.raises(ValueError, match=r"MatMul.*replicate\.all_rows"):
     _build(rows.retrieval_model_fn, mode, features, None,
            params={"all_rows": False})
+
+
+def _shards(count, towers):
+  """Each tower's rows of a batch of `count`, as replicate splits it."""
+  sizes = [count // towers + (index < count % towers)
+           for index in range(towers)]
+  starts = np.cumsum([0] + sizes)
+  return [slice(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def test_the_sequences_batches_are_as_wide_as_their_towers_are_not():
+  """The tagger's and the decoder's data (oracle_zoo_rows.LENGTHS): every
+  batch of their cells is 5 wide, so one device's predictions stack across
+  batches, and on 2 and 3 towers some tower's own rows are narrower."""
+  lengths = rows.LENGTHS
+  batches = [(0, 3), (3, 6), (6, 7), (0, 7), (0, 2)]  # batch, all, 3_small
+  assert {lengths[a:b].max() for a, b in batches[:4]} == {5}
+  narrower = 0
+  for (start, stop), towers in itertools.product(batches, (2, 3)):
+    widths = [lengths[start:stop][shard].max()
+              for shard in _shards(stop - start, towers)
+              if shard.stop > shard.start]
+    narrower += min(widths) < lengths[start:stop].max()
+  assert narrower >= 5, narrower
