@@ -6,9 +6,9 @@ with in-batch negatives (the one concession: `replicate.all_rows` and
 wrapper refuses the model, see test_zoo_batch.py); a sequence tagger
 (`dynamic_rnn` with `sequence_length`) cutting its tokens at the batch's
 longest sequence (`x[:, :tf.reduce_max(lengths)]`) and predicting per
-token; and a greedy decoder whose `tf.while_loop` stops when the rows of
-its batch are done, as beam search's loop does, padding finished rows with
-zeros.
+token; and a beam search (the Transformer's: `top_k` over the beams'
+continuations, `gather_nd` of the beams) whose `tf.while_loop` stops when
+the rows of its batch are done, finished rows emitting zeros.
 
 `ENTRIES` holds `oracle_zoo._custom`'s arguments, one dict a model (see
 oracle_zoo_losses.py). The sequences: lengths 2, 3, 5 | 1, 4, 5 | 5 (6
@@ -130,14 +130,18 @@ def tagger_data():
 
 
 # ---------------------------------------------------------------------------
-# A greedy decoder whose loop stops when the rows of its batch are done.
+# A beam search whose loop stops when the rows of its batch are done.
+
+BEAM = 2
 
 
 def decoder_model_fn(features, labels, mode):
   """Encodes the source by its mean embedding; decodes one token a step,
-  teacher-forced in training; in PREDICT loops until every row has
-  emitted its length's tokens (beam search's "continue while a row is
-  alive"), a finished row emitting 0."""
+  teacher-forced in training. PREDICT is a beam search written as the
+  Transformer's: the top BEAM of every beam's continuations by `top_k`,
+  the beams' state gathered with `gather_nd` at (row, beam) coordinates,
+  and a `tf.while_loop` that runs while a row of the batch is alive (here:
+  has not emitted its length's tokens); a finished row emits 0."""
   source, lengths = features["tokens"], tf.cast(features["length"], tf.int32)
   embedding = tf.compat.v1.get_variable(
       "embedding", [VOCAB, 4],
@@ -156,30 +160,10 @@ def decoder_model_fn(features, labels, mode):
     state = tf.tanh(tf.matmul(inputs, kernel) + bias)
     return state, tf.matmul(state, output)
 
-  start = tf.zeros_like(lengths)
   if mode == ModeKeys.PREDICT:
-    def alive(time, *unused):
-      return tf.reduce_any(time < lengths)
-
-    def body(time, previous, state, ids, scores):
-      state, logits = step(previous, state)
-      log_probs = tf.nn.log_softmax(logits)[:, 1:]  # 0 is padding
-      token = tf.argmax(log_probs, axis=-1, output_type=tf.int32) + 1
-      running = time < lengths
-      token = tf.where(running, token, tf.zeros_like(token))
-      score = tf.where(running, tf.reduce_max(log_probs, -1),
-                       tf.zeros_like(log_probs[:, 0]))
-      return (time + 1, token, state, ids.write(time, token),
-              scores.write(time, score))
-
-    _, _, _, ids, scores = tf.while_loop(
-        alive, body, (tf.constant(0), start, encoded,
-                      tf.TensorArray(tf.int32, 0, dynamic_size=True),
-                      tf.TensorArray(tf.float32, 0, dynamic_size=True)))
-    return tf.estimator.EstimatorSpec(mode, predictions={
-        "outputs": tf.transpose(ids.stack()),
-        "scores": tf.transpose(scores.stack())})
-  state, previous, all_logits = encoded, start, []
+    return tf.estimator.EstimatorSpec(mode, predictions=_beam_search(
+        step, encoded, lengths))
+  state, previous, all_logits = encoded, tf.zeros_like(lengths), []
   for time in range(WIDTH):
     state, logits = step(previous, state)
     all_logits.append(logits)
@@ -193,6 +177,48 @@ def decoder_model_fn(features, labels, mode):
       tf.compat.v1.train.AdamOptimizer(0.05)).minimize(
           loss, global_step=tf.compat.v1.train.get_global_step())
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _beam_search(step, encoded, lengths):
+  """{"outputs": the best beam's tokens [n, steps], "score": its log
+  probability}; steps: the batch's longest length."""
+  rows, words = tf.shape(encoded)[0], VOCAB - 1  # 0 is padding
+
+  def alive(time, *unused):
+    return tf.reduce_any(time < lengths)
+
+  def body(time, previous, state, scores, ids):
+    state, logits = step(tf.reshape(previous, [-1]), tf.reshape(state,
+                                                                [-1, 4]))
+    log_probs = tf.reshape(tf.nn.log_softmax(logits)[:, 1:],
+                           [rows, BEAM, words]) + scores[:, :, None]
+    top_scores, top_ids = tf.nn.top_k(
+        tf.reshape(log_probs, [rows, BEAM * words]), k=BEAM)
+    # The Transformer's _gather_beams: (row, beam) coordinates.
+    row_positions = tf.reshape(tf.range(rows * BEAM) // BEAM, [rows, BEAM])
+    coordinates = tf.stack([row_positions, top_ids // words], axis=2)
+    running = (time < lengths)[:, None]
+    tokens = tf.where(running, top_ids % words + 1, tf.zeros_like(top_ids))
+    kept = lambda new, old: tf.where(
+        tf.broadcast_to(running[:, :, None], tf.shape(old)), new, old)
+    ids = tf.concat([kept(tf.gather_nd(ids, coordinates), ids),
+                     tokens[:, :, None]], axis=2)
+    state = kept(tf.gather_nd(tf.reshape(state, [rows, BEAM, 4]),
+                              coordinates), tf.reshape(state,
+                                                       [rows, BEAM, 4]))
+    return (time + 1, tokens, state, tf.where(running, top_scores, scores),
+            ids)
+
+  first = tf.tile(tf.constant([[0.0] + [-1e9] * (BEAM - 1)]), [rows, 1])
+  _, _, _, scores, ids = tf.while_loop(
+      alive, body, (tf.constant(0), tf.zeros([rows, BEAM], tf.int32),
+                    tf.tile(encoded[:, None, :], [1, BEAM, 1]), first,
+                    tf.zeros([rows, BEAM, 1], tf.int32)),  # a start column
+      shape_invariants=(tf.TensorShape([]), tf.TensorShape([None, BEAM]),
+                        tf.TensorShape([None, BEAM, 4]),
+                        tf.TensorShape([None, BEAM]),
+                        tf.TensorShape([None, BEAM, None])))
+  return {"outputs": ids[:, 0, 1:], "score": scores[:, 0]}
 
 
 def decoder_data():
