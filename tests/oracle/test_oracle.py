@@ -17,6 +17,7 @@ import tensorflow as tf
 import oracle_harness as harness
 import oracle_pairwise
 import oracle_zoo
+import oracle_zoo_losses
 from oracle_zoo import ZOO
 
 # "full": the whole cross (`make test-oracle-full`); "ci": the cross less
@@ -88,10 +89,15 @@ def test_pairwise_on_three_binary_factors_is_the_four_row_array():
   assert oracle_pairwise.uncovered_pairs(factors, rows) == []
 
 
-def test_the_zoo_has_every_pattern_and_at_least_23_models():
-  assert len(ZOO) >= 23
+def test_the_zoo_has_every_pattern_and_at_least_38_models():
+  assert len(ZOO) >= 38
   for name in ("clip_after_compute_gradients", "deepfm_contrib_batch_norm",
-               "seeded_from_initial_values"):
+               "seeded_from_initial_values", "transformer_padded_xent",
+               "bert_clip_active", "nmt_clip_after_tf_gradients",
+               "terms_of_different_denominators",
+               "metrics_mean_of_loss", "corpus_metric_tpu_spec",
+               "in_batch_negatives_all_rows", "tagger_per_token",
+               "decoder_stops_when_its_rows_are_done"):
     assert name in ZOO, name
   assert not ZOO["seeded_from_initial_values"].warm_start
   canned = [name for name in ZOO if name.startswith("canned_")]
@@ -99,6 +105,11 @@ def test_the_zoo_has_every_pattern_and_at_least_23_models():
                "multiclass", "regressor", "weighted"):
     assert any(part in name for name in canned), part
   assert any(not name.endswith("weighted") for name in canned)
+  for reduction in ("sum_by_nonzero_weights", "mean", "sum_over_batch_size",
+                    "sum"):
+    assert "v1_losses_weights_" + reduction in ZOO, reduction
+  for reduction in ("auto", "sum_over_batch_size", "sum", "none"):
+    assert "keras_loss_sample_weight_" + reduction in ZOO, reduction
 
 
 def test_expected_refusals_name_models_and_factor_values():
@@ -134,6 +145,38 @@ def test_the_clip_is_active_on_one_device(workspace):
                for rows in (slice(0, 3), slice(3, 6), slice(6, 7),
                             slice(0, 2))]
   assert min(norms) > oracle_zoo.CLIP_NORM, norms
+
+
+@pytest.mark.parametrize("name,model_fn,clip_norm", [
+    ("bert_clip_active", oracle_zoo.bert_model_fn, oracle_zoo.BERT_CLIP_NORM),
+    ("nmt_clip_after_tf_gradients", oracle_zoo_losses.nmt_model_fn,
+     oracle_zoo_losses.NMT_CLIP_NORM)])
+def test_clips_after_tf_gradients_are_active_on_one_device(
+    name, model_fn, clip_norm, workspace):
+  """The models clipping after their own tf.gradients clip: from the
+  oracle's start, one device's global gradient norm exceeds their clip
+  norm on every batch of their cells."""
+  model = ZOO[name]
+  start = tf.train.latest_checkpoint(workspace.start(model))
+  (key, features), = model.data[0].items()
+  labels = model.data[1]
+  with tf.Graph().as_default():
+    inputs = tf.compat.v1.placeholder(tf.int64, [None, 5])
+    targets = tf.compat.v1.placeholder(tf.int64, [None] + list(
+        labels.shape[1:]))
+    tf.compat.v1.train.get_or_create_global_step()
+    arguments = {"params": {}} if name.startswith("bert") else {}
+    spec = model_fn({key: inputs}, targets, tf.estimator.ModeKeys.EVAL,
+                    **arguments)
+    norm = tf.linalg.global_norm(tf.gradients(
+        spec.loss, tf.compat.v1.trainable_variables()))
+    with tf.compat.v1.Session() as session:
+      tf.compat.v1.train.Saver().restore(session, start)
+      norms = [session.run(norm, {inputs: features[rows],
+                                  targets: labels[rows]})
+               for rows in (slice(0, 3), slice(3, 6), slice(6, 7),
+                            slice(0, 2))]
+  assert min(norms) > clip_norm, norms
 
 
 def test_the_ci_cross_leaves_out_only_what_the_sample_covers_for_it():

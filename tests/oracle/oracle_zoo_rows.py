@@ -1,0 +1,257 @@
+"""The zoo's models whose rows meet, or whose outputs' width is the batch's.
+
+Written as their authors write them, for one device: two-tower retrieval
+with in-batch negatives (the one concession: `replicate.all_rows` and
+`replicate.row_offset`, which do nothing unwrapped; without them the
+wrapper refuses the model, see test_zoo_batch.py); a sequence tagger
+(`dynamic_rnn` with `sequence_length`) cutting its tokens at the batch's
+longest sequence (`x[:, :tf.reduce_max(lengths)]`) and predicting per
+token; and a beam search (the Transformer's: `top_k` over the beams'
+continuations, `gather_nd` of the beams) whose `tf.while_loop` stops when
+the rows of its batch are done, finished rows emitting zeros.
+
+`ENTRIES` holds `oracle_zoo._custom`'s arguments, one dict a model (see
+oracle_zoo_losses.py). The sequences: lengths 2, 3, 5 | 1, 4, 5 | 5 (6
+positions, the last always padding), so every batch of 3 rows, the
+remainder's one row and the 7 rows together are 5 tokens wide (one
+device's predictions stack across batches), while a tower's own rows are
+narrower on 2 towers (rows 0 and 1: 3) and 3 towers (2, 3, 5; 4 + 3 rows:
+5 and 5; 3 + 2 + 2: 5, 4, 5), and "3_small" (rows 0 and 1) is 3 wide.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+import replicate
+
+ROWS = 7
+ModeKeys = tf.estimator.ModeKeys
+VOCAB, TAGS, WIDTH = 7, 4, 6
+LENGTHS = np.array([2, 3, 5, 1, 4, 5, 5], np.int64)
+MANY_TOWERS = ("2", "3", "3_small")
+
+
+def _fixed(shape, dtype=tf.float32):
+  return tf.io.FixedLenFeature(shape, dtype)
+
+
+# ---------------------------------------------------------------------------
+# Two-tower retrieval, in-batch negatives.
+
+
+def _tower(inputs, name):
+  hidden = tf.compat.v1.layers.dense(inputs, 8, activation=tf.nn.relu,
+                                     name=name + "_hidden")
+  return tf.nn.l2_normalize(
+      tf.compat.v1.layers.dense(hidden, 4, name=name + "_embedding"), -1)
+
+
+def retrieval_model_fn(features, labels, mode, params):
+  """Each query's document is its own row's; the batch's other documents
+  are its negatives. `params["all_rows"]`: False is the model as written
+  for one device, which the wrapper refuses."""
+  del labels
+  query = _tower(features["query"], "query")
+  document = _tower(features["document"], "document")
+  documents, first = document, 0
+  if params["all_rows"]:
+    documents, first = replicate.all_rows(document), replicate.row_offset()
+  logits = tf.matmul(query, documents, transpose_b=True) / 0.1
+  labels = tf.range(tf.shape(query)[0]) + first
+  best = tf.argmax(logits, axis=1, output_type=tf.int32)
+  if mode == ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={
+        "query_embedding": query, "best_document": best})
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=labels, logits=logits))
+  if mode == ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
+        "recall_at_1": tf.compat.v1.metrics.accuracy(labels, best)})
+  train_op = replicate.TowerOptimizer(
+      tf.compat.v1.train.AdamOptimizer(0.05)).minimize(
+          loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def retrieval_data():
+  rng = np.random.RandomState(31)
+  query = rng.randn(ROWS, 5).astype(np.float32)
+  document = (query + 0.5 * rng.randn(ROWS, 5)).astype(np.float32)
+  return {"query": query, "document": document}, None
+
+
+# ---------------------------------------------------------------------------
+# A tagger predicting per token, up to the batch's longest sequence.
+
+
+def tagger_model_fn(features, labels, mode):
+  lengths = tf.cast(features["length"], tf.int32)
+  max_length = tf.reduce_max(lengths)
+  tokens = features["tokens"][:, :max_length]
+  embedding = tf.compat.v1.get_variable(
+      "embedding", [VOCAB, 4],
+      initializer=tf.compat.v1.random_normal_initializer(stddev=0.5))
+  embedded = tf.nn.embedding_lookup(embedding, tokens)
+  with tf.compat.v1.variable_scope("rnn"):
+    outputs, _ = tf.compat.v1.nn.dynamic_rnn(
+        tf.compat.v1.nn.rnn_cell.GRUCell(5), embedded,
+        sequence_length=lengths, dtype=tf.float32)
+  logits = tf.compat.v1.layers.dense(outputs, TAGS, name="tags")
+  mask = tf.sequence_mask(lengths)  # as wide as the batch's longest too
+  tags = tf.argmax(logits, axis=-1) * tf.cast(mask, tf.int64)
+  if mode == ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={
+        "tags": tags, "probabilities": tf.nn.softmax(logits)})
+  weights = tf.cast(mask, tf.float32)
+  labels = labels[:, :max_length]
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits,
+                                                          weights=weights)
+  if mode == ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
+        "accuracy": tf.compat.v1.metrics.accuracy(labels, tags,
+                                                  weights=weights)})
+  train_op = replicate.TowerOptimizer(
+      tf.compat.v1.train.AdamOptimizer(0.05)).minimize(
+          loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _sequences(seed):
+  rng = np.random.RandomState(seed)
+  tokens = rng.randint(1, VOCAB, (ROWS, WIDTH)).astype(np.int64)
+  tokens[np.arange(WIDTH)[None, :] >= LENGTHS[:, None]] = 0
+  return tokens
+
+
+def tagger_data():
+  tokens = _sequences(32)
+  tags = (tokens % TAGS).astype(np.int64)
+  return {"tokens": tokens, "length": LENGTHS.copy()}, tags
+
+
+# ---------------------------------------------------------------------------
+# A beam search whose loop stops when the rows of its batch are done.
+
+BEAM = 2
+
+
+def decoder_model_fn(features, labels, mode):
+  """Encodes the source by its mean embedding; decodes one token a step,
+  teacher-forced in training. PREDICT is a beam search written as the
+  Transformer's: the top BEAM of every beam's continuations by `top_k`,
+  the beams' state gathered with `gather_nd` at (row, beam) coordinates,
+  and a `tf.while_loop` that runs while a row of the batch is alive (here:
+  has not emitted its length's tokens); a finished row emits 0."""
+  source, lengths = features["tokens"], tf.cast(features["length"], tf.int32)
+  embedding = tf.compat.v1.get_variable(
+      "embedding", [VOCAB, 4],
+      initializer=tf.compat.v1.random_normal_initializer(stddev=0.5))
+  mask = tf.cast(tf.not_equal(source, 0), tf.float32)[:, :, None]
+  encoded = tf.reduce_sum(tf.nn.embedding_lookup(embedding, source) * mask,
+                          1) / tf.maximum(tf.reduce_sum(mask, 1), 1.0)
+  with tf.compat.v1.variable_scope("decoder"):
+    kernel = tf.compat.v1.get_variable("kernel", [8, 4])
+    bias = tf.compat.v1.get_variable(
+        "bias", [4], initializer=tf.compat.v1.zeros_initializer())
+    output = tf.compat.v1.get_variable("output", [4, VOCAB])
+
+  def step(previous, state):
+    inputs = tf.concat([tf.nn.embedding_lookup(embedding, previous), state], 1)
+    state = tf.tanh(tf.matmul(inputs, kernel) + bias)
+    return state, tf.matmul(state, output)
+
+  if mode == ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions=_beam_search(
+        step, encoded, lengths))
+  state, previous, all_logits = encoded, tf.zeros_like(lengths), []
+  for time in range(WIDTH):
+    state, logits = step(previous, state)
+    all_logits.append(logits)
+    previous = tf.cast(labels[:, time], tf.int32)
+  logits = tf.stack(all_logits, axis=1)
+  weights = tf.cast(tf.not_equal(labels, 0), tf.float32)
+  xentropy = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                            logits=logits)
+  loss = tf.reduce_sum(xentropy * weights) / tf.reduce_sum(weights)
+  train_op = replicate.TowerOptimizer(
+      tf.compat.v1.train.AdamOptimizer(0.05)).minimize(
+          loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _beam_search(step, encoded, lengths):
+  """{"outputs": the best beam's tokens [n, steps], "score": its log
+  probability}; steps: the batch's longest length."""
+  rows, words = tf.shape(encoded)[0], VOCAB - 1  # 0 is padding
+
+  def alive(time, *unused):
+    return tf.reduce_any(time < lengths)
+
+  def body(time, previous, state, scores, ids):
+    state, logits = step(tf.reshape(previous, [-1]), tf.reshape(state,
+                                                                [-1, 4]))
+    log_probs = tf.reshape(tf.nn.log_softmax(logits)[:, 1:],
+                           [rows, BEAM, words]) + scores[:, :, None]
+    top_scores, top_ids = tf.nn.top_k(
+        tf.reshape(log_probs, [rows, BEAM * words]), k=BEAM)
+    # The Transformer's _gather_beams: (row, beam) coordinates.
+    row_positions = tf.reshape(tf.range(rows * BEAM) // BEAM, [rows, BEAM])
+    coordinates = tf.stack([row_positions, top_ids // words], axis=2)
+    running = (time < lengths)[:, None]
+    tokens = tf.where(running, top_ids % words + 1, tf.zeros_like(top_ids))
+    kept = lambda new, old: tf.where(
+        tf.broadcast_to(running[:, :, None], tf.shape(old)), new, old)
+    ids = tf.concat([kept(tf.gather_nd(ids, coordinates), ids),
+                     tokens[:, :, None]], axis=2)
+    state = kept(tf.gather_nd(tf.reshape(state, [rows, BEAM, 4]),
+                              coordinates), tf.reshape(state,
+                                                       [rows, BEAM, 4]))
+    return (time + 1, tokens, state, tf.where(running, top_scores, scores),
+            ids)
+
+  first = tf.tile(tf.constant([[0.0] + [-1e9] * (BEAM - 1)]), [rows, 1])
+  _, _, _, scores, ids = tf.while_loop(
+      alive, body, (tf.constant(0), tf.zeros([rows, BEAM], tf.int32),
+                    tf.tile(encoded[:, None, :], [1, BEAM, 1]), first,
+                    tf.zeros([rows, BEAM, 1], tf.int32)),  # a start column
+      shape_invariants=(tf.TensorShape([]), tf.TensorShape([None, BEAM]),
+                        tf.TensorShape([None, BEAM, 4]),
+                        tf.TensorShape([None, BEAM]),
+                        tf.TensorShape([None, BEAM, None])))
+  return {"outputs": ids[:, 0, 1:], "score": scores[:, 0]}
+
+
+def decoder_data():
+  tokens = _sequences(33)
+  # The target: the source reversed within its length.
+  targets = np.zeros_like(tokens)
+  for row, length in enumerate(LENGTHS):
+    targets[row, :length] = tokens[row, :length][::-1]
+  return {"tokens": tokens, "length": LENGTHS.copy()}, targets
+
+
+_SEQUENCE_SPEC = {"tokens": _fixed([WIDTH], tf.int64),
+                  "length": _fixed([], tf.int64),
+                  "label": _fixed([WIDTH], tf.int64)}
+
+ENTRIES = [
+    dict(name="in_batch_negatives_all_rows", model_fn=retrieval_model_fn,
+         data=retrieval_data(),
+         example_spec={"query": _fixed([5]), "document": _fixed([5])},
+         serving_keys=["query", "document"], params={"all_rows": True},
+         only={"pipeline": ("batch", "drop_remainder"),
+               "towers": MANY_TOWERS,
+               "strategy": ("parameter_server", "replicated"),
+               "mode": ("train", "eval", "predict")}),
+    dict(name="tagger_per_token", model_fn=tagger_model_fn,
+         data=tagger_data(), example_spec=_SEQUENCE_SPEC,
+         serving_keys=["tokens", "length"],
+         only={"pipeline": ("batch", "from_tensors"), "towers": MANY_TOWERS,
+               "strategy": ("parameter_server",)}),
+    dict(name="decoder_stops_when_its_rows_are_done",
+         model_fn=decoder_model_fn, data=decoder_data(),
+         example_spec=_SEQUENCE_SPEC, serving_keys=["tokens", "length"],
+         only={"pipeline": ("batch", "from_tensors"), "towers": MANY_TOWERS,
+               "strategy": ("parameter_server",),
+               "mode": ("train", "predict", "export")}),
+]

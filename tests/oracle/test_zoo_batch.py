@@ -1,0 +1,103 @@
+"""The zoo's batch-level models as written for one device, where no exact
+form exists without the fix: refused, naming the op and the fix.
+
+The zoo (oracle_zoo_metrics.py, oracle_zoo_rows.py) holds the fixed forms,
+each exact in its cells: the corpus score in a `TPUEstimatorSpec`'s
+`eval_metrics`, in-batch negatives through `replicate.all_rows`. Here the
+same models as a user first writes them: the corpus score in plain
+`eval_metric_ops`, the negatives of the tower's own rows.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import oracle_zoo  # registers the modules below into the zoo
+import oracle_zoo_losses as losses
+import oracle_zoo_metrics as metrics
+import oracle_zoo_rows as rows
+import replicate
+
+ModeKeys = tf.estimator.ModeKeys
+
+
+def _devices(count):
+  return ["/cpu:{}".format(index) for index in range(count)]
+
+
+def plain_corpus_metric_model_fn(features, labels, mode):
+  """corpus_metric_tpu_spec's model as an Estimator user writes it: the
+  metric_fn's metrics returned as `eval_metric_ops`."""
+  _, logits = losses.token_logits(features["tokens"])
+  xentropy, weights = losses.token_xent(logits, labels)
+  loss = tf.reduce_sum(xentropy) / tf.reduce_sum(weights)
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss,
+      eval_metric_ops=metrics.corpus_metric_fn(logits, labels))
+
+
+def _build(model_fn, mode, features, labels, towers=2, params=None):
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    wrapped = replicate.replicate_model_fn(model_fn, devices=_devices(towers))
+    kwargs = {} if params is None else {"params": params}
+    return wrapped(features=tf.nest.map_structure(tf.constant, features),
+                   labels=None if labels is None else tf.constant(labels),
+                   mode=mode, **kwargs)
+
+
+@pytest.mark.parametrize("towers", [2, 3])
+def test_a_corpus_score_in_eval_metric_ops_is_refused_with_the_fix(towers):
+  (features, labels) = oracle_zoo.ZOO["corpus_metric_tpu_spec"].data
+  with pytest.raises(ValueError, match=(
+      r"eval_metric_ops\['approx_bleu_score'\].*type PyFunc.*"
+      r"tf\.compat\.v1\.estimator\.tpu\.TPUEstimatorSpec.*"
+      r"eval_metrics=\(metric_fn, tensors\).*metric_fn once")):
+    _build(plain_corpus_metric_model_fn, ModeKeys.EVAL, features, labels,
+           towers)
+
+
+def test_the_corpus_score_is_not_a_mean_of_the_towers_scores():
+  """Why the refusal: on the zoo's first batch split 2 + 1 (2 towers), the
+  towers' scores do not average to the batch's."""
+  _, targets = oracle_zoo.ZOO["corpus_metric_tpu_spec"].data
+  guess = (targets + 1) % losses.VOCAB * (targets != 0)
+  batch = metrics.corpus_score(guess[:3], targets[:3])
+  towers = [metrics.corpus_score(guess[:2], targets[:2]),
+            metrics.corpus_score(guess[2:3], targets[2:3])]
+  assert abs(batch - np.mean(towers)) > 1e-3, (batch, towers)
+
+
+@pytest.mark.parametrize("mode", [ModeKeys.TRAIN, ModeKeys.EVAL,
+                                  ModeKeys.PREDICT])
+def test_in_batch_negatives_without_all_rows_are_refused(mode):
+  features, _ = oracle_zoo.ZOO["in_batch_negatives_all_rows"].data
+  with pytest.raises(ValueError, match=r"MatMul.*replicate\.all_rows"):
+    _build(rows.retrieval_model_fn, mode, features, None,
+           params={"all_rows": False})
+
+
+def _shards(count, towers):
+  """Each tower's rows of a batch of `count`, as replicate splits it."""
+  sizes = [count // towers + (index < count % towers)
+           for index in range(towers)]
+  starts = np.cumsum([0] + sizes)
+  return [slice(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def test_the_sequences_batches_are_as_wide_as_their_towers_are_not():
+  """The tagger's and the decoder's data (oracle_zoo_rows.LENGTHS): every
+  batch of their cells is 5 wide, so one device's predictions stack across
+  batches, and on 2 and 3 towers some tower's own rows are narrower."""
+  lengths = rows.LENGTHS
+  batches = [(0, 3), (3, 6), (6, 7), (0, 7), (0, 2)]  # batch, all, 3_small
+  assert {lengths[a:b].max() for a, b in batches[:4]} == {5}
+  narrower = 0
+  for (start, stop), towers in itertools.product(batches, (2, 3)):
+    widths = [lengths[start:stop][shard].max()
+              for shard in _shards(stop - start, towers)
+              if shard.stop > shard.start]
+    narrower += min(widths) < lengths[start:stop].max()
+  assert narrower >= 5, narrower
