@@ -173,7 +173,7 @@ def _is_batch_major(tensor, rows) -> bool:
   """Whether `tensor`'s dimension 0 can be the tower's rows, as far as the
   static shapes tell: a size the rows do not have is not (a `[1]` tensor
   of a loss, where the batch's size is known only at run time)."""
-  size = tensor.shape[0]
+  size = tf.compat.dimension_value(tensor.shape[0])
   if size is None:
     return True
   count = rows.static_count()

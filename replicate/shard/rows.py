@@ -66,8 +66,8 @@ class TowerRows:
 
   def static_count(self) -> Optional[int]:
     """The shard's number of rows where every dense leaf knows it, else None."""
-    counts = {ref.deref().shape[0] for ref in self._shard
-              if ref.deref().shape.rank}
+    counts = {tf.compat.dimension_value(ref.deref().shape[0])
+              for ref in self._shard if ref.deref().shape.rank}
     return counts.pop() if len(counts) == 1 else None
 
   def depend(self, values: Iterable[Any]) -> bool:

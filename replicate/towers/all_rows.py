@@ -104,4 +104,4 @@ def _offsets(sizes) -> List[Any]:
   if isinstance(sizes, list):
     return [sum(sizes[:i]) if size else 0 for i, size in enumerate(sizes)]
   starts = tf.where(sizes > 0, tf.cumsum(sizes, exclusive=True), 0)
-  return tf.unstack(starts, num=sizes.shape[0])
+  return tf.unstack(starts, num=tf.compat.dimension_value(sizes.shape[0]))
