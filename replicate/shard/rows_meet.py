@@ -1,32 +1,39 @@
-"""Ops that combine different rows of the batch: found, and refused.
+"""Ops on the rows' path: refused where they combine rows, or are unknown.
 
 On why: a tower computes on its shard. An op that combines rows of the
 batch with each other (in-batch negatives `tf.matmul(a, b,
-transpose_b=True)`, `top_k` over the batch, a cumulative sum down the
-batch, per-class sums keyed by the rows' labels) would combine only the
-tower's shard's rows, and the result would be silently unlike one device.
-Such an op on the path from the rows to the loss, a metric or a prediction
-is refused when the towers are built, naming the op and the fix,
-`replicate.all_rows(tensor)` (with `replicate.row_offset()`), which gives
-every tower the whole batch's rows.
+transpose_b=True)`, `top_k` over the batch, a cumulative sum or a
+`tf.roll` down the batch, per-class sums keyed by the rows' labels) would
+combine only the tower's shard's rows, and the result would be silently
+unlike one device. Such an op on the path from the rows to the loss, a
+metric or a prediction is refused when the towers are built, naming the op
+and the fix, `replicate.all_rows(tensor)` (with `replicate.row_offset()`),
+which gives every tower the whole batch's rows.
 
-On what is known: `_ROW_COMBINING` below lists every op type the check
-knows, with the pattern in which it combines rows; nothing else is refused
-(this check runs on every model, and ops that keep rows apart, such as the
-batched matmuls of attention within a row or the segment sums of embedding
-columns keyed by each row's own index, must pass). "From the rows" is
-`replicate.shard.rows`'s rule, within tower 0's ops, with two stops: values
-of `all_rows` are the whole batch's, and a candidate sampler's draws
+On failing closed: every op type on that path must be known: either it
+has a rule in `_ROW_COMBINING` below (refused in the patterns that combine
+rows, passed otherwise, e.g. attention's batched matmuls within a row), or
+`replicate.shard.row_ops` knows it keeps rows apart (its docstring says how
+that list was chosen). Any other type (a `py_func`, a custom op) is refused,
+naming it, with the same fix: compute it on `all_rows(x)` and take the
+tower's rows back. Ops off the path (summaries, the backward pass) are not
+looked at.
+
+On "the path": ops of tower 0 that are behind what the spec returns and
+computed from its rows by `replicate.shard.rows`' rule, with two stops:
+values of `all_rows` are the whole batch's, and a candidate sampler's draws
 (`sampled_softmax_loss`) are random, not rows. Reductions over the batch
-(`reduce_sum`, `reduce_max`, batch norm's moments) are not this module's:
-they are combined elsewhere.
+(`reduce_sum`, `reduce_max`, batch norm's moments) pass here: they are
+combined elsewhere.
 """
 
 from typing import Any, Iterable, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from replicate import graph_walk
+from replicate.shard import row_ops
 from replicate.shard import rows as rows_lib
 
 # Ops whose outputs are random draws or positions, not the rows' values.
@@ -58,20 +65,34 @@ def check(context, spec: tf.estimator.EstimatorSpec) -> None:
                    frozenset(context.progress.tower_ops[0]))
   for op in graph_walk.ops_behind(_outputs_of(spec), within=within):
     rule = _ROW_COMBINING.get(op.type)
-    if rule is None:
-      continue
-    why = rule(finder, op)
-    if why:
-      raise ValueError(
-          "The {} op {!r} combines different rows of the batch ({}) on the "
-          "path to the loss, a metric or a prediction. On {} towers each "
-          "tower would combine only its own shard's rows: silently unlike "
-          "one device. Fix: give it the whole batch's rows with "
-          "replicate.all_rows(tensor), and index rows of the batch with "
-          "replicate.row_offset(), e.g. sim = tf.matmul(a, "
-          "replicate.all_rows(b), transpose_b=True); labels = "
-          "tf.range(tf.shape(a)[0]) + replicate.row_offset().".format(
-              op.type, op.name, why, context.layout.num_towers))
+    if rule is not None:
+      why = rule(finder, op)
+      if why:
+        raise ValueError(_COMBINES.format(op.type, op.name, why,
+                                          context.layout.num_towers))
+    elif not row_ops.keeps_rows_apart(op.type) and rows.depend([op]):
+      raise ValueError(_UNKNOWN.format(
+          op.type, op.name, len(row_ops.KEEPS_ROWS_APART) + len(
+              _ROW_COMBINING), context.layout.num_towers))
+
+
+_COMBINES = (
+    "The {} op {!r} combines different rows of the batch ({}) on the path "
+    "to the loss, a metric or a prediction. On {} towers each tower would "
+    "combine only its own shard's rows: silently unlike one device. Fix: "
+    "give it the whole batch's rows with replicate.all_rows(tensor), and "
+    "index rows of the batch with replicate.row_offset(), e.g. sim = "
+    "tf.matmul(a, replicate.all_rows(b), transpose_b=True); labels = "
+    "tf.range(tf.shape(a)[0]) + replicate.row_offset().")
+_UNKNOWN = (
+    "The {} op {!r} is on the path from the tower's rows to the loss, a "
+    "metric or a prediction, and replicate cannot tell whether it keeps the "
+    "batch's rows apart (it knows {} op types, listed in "
+    "replicate/shard/row_ops.py and rows_meet.py). On {} towers each tower "
+    "would apply it to its own shard's rows only: if it combines rows, "
+    "silently unlike one device. Fix: compute it on the whole batch and take "
+    "the tower's rows back, e.g. y = my_op(replicate.all_rows(x))"
+    "[replicate.row_offset():][:tf.shape(x)[0]].")
 
 
 def _data_inputs(op):
@@ -250,31 +271,35 @@ def _segments(finder, op):
   return None
 
 
-# Every op type the check knows, with the pattern in which it combines rows.
+def _along_batch(finder, op):
+  """`tf.roll` and `tf.reverse` of values with rows along the batch axis
+  (shifted negatives: `tf.roll(d, 1, axis=0)`); other axes keep rows apart."""
+  values, axis = op.inputs[0], tf.get_static_value(op.inputs[-1])
+  if not finder.carries_rows(values):
+    return None
+  if axis is None:
+    return "its axis is not known when the graph is built"
+  rank = values.shape.rank
+  if any(a == 0 or (a < 0 and (rank is None or a == -rank))
+         for a in np.ravel(axis).tolist()):
+    return "it moves rows along the batch axis"
+  return None
+
+
+# The op types that combine rows in some patterns, each with its rule.
 _ROW_COMBINING = {
-    "MatMul": _matmul,
-    "BatchMatMul": _matmul,
-    "BatchMatMulV2": _matmul,
-    "BatchMatMulV3": _matmul,
+    **dict.fromkeys(["MatMul", "BatchMatMul", "BatchMatMulV2",
+                     "BatchMatMulV3"], _matmul),
     "Einsum": _einsum,
-    "TopKV2": _top_k,
-    "TopK": _top_k,
-    "Cumsum": _cumulative,
-    "Cumprod": _cumulative,
-    "CumulativeLogsumexp": _cumulative,
-    "SegmentSum": _segments,
-    "SegmentMean": _segments,
-    "SegmentProd": _segments,
-    "SegmentMax": _segments,
-    "SegmentMin": _segments,
-    "UnsortedSegmentSum": _segments,
-    "UnsortedSegmentProd": _segments,
-    "UnsortedSegmentMax": _segments,
-    "UnsortedSegmentMin": _segments,
-    "SparseSegmentSum": _segments,
-    "SparseSegmentMean": _segments,
-    "SparseSegmentSqrtN": _segments,
-    "SparseSegmentSumWithNumSegments": _segments,
-    "SparseSegmentMeanWithNumSegments": _segments,
-    "SparseSegmentSqrtNWithNumSegments": _segments,
+    **dict.fromkeys(["TopKV2", "TopK"], _top_k),
+    **dict.fromkeys(["Cumsum", "Cumprod", "CumulativeLogsumexp"],
+                    _cumulative),
+    **dict.fromkeys([
+        "SegmentSum", "SegmentMean", "SegmentProd", "SegmentMax",
+        "SegmentMin", "UnsortedSegmentSum", "UnsortedSegmentProd",
+        "UnsortedSegmentMax", "UnsortedSegmentMin", "SparseSegmentSum",
+        "SparseSegmentMean", "SparseSegmentSqrtN",
+        "SparseSegmentSumWithNumSegments", "SparseSegmentMeanWithNumSegments",
+        "SparseSegmentSqrtNWithNumSegments"], _segments),
+    **dict.fromkeys(["Roll", "ReverseV2"], _along_batch),
 }
