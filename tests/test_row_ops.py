@@ -209,3 +209,32 @@ def test_the_known_op_types_are_real_and_apart_from_the_rules():
   for refused in ("PyFunc", "EagerPyFunc", "RandomShuffle", "Bincount",
                   "UniqueWithCounts", "MatrixDiagPartV3", "ScatterNd"):
     assert not row_ops.keeps_rows_apart(refused)
+
+
+def _numpy_centred(hidden):
+  result = tf.numpy_function(lambda a: a - a.mean(axis=0, keepdims=True),
+                             [hidden], tf.float32)
+  result.set_shape(hidden.shape)
+  return result
+
+
+@tf.function
+def _in_a_function(hidden):
+  return _numpy_centred(hidden)
+
+
+INSIDE_A_FUNCTION = {
+    "tf_function": _in_a_function,
+    "tf_cond": lambda h: tf.cond(tf.reduce_all(tf.shape(h) > 0),
+                                 lambda: _numpy_centred(h), lambda: h),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INSIDE_A_FUNCTION))
+def test_an_unknown_op_inside_a_function_on_the_rows_is_refused(name):
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    with pytest.raises(ValueError, match=(
+        r"The PyFunc op '[^']+' \(inside the function '[^']+' calls\) is on "
+        r"the path from the tower's rows.*cannot tell")):
+      _build(_model_fn(INSIDE_A_FUNCTION[name]), towers=2, mode=PREDICT)

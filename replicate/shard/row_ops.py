@@ -21,7 +21,7 @@ that takes dimension 0 as a matrix axis, `ScatterNd`, Python functions
 `PyFunc` and `EagerPyFunc`, custom ops) are left out: refused on the path.
 """
 
-from typing import Dict, FrozenSet, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 
 def _ops(text: str) -> FrozenSet[str]:
@@ -187,6 +187,11 @@ FAMILIES: Dict[str, Tuple[str, FrozenSet[str]]] = {
         WriteRawProtoSummary""")),
 }
 
+# Function calls: their bodies' op types are checked (`unknown_in_calls`).
+CALLS = FAMILIES["control flow"][1] & frozenset([
+    "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall"])
+
 KEEPS_ROWS_APART: FrozenSet[str] = frozenset().union(
     *(types for _, types in FAMILIES.values()))
 
@@ -194,3 +199,38 @@ KEEPS_ROWS_APART: FrozenSet[str] = frozenset().union(
 def keeps_rows_apart(op_type: str) -> bool:
   """Whether `op_type` is known to keep the batch's rows apart."""
   return op_type in KEEPS_ROWS_APART
+
+
+def unknown_in_calls(op, library, also_known) -> Optional[Tuple[str, str]]:
+  """(op type, node name) of the first node, in the functions `op` calls
+  (a TF 2 `tf.cond` or `tf.while_loop`, a `tf.function`) and in those they
+  call, whose type is neither known here nor in `also_known`; None if
+  every one is. `library`: {function name: FunctionDef} of the graph.
+
+  Only types are checked inside a function: the patterns of `also_known`'s
+  rules need the outer graph's shapes and rows, so those types pass there.
+  """
+  pending, seen = list(_called(op.node_def)), set()
+  while pending:
+    name = pending.pop()
+    if name in seen or name not in library:
+      continue
+    seen.add(name)
+    for node in library[name].node_def:
+      if not (keeps_rows_apart(node.op) or node.op in also_known or
+              node.op in library):
+        return node.op, "{}/{}".format(name, node.name)
+      pending.extend(_called(node))
+      if node.op in library:  # a call of a function by its own name
+        pending.append(node.op)
+  return None
+
+
+def _called(node_def) -> List[str]:
+  """Names of the functions a node calls (its function-valued attrs)."""
+  names = []
+  for value in node_def.attr.values():
+    if value.HasField("func"):
+      names.append(value.func.name)
+    names.extend(func.name for func in value.list.func)
+  return names

@@ -16,18 +16,18 @@ rows, passed otherwise, e.g. attention's batched matmuls within a row), or
 `replicate.shard.row_ops` knows it keeps rows apart (its docstring says how
 that list was chosen). Any other type (a `py_func`, a custom op) is refused,
 naming it, with the same fix: compute it on `all_rows(x)` and take the
-tower's rows back. Ops off the path (summaries, the backward pass) are not
-looked at.
+tower's rows back. The functions that a TF 2 `tf.cond`, `tf.while_loop` or
+`tf.function` on the path calls are looked into: each type there must be
+known too (types with a rule pass there; their patterns need the outer
+graph). Ops off the path (summaries, the backward pass) are not looked at.
 
-On "the path": ops of tower 0 that are behind what the spec returns and
-computed from its rows by `replicate.shard.rows`' rule, with two stops:
-values of `all_rows` are the whole batch's, and a candidate sampler's draws
-(`sampled_softmax_loss`) are random, not rows. Reductions over the batch
-(`reduce_sum`, `reduce_max`, batch norm's moments) pass here: they are
-combined elsewhere.
+On "the path": tower 0's ops behind what the spec returns and computed
+from its rows (`replicate.shard.rows`' rule), stopping at `all_rows`' values
+(the whole batch's) and a candidate sampler's draws (random, not rows).
+Reductions over the batch pass here: they are combined elsewhere.
 """
 
-from typing import Any, Iterable, Optional
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -63,6 +63,7 @@ def check(context, spec: tf.estimator.EstimatorSpec) -> None:
   finder = _Finder(rows, within, (tower.features, tower.labels),
                    _static_rows(context.layout.shards.sizes),
                    frozenset(context.progress.tower_ops[0]))
+  known, library = len(row_ops.KEEPS_ROWS_APART) + len(_ROW_COMBINING), None
   for op in graph_walk.ops_behind(_outputs_of(spec), within=within):
     rule = _ROW_COMBINING.get(op.type)
     if rule is not None:
@@ -71,9 +72,17 @@ def check(context, spec: tf.estimator.EstimatorSpec) -> None:
         raise ValueError(_COMBINES.format(op.type, op.name, why,
                                           context.layout.num_towers))
     elif not row_ops.keeps_rows_apart(op.type) and rows.depend([op]):
-      raise ValueError(_UNKNOWN.format(
-          op.type, op.name, len(row_ops.KEEPS_ROWS_APART) + len(
-              _ROW_COMBINING), context.layout.num_towers))
+      raise ValueError(_UNKNOWN.format(op.type, repr(op.name), known,
+                                       context.layout.num_towers))
+    elif op.type in row_ops.CALLS and rows.depend([op]):
+      if library is None:
+        library = {f.signature.name: f
+                   for f in op.graph.as_graph_def().library.function}
+      inner = row_ops.unknown_in_calls(op, library, _ROW_COMBINING)
+      if inner:
+        raise ValueError(_UNKNOWN.format(
+            inner[0], "{!r} (inside the function {!r} calls)".format(
+                inner[1], op.name), known, context.layout.num_towers))
 
 
 _COMBINES = (
@@ -85,7 +94,7 @@ _COMBINES = (
     "tf.matmul(a, replicate.all_rows(b), transpose_b=True); labels = "
     "tf.range(tf.shape(a)[0]) + replicate.row_offset().")
 _UNKNOWN = (
-    "The {} op {!r} is on the path from the tower's rows to the loss, a "
+    "The {} op {} is on the path from the tower's rows to the loss, a "
     "metric or a prediction, and replicate cannot tell whether it keeps the "
     "batch's rows apart (it knows {} op types, listed in "
     "replicate/shard/row_ops.py and rows_meet.py). On {} towers each tower "

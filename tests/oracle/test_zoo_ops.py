@@ -61,4 +61,6 @@ def test_every_op_type_on_the_rows_path_is_known(name, monkeypatch):
       continue
     _build(ZOO[name], mode)  # an unknown op type would be refused here
     assert checked and checked[-1] == _MODES[mode]
-  assert asked <= row_ops.KEEPS_ROWS_APART
+  # Every type behind the outputs, and inside the functions they call.
+  assert asked <= row_ops.KEEPS_ROWS_APART | set(
+      rows_meet._ROW_COMBINING)  # pylint: disable=protected-access
