@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import replicate
 from conftest import PREDICT, TRAIN, cpus, session_config
-from replicate.shard import row_ops, rows_meet
+from replicate.shard import row_ops, row_rules
 
 ROWS = 7
 STEPS = 2
@@ -108,9 +108,9 @@ def _train(model_fn, towers=None):
 
 UNKNOWN = {
     "py_func": (_centred, "PyFunc"),
-    "diag_part_of_the_rows": (
-        lambda h: h + tf.reduce_sum(tf.linalg.diag_part(h)),
-        "MatrixDiagPartV3"),
+    "shuffle_of_the_rows": (
+        lambda h: h + tf.stop_gradient(tf.random.shuffle(h, seed=1)),
+        "RandomShuffle"),
 }
 
 
@@ -165,7 +165,8 @@ def _backward_only(hidden):
 
 
 def _variables_only(hidden):
-  scale = tf.compat.v1.get_variable("scale", [4], initializer=tf.ones_initializer())
+  scale = tf.compat.v1.get_variable("scale", [4],
+                                    initializer=tf.ones_initializer())
   rescaled = tf.compat.v1.py_func(lambda a: a * 1.0, [scale], tf.float32)
   return hidden * tf.reshape(rescaled, [4])
 
@@ -175,6 +176,13 @@ OFF_THE_PATH = {
     "backward_pass_only": _backward_only,
     "variables_only": _variables_only,
     "roll_within_rows": lambda h: tf.roll(h, 1, axis=1),
+    # The Transformer's decoder bias: a matrix of the rows' length only.
+    "band_part_of_a_shape": lambda h: h + tf.reduce_sum(tf.linalg.band_part(
+        tf.ones([tf.shape(h)[0], tf.shape(h)[0]]), -1, 0)),
+    "band_part_within_rows": lambda h: tf.reduce_sum(tf.linalg.band_part(
+        h[:, :, None] * h[:, None, :], -1, 0), 2),
+    "sparse_rows_times_weights": lambda h: h + tf.sparse.sparse_dense_matmul(
+        tf.sparse.from_dense(tf.cast(h > 0, tf.float32)), tf.ones([4, 4])),
     "reverse_within_rows": lambda h: tf.reverse(h, axis=[-1]),
 }
 
@@ -185,6 +193,30 @@ def test_ops_off_the_path_or_within_rows_are_not_refused(name):
     tf.compat.v1.train.get_or_create_global_step()
     spec = _build(_model_fn(OFF_THE_PATH[name]), towers=2)
   assert spec.train_op is not None
+
+
+COMBINING = {
+    "diag_part_of_the_rows": (
+        lambda h: h + tf.reduce_sum(tf.linalg.diag_part(h)),
+        "MatrixDiagPartV3", "matrix axis"),
+    "inverse_of_the_rows": (
+        lambda h: h * tf.reduce_sum(tf.linalg.inv(h[:4])), "MatrixInverse",
+        "matrix axis"),
+    "sparse_rows_transposed": (
+        lambda h: h * tf.reduce_sum(tf.sparse.sparse_dense_matmul(
+            tf.sparse.from_dense(tf.cast(h > 0, tf.float32)), h,
+            adjoint_a=True)), "SparseTensorDenseMatMul", "transpose"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMBINING))
+def test_linear_algebra_over_the_batch_axis_is_refused(name):
+  combine, op_type, why = COMBINING[name]
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    with pytest.raises(ValueError, match=r"The {} op '[^']+' combines "
+                       r"different rows.*{}".format(op_type, why)):
+      _build(_model_fn(combine), towers=2, mode=PREDICT)
 
 
 @pytest.mark.parametrize("op, axis", [("roll", 0), ("reverse", 0),
@@ -201,11 +233,11 @@ def test_moving_rows_along_the_batch_axis_is_refused(op, axis):
 
 
 def test_the_known_op_types_are_real_and_apart_from_the_rules():
-  from tensorflow.python.framework import op_def_registry  # pylint: disable=import-outside-toplevel
   for family, (why, types) in row_ops.FAMILIES.items():
     assert why and types, family
-    assert not [t for t in types if op_def_registry.get(t) is None], family
-  assert not row_ops.KEEPS_ROWS_APART & set(rows_meet._ROW_COMBINING)  # pylint: disable=protected-access
+    assert not [t for t in types if not hasattr(tf.raw_ops, t)], family
+  assert all(hasattr(tf.raw_ops, t) for t in row_rules.ROW_COMBINING)
+  assert not row_ops.KEEPS_ROWS_APART & set(row_rules.ROW_COMBINING)
   for refused in ("PyFunc", "EagerPyFunc", "RandomShuffle", "Bincount",
                   "UniqueWithCounts", "MatrixDiagPartV3", "ScatterNd"):
     assert not row_ops.keeps_rows_apart(refused)

@@ -8,4 +8,6 @@
   negatives, top_k over the batch, ...), and op types it does not know,
   refused with `replicate.all_rows`.
 - `row_ops`: the op types known to keep rows apart, by family.
+- `row_rules`: the op types that combine rows in some patterns, each with
+  its rule.
 """

@@ -4,9 +4,10 @@ On why: `replicate.shard.rows_meet` fails closed. An op on the path from a
 tower's rows to the loss, a metric or a prediction passes only when its type
 is known here (each output row is computed from the same input row alone,
 or the op carries no rows' values at all), or when its type has a rule of
-its own there (matmuls, top_k, cumulative sums, segment ops, ... refused in
-the patterns that combine rows, passed otherwise). Any other type is
-refused, naming it, with the fix through `replicate.all_rows`.
+its own (`replicate.shard.row_rules`: matmuls, top_k, cumulative sums,
+segment ops, linear algebra, ...: refused in the patterns that combine
+rows, passed otherwise). Any other type is refused, naming it, with the fix
+through `replicate.all_rows`.
 
 On how the list was chosen: every op type that the check met on that path
 in every model of the oracle zoo (tests/oracle/oracle_zoo.py, the canned
@@ -14,11 +15,11 @@ estimators included) and of the test suite's real programs (BERT-style,
 DeepFM, the Transformer, Keras model_fns, TF 1 and TF 2 control flow,
 feature columns with sparse and embedding columns, TPUEstimatorSpec,
 `all_rows`), wrapped on 2 towers in TRAIN, EVAL and PREDICT, in TF 2 and
-TF 1 behaviour; then TensorFlow's families (`tf.raw_ops`) that are per row
-by construction, so that ordinary models pass. Ops that can combine rows in
-some use (`RandomShuffle`, `UniqueWithCounts`, `Bincount`, linear algebra
-that takes dimension 0 as a matrix axis, `ScatterNd`, Python functions
-`PyFunc` and `EagerPyFunc`, custom ops) are left out: refused on the path.
+TF 1 behaviour (tests/oracle/test_zoo_ops.py keeps the zoo's part); then
+TensorFlow's families (`tf.raw_ops`) that are per row by construction, so
+that ordinary models pass. Ops that can combine rows in some use are left
+out, refused on the path: `RandomShuffle`, `UniqueWithCounts`, `Bincount`,
+`ScatterNd`, Python functions (`PyFunc`, `EagerPyFunc`), custom ops.
 """
 
 from typing import Dict, FrozenSet, List, Optional, Tuple

@@ -11,8 +11,9 @@ and the fix, `replicate.all_rows(tensor)` (with `replicate.row_offset()`),
 which gives every tower the whole batch's rows.
 
 On failing closed: every op type on that path must be known: either it
-has a rule in `_ROW_COMBINING` below (refused in the patterns that combine
-rows, passed otherwise, e.g. attention's batched matmuls within a row), or
+has a rule in `replicate.shard.row_rules` (refused in the patterns that
+combine rows, passed otherwise, e.g. attention's batched matmuls within a
+row; linear algebra on each row's own matrices), or
 `replicate.shard.row_ops` knows it keeps rows apart (its docstring says how
 that list was chosen). Any other type (a `py_func`, a custom op) is refused,
 naming it, with the same fix: compute it on `all_rows(x)` and take the
@@ -29,11 +30,11 @@ Reductions over the batch pass here: they are combined elsewhere.
 
 from typing import Optional
 
-import numpy as np
 import tensorflow as tf
 
 from replicate import graph_walk
 from replicate.shard import row_ops
+from replicate.shard import row_rules
 from replicate.shard import rows as rows_lib
 
 # Ops whose outputs are random draws or positions, not the rows' values.
@@ -63,9 +64,10 @@ def check(context, spec: tf.estimator.EstimatorSpec) -> None:
   finder = _Finder(rows, within, (tower.features, tower.labels),
                    _static_rows(context.layout.shards.sizes),
                    frozenset(context.progress.tower_ops[0]))
-  known, library = len(row_ops.KEEPS_ROWS_APART) + len(_ROW_COMBINING), None
+  rules = row_rules.ROW_COMBINING
+  known, library = len(row_ops.KEEPS_ROWS_APART) + len(rules), None
   for op in graph_walk.ops_behind(_outputs_of(spec), within=within):
-    rule = _ROW_COMBINING.get(op.type)
+    rule = rules.get(op.type)
     if rule is not None:
       why = rule(finder, op)
       if why:
@@ -78,7 +80,7 @@ def check(context, spec: tf.estimator.EstimatorSpec) -> None:
       if library is None:
         library = {f.signature.name: f
                    for f in op.graph.as_graph_def().library.function}
-      inner = row_ops.unknown_in_calls(op, library, _ROW_COMBINING)
+      inner = row_ops.unknown_in_calls(op, library, rules)
       if inner:
         raise ValueError(_UNKNOWN.format(
             inner[0], "{!r} (inside the function {!r} calls)".format(
@@ -97,7 +99,7 @@ _UNKNOWN = (
     "The {} op {} is on the path from the tower's rows to the loss, a "
     "metric or a prediction, and replicate cannot tell whether it keeps the "
     "batch's rows apart (it knows {} op types, listed in "
-    "replicate/shard/row_ops.py and rows_meet.py). On {} towers each tower "
+    "replicate/shard/row_ops.py and row_rules.py). On {} towers each tower "
     "would apply it to its own shard's rows only: if it combines rows, "
     "silently unlike one device. Fix: compute it on the whole batch and take "
     "the tower's rows back, e.g. y = my_op(replicate.all_rows(x))"
@@ -180,135 +182,9 @@ class _Finder:
       if (op not in self._within or op.type in _POSITION_OP_TYPES or
           "Ragged" in op.name or "RowPartition" in op.name):
         continue
-      for arg, value in _named_inputs(op):
+      for arg, value in row_rules.named_inputs(op):
         if op.type.startswith("Sparse") and (
             "values" in arg or arg == "default_value"):
           continue
         pending.append(value)
     return False
-
-
-def _named_inputs(op):
-  """(argument name, tensor) of each input; list arguments repeat a name."""
-  args = op.op_def.input_arg
-  inputs = list(op.inputs)
-  if len(args) == len(inputs):
-    return list(zip((a.name for a in args), inputs))
-  return [("", t) for t in inputs]
-
-
-def _const_int(tensor) -> Optional[int]:
-  value = tf.get_static_value(tensor)
-  if value is None or getattr(value, "ndim", 1) != 0:
-    return None
-  return int(value)
-
-
-def _matmul(finder, op):
-  """A matmul of two tensors with rows: the batch axis of one meets the
-  other's (`a @ b^T` is [rows, rows]; `a^T @ b` sums over rows)."""
-  a, b = op.inputs[0], op.inputs[1]
-  if a.shape.rank != 2 or b.shape.rank != 2:
-    return None  # batched matmuls keep dimension 0 apart (attention)
-  if (finder.carries_rows(a) and finder.carries_rows(b) and
-      not finder.sampled(a) and not finder.sampled(b)):
-    return "both operands hold rows of the batch along dimension 0"
-  return None
-
-
-def _einsum(finder, op):
-  """`tf.einsum` of two tensors with rows whose batch axes (each operand's
-  first subscript) differ (`'id,jd->ij'`: [rows, rows]) or are summed
-  away (`'id,id->d'`); a shared batch axis kept in the output (`'bij,bjk->
-  bik'`) keeps rows apart, as batched matmuls do."""
-  if len(op.inputs) != 2 or not all(
-      finder.carries_rows(t) and not finder.sampled(t) for t in op.inputs):
-    return None
-  operands, _, output = op.get_attr("equation").decode().partition("->")
-  subscripts = operands.split(",")
-  if len(subscripts) != 2 or any(not sub or sub.startswith(".")
-                                 for sub in subscripts):
-    return None  # the batch axis under an ellipsis is aligned, kept apart
-  first, second = subscripts[0][0], subscripts[1][0]
-  if first != second:
-    return "the two operands' batch axes ({!r}, {!r}) meet".format(
-        first, second)
-  if first not in output:
-    return "it sums over the batch axis {!r}".format(first)
-  return None
-
-
-def _top_k(finder, op):
-  """`top_k`, `sort`, `argsort` over the batch axis: along a vector of one
-  value per row, or along dimension 0 moved last by a transpose."""
-  values = op.inputs[0]
-  if values.shape.rank == 1 and finder.carries_rows(values):
-    return "it ranks a vector of one value per row against each other"
-  if values.op.type == "Transpose" and finder.carries_rows(
-      values.op.inputs[0]):
-    perm = tf.get_static_value(values.op.inputs[1])
-    if perm is not None and len(perm) and int(perm[-1]) == 0:
-      return "it ranks along the batch axis, moved last by a transpose"
-  return None
-
-
-def _cumulative(finder, op):
-  """A cumulative sum/product of values of the rows down dimension 0.
-
-  Integer cumulative sums are bookkeeping of positions (a ragged tensor's
-  row splits): not refused.
-  """
-  values, axis = op.inputs[0], _const_int(op.inputs[1])
-  if axis is None or not values.dtype.is_floating:
-    return None
-  rank = values.shape.rank
-  if rank and axis in (0, -rank) and finder.carries_rows(values):
-    return "it accumulates down the batch axis"
-  return None
-
-
-def _segments(finder, op):
-  """Segment reductions whose segment ids come from what rows hold
-  (per-class sums keyed by labels). Ids made from rows' positions (an
-  embedding column's sparse indices) keep rows apart."""
-  named = dict((arg, value) for arg, value in _named_inputs(op))
-  data, ids = named.get("data"), named.get("segment_ids")
-  if data is None or ids is None:
-    return None
-  if finder.rows.depend([data]) and finder.from_row_values(ids):
-    return "its segment ids come from the rows' values"
-  return None
-
-
-def _along_batch(finder, op):
-  """`tf.roll` and `tf.reverse` of values with rows along the batch axis
-  (shifted negatives: `tf.roll(d, 1, axis=0)`); other axes keep rows apart."""
-  values, axis = op.inputs[0], tf.get_static_value(op.inputs[-1])
-  if not finder.carries_rows(values):
-    return None
-  if axis is None:
-    return "its axis is not known when the graph is built"
-  rank = values.shape.rank
-  if any(a == 0 or (a < 0 and (rank is None or a == -rank))
-         for a in np.ravel(axis).tolist()):
-    return "it moves rows along the batch axis"
-  return None
-
-
-# The op types that combine rows in some patterns, each with its rule.
-_ROW_COMBINING = {
-    **dict.fromkeys(["MatMul", "BatchMatMul", "BatchMatMulV2",
-                     "BatchMatMulV3"], _matmul),
-    "Einsum": _einsum,
-    **dict.fromkeys(["TopKV2", "TopK"], _top_k),
-    **dict.fromkeys(["Cumsum", "Cumprod", "CumulativeLogsumexp"],
-                    _cumulative),
-    **dict.fromkeys([
-        "SegmentSum", "SegmentMean", "SegmentProd", "SegmentMax",
-        "SegmentMin", "UnsortedSegmentSum", "UnsortedSegmentProd",
-        "UnsortedSegmentMax", "UnsortedSegmentMin", "SparseSegmentSum",
-        "SparseSegmentMean", "SparseSegmentSqrtN",
-        "SparseSegmentSumWithNumSegments", "SparseSegmentMeanWithNumSegments",
-        "SparseSegmentSqrtNWithNumSegments"], _segments),
-    **dict.fromkeys(["Roll", "ReverseV2"], _along_batch),
-}

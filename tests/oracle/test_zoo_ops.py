@@ -18,7 +18,7 @@ import tensorflow as tf
 import oracle_harness as harness
 import oracle_pipelines
 from oracle_zoo import ROWS, ZOO
-from replicate.shard import row_ops, rows_meet
+from replicate.shard import row_ops, row_rules, rows_meet
 
 _MODES = {"train": tf.estimator.ModeKeys.TRAIN,
           "eval": tf.estimator.ModeKeys.EVAL,
@@ -63,4 +63,4 @@ def test_every_op_type_on_the_rows_path_is_known(name, monkeypatch):
     assert checked and checked[-1] == _MODES[mode]
   # Every type behind the outputs, and inside the functions they call.
   assert asked <= row_ops.KEEPS_ROWS_APART | set(
-      rows_meet._ROW_COMBINING)  # pylint: disable=protected-access
+      row_rules.ROW_COMBINING)
