@@ -270,3 +270,32 @@ def test_an_unknown_op_inside_a_function_on_the_rows_is_refused(name):
         r"The PyFunc op '[^']+' \(inside the function '[^']+' calls\) is on "
         r"the path from the tower's rows.*cannot tell")):
       _build(_model_fn(INSIDE_A_FUNCTION[name]), towers=2, mode=PREDICT)
+
+
+SOFTMAX_OVER_THE_BATCH = {
+    "softmax_axis_0": lambda h: tf.nn.softmax(h, axis=0),
+    "log_softmax_axis_0": lambda h: tf.nn.log_softmax(h, axis=0),
+    "softmax_of_one_value_per_row": lambda h: h * tf.nn.softmax(h[:, 0])[
+        :, None],
+    "xent_axis_0": lambda h: h * tf.nn.softmax_cross_entropy_with_logits(
+        labels=tf.nn.softmax(h), logits=h, axis=0)[None, :],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SOFTMAX_OVER_THE_BATCH))
+def test_a_softmax_over_the_batch_is_refused(name):
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    with pytest.raises(ValueError, match=r"op '[^']+' combines different "
+                       r"rows.*(over the batch|along the batch axis)"):
+      _build(_model_fn(SOFTMAX_OVER_THE_BATCH[name]), towers=2,
+             mode=PREDICT)
+
+
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_a_softmax_within_rows_is_not_refused(axis):
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    spec = _build(_model_fn(lambda h: tf.nn.softmax(
+        tf.reshape(h, [-1, 2, 2]), axis=axis)[:, :, 0]), towers=2)
+  assert spec.train_op is not None

@@ -49,14 +49,13 @@ FAMILIES: Dict[str, Tuple[str, FrozenSet[str]]] = {
         Zeta QuantizeAndDequantizeV2 QuantizeAndDequantizeV3
         QuantizeAndDequantizeV4 FakeQuantWithMinMaxArgs
         FakeQuantWithMinMaxVars FakeQuantWithMinMaxVarsPerChannel""")),
-    "activations": ("elementwise, or along a row's own last axis", _ops("""
-        Relu Relu6 Elu Selu LeakyRelu Sigmoid Tanh Softplus Softsign Softmax
-        LogSoftmax ReluGrad Relu6Grad EluGrad SeluGrad LeakyReluGrad
-        SigmoidGrad TanhGrad SoftplusGrad SoftsignGrad RsqrtGrad SqrtGrad
+    "activations": ("elementwise", _ops("""
+        Relu Relu6 Elu Selu LeakyRelu Sigmoid Tanh Softplus Softsign ReluGrad
+        Relu6Grad EluGrad SeluGrad LeakyReluGrad SigmoidGrad TanhGrad SoftplusGrad SoftsignGrad RsqrtGrad SqrtGrad
         ReciprocalGrad InvGrad""")),
     "losses per row": ("one loss or decision per row from that row's logits, "
                        "label (and a sampler's classes)", _ops("""
-        SoftmaxCrossEntropyWithLogits SparseSoftmaxCrossEntropyWithLogits
+        SparseSoftmaxCrossEntropyWithLogits
         InTopK InTopKV2 CTCLoss CTCLossV2 CTCGreedyDecoder
         CTCBeamSearchDecoder EditDistance ComputeAccidentalHits""")),
     "layers per example": ("convolutions, pooling, resizing, recurrent "

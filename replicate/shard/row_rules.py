@@ -72,12 +72,37 @@ def _top_k(finder, op):
   values = op.inputs[0]
   if values.shape.rank == 1 and finder.carries_rows(values):
     return "it ranks a vector of one value per row against each other"
-  if values.op.type == "Transpose" and finder.carries_rows(
-      values.op.inputs[0]):
-    perm = tf.get_static_value(values.op.inputs[1])
-    if perm is not None and len(perm) and int(perm[-1]) == 0:
-      return "it ranks along the batch axis, moved last by a transpose"
+  if _batch_axis_moved_last(finder, values):
+    return "it ranks along the batch axis, moved last by a transpose"
   return None
+
+
+def _softmax(finder, op):
+  """A softmax (or its cross entropy) along the batch axis: of a vector of
+  one value per row, or `tf.nn.softmax(x, axis=0)` (dimension 0 moved last
+  by a transpose). Along a row's own last axis it keeps rows apart."""
+  values = op.inputs[0]
+  while values.op.type == "Reshape":  # the cross entropy's 2-D view
+    values = values.op.inputs[0]
+  if values.shape.rank == 1 and finder.carries_rows(values):
+    return "it normalises a vector of one value per row over the batch"
+  if _batch_axis_moved_last(finder, values):
+    return "it normalises along the batch axis, moved last by a transpose"
+  return None
+
+
+def _batch_axis_moved_last(finder, values) -> bool:
+  """`values` is a transpose of values with rows that moves axis 0 last
+  (its permutation's last entry: known, or the last part of a concat)."""
+  if values.op.type != "Transpose" or not finder.carries_rows(
+      values.op.inputs[0]):
+    return False
+  perm = values.op.inputs[1]
+  last = tf.get_static_value(perm)
+  if last is None and perm.op.type == "ConcatV2":
+    last = tf.get_static_value(perm.op.inputs[-2])
+  last = None if last is None else np.ravel(last)
+  return last is not None and len(last) > 0 and int(last[-1]) == 0
 
 
 def _cumulative(finder, op):
@@ -162,6 +187,8 @@ ROW_COMBINING = {
         "SparseSegmentSqrtNWithNumSegments"], _segments),
     **dict.fromkeys(["Roll", "ReverseV2"], _along_batch),
     "SparseTensorDenseMatMul": _sparse_matmul,
+    **dict.fromkeys(["Softmax", "LogSoftmax",
+                     "SoftmaxCrossEntropyWithLogits"], _softmax),
     **dict.fromkeys([
         "MatrixBandPart", "MatrixDiag", "MatrixDiagV2", "MatrixDiagV3",
         "MatrixDiagPart", "MatrixDiagPartV2", "MatrixDiagPartV3",
