@@ -299,3 +299,18 @@ def test_a_softmax_within_rows_is_not_refused(axis):
     spec = _build(_model_fn(lambda h: tf.nn.softmax(
         tf.reshape(h, [-1, 2, 2]), axis=axis)[:, :, 0]), towers=2)
   assert spec.train_op is not None
+
+
+def test_a_float_cumsum_whose_axis_is_not_known_is_refused():
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    axis = tf.compat.v1.placeholder_with_default(1, [])
+    with pytest.raises(ValueError, match=r"The Cumsum op '[^']+' combines "
+                       r"different rows.*axis is not known"):
+      _build(_model_fn(lambda h: tf.cumsum(h, axis=axis)), towers=2,
+             mode=PREDICT)
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    spec = _build(_model_fn(lambda h: tf.cumsum(h, axis=1)), towers=2,
+                  mode=PREDICT)
+  assert spec.predictions is not None

@@ -112,10 +112,12 @@ def _cumulative(finder, op):
   row splits): not refused.
   """
   values, axis = op.inputs[0], _const_int(op.inputs[1])
-  if axis is None or not values.dtype.is_floating:
+  if not values.dtype.is_floating or not finder.carries_rows(values):
     return None
   rank = values.shape.rank
-  if rank and axis in (0, -rank) and finder.carries_rows(values):
+  if axis is None or (rank is None and axis < 0):
+    return "its axis is not known when the graph is built"
+  if axis == 0 or axis == -rank:
     return "it accumulates down the batch axis"
   return None
 

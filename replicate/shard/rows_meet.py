@@ -50,8 +50,8 @@ _POSITION_OP_TYPES = frozenset(["Shape", "ShapeN", "Size", "Rank", "Where",
 
 
 def check(context, spec: tf.estimator.EstimatorSpec) -> None:
-  """Refuses an op of tower 0 that combines rows, on the path to `spec`'s
-  loss, predictions or metrics."""
+  """Refuses an op of tower 0 on the path from its rows to `spec`'s loss,
+  predictions or metrics that combines rows, or whose type is unknown."""
   if not context.layout.combines:
     return
   tower = context.layout.towers[0]
