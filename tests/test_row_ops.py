@@ -13,6 +13,8 @@ Ops off the path (a summary, the backward pass, values of variables only)
 are not refused.
 """
 
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -314,3 +316,14 @@ def test_a_float_cumsum_whose_axis_is_not_known_is_refused():
     spec = _build(_model_fn(lambda h: tf.cumsum(h, axis=1)), towers=2,
                   mode=PREDICT)
   assert spec.predictions is not None
+
+
+def test_guarantees_md_counts_the_op_types_the_rule_knows():
+  path = os.path.join(os.path.dirname(__file__), "..", "docs",
+                      "guarantees.md")
+  with open(path) as text:
+    guarantees = text.read()
+  assert "lists the {} op types known to keep rows apart".format(
+      len(row_ops.KEEPS_ROWS_APART)) in guarantees
+  assert "lists the {} op types with their patterns".format(
+      len(row_rules.ROW_COMBINING)) in guarantees
