@@ -15,7 +15,7 @@ estimators included) and of the test suite's real programs (BERT-style,
 DeepFM, the Transformer, Keras model_fns, TF 1 and TF 2 control flow,
 feature columns with sparse and embedding columns, TPUEstimatorSpec,
 `all_rows`), wrapped on 2 towers in TRAIN, EVAL and PREDICT, in TF 2 and
-TF 1 behaviour (tests/oracle/test_zoo_ops.py keeps the zoo's part); then
+TF 1 behaviour (tests/test_zoo_ops.py keeps the zoo's part); then
 TensorFlow's families (`tf.raw_ops`) that are per row by construction, so
 that ordinary models pass. Ops that can combine rows in some use are left
 out, refused on the path: `RandomShuffle`, `UniqueWithCounts`, `Bincount`,
