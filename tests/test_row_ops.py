@@ -331,3 +331,44 @@ def test_guarantees_md_counts_the_op_types_the_rule_knows():
       len(row_ops.KEEPS_ROWS_APART)) in guarantees
   assert "lists the {} op types with their patterns".format(
       len(row_rules.ROW_COMBINING)) in guarantees
+
+
+def _keras_layers(hidden):
+  """Ordinary Keras layers on the rows: none of their op types is refused."""
+  tokens = tf.reshape(tf.tile(hidden, [1, 3]), [-1, 3, 4])
+  ids = tf.cast(tf.abs(tokens[:, :, 0]) * 3.0, tf.int32) % 5
+  tokens += tf.keras.layers.Embedding(5, 4)(ids)
+  tokens = tf.keras.layers.Conv1D(4, 2, padding="same")(tokens)
+  tokens = tf.keras.layers.LayerNormalization()(tokens)
+  tokens += tf.keras.layers.MultiHeadAttention(2, 2)(tokens, tokens)
+  tokens = tf.keras.layers.LSTM(4, return_sequences=True)(tokens)
+  tokens = tf.keras.layers.Bidirectional(tf.keras.layers.GRU(2))(tokens)
+  images = tf.reshape(tf.tile(hidden, [1, 4]), [-1, 4, 4, 1])
+  images = tf.keras.layers.Conv2D(2, 3, padding="same")(images)
+  images = tf.keras.layers.MaxPooling2D()(images)
+  flat = tf.keras.layers.GlobalAveragePooling2D()(images)
+  return tf.keras.layers.Dropout(0.0)(tf.concat([tokens, flat], 1))
+
+
+@pytest.mark.parametrize("mode", [TRAIN, PREDICT])
+def test_ordinary_keras_layers_are_not_refused(mode):
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    spec = _build(_model_fn(_keras_layers), towers=2, mode=mode)
+  assert spec.predictions is not None or spec.train_op is not None
+
+
+@pytest.mark.parametrize("perm, axis, refused", [
+    ([1, 0], 0, False), ([1, 0], 1, True), ([1, 0], -1, True),
+    ([0, 1], 0, True)])
+def test_rows_moved_by_a_transpose_are_followed(perm, axis, refused):
+  def move(h):
+    return tf.transpose(tf.reverse(tf.transpose(h, perm), [axis]), perm)
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    if refused:
+      with pytest.raises(ValueError, match=r"The ReverseV2 op '[^']+' "
+                         r"combines different rows.*batch axis"):
+        _build(_model_fn(move), towers=2, mode=PREDICT)
+    else:
+      assert _build(_model_fn(move), towers=2, mode=PREDICT).predictions

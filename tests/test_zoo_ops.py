@@ -20,9 +20,10 @@ import tensorflow as tf
 # The zoo's modules, as tests/oracle/test_oracle.py imports them; here, so
 # that `make test-oracle`'s two shards do not both run this file.
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "oracle"))
-import oracle_harness as harness  # noqa: E402 pylint: disable=wrong-import-position
-import oracle_pipelines  # noqa: E402 pylint: disable=wrong-import-position
-from oracle_zoo import ROWS, ZOO  # noqa: E402 pylint: disable=wrong-import-position
+# pylint: disable=wrong-import-position
+import oracle_harness as harness  # noqa: E402
+import oracle_pipelines  # noqa: E402
+from oracle_zoo import ROWS, ZOO  # noqa: E402
 from replicate.shard import row_ops, row_rules, rows_meet
 
 _MODES = {"train": tf.estimator.ModeKeys.TRAIN,

@@ -51,8 +51,8 @@ FAMILIES: Dict[str, Tuple[str, FrozenSet[str]]] = {
         FakeQuantWithMinMaxVars FakeQuantWithMinMaxVarsPerChannel""")),
     "activations": ("elementwise", _ops("""
         Relu Relu6 Elu Selu LeakyRelu Sigmoid Tanh Softplus Softsign ReluGrad
-        Relu6Grad EluGrad SeluGrad LeakyReluGrad SigmoidGrad TanhGrad SoftplusGrad SoftsignGrad RsqrtGrad SqrtGrad
-        ReciprocalGrad InvGrad""")),
+        Relu6Grad EluGrad SeluGrad LeakyReluGrad SigmoidGrad TanhGrad
+        SoftplusGrad SoftsignGrad RsqrtGrad SqrtGrad ReciprocalGrad InvGrad""")),
     "losses per row": ("one loss or decision per row from that row's logits, "
                        "label (and a sampler's classes)", _ops("""
         SparseSoftmaxCrossEntropyWithLogits

@@ -25,13 +25,6 @@ def named_inputs(op):
   return [("", t) for t in inputs]
 
 
-def _const_int(tensor) -> Optional[int]:
-  value = tf.get_static_value(tensor)
-  if value is None or getattr(value, "ndim", 1) != 0:
-    return None
-  return int(value)
-
-
 def _matmul(finder, op):
   """A matmul of two tensors with rows: the batch axis of one meets the
   other's (`a @ b^T` is [rows, rows]; `a^T @ b` sums over rows)."""
@@ -106,20 +99,15 @@ def _batch_axis_moved_last(finder, values) -> bool:
 
 
 def _cumulative(finder, op):
-  """A cumulative sum/product of values of the rows down dimension 0.
+  """A cumulative sum/product of values of the rows down the batch axis.
 
   Integer cumulative sums are bookkeeping of positions (a ragged tensor's
   row splits): not refused.
   """
-  values, axis = op.inputs[0], _const_int(op.inputs[1])
-  if not values.dtype.is_floating or not finder.carries_rows(values):
+  if not op.inputs[0].dtype.is_floating:
     return None
-  rank = values.shape.rank
-  if axis is None or (rank is None and axis < 0):
-    return "its axis is not known when the graph is built"
-  if axis == 0 or axis == -rank:
-    return "it accumulates down the batch axis"
-  return None
+  return _along_rows_axis(finder, op.inputs[0], tf.get_static_value(
+      op.inputs[1]), "it accumulates down the batch axis")
 
 
 def _segments(finder, op):
@@ -159,16 +147,29 @@ def _sparse_matmul(finder, op):
 
 def _along_batch(finder, op):
   """`tf.roll` and `tf.reverse` of values with rows along the batch axis
-  (shifted negatives: `tf.roll(d, 1, axis=0)`); other axes keep rows apart."""
-  values, axis = op.inputs[0], tf.get_static_value(op.inputs[-1])
-  if not finder.carries_rows(values):
+  (shifted negatives: `tf.roll(d, 1, axis=0)`); other axes keep rows apart,
+  axis 0 of a time-major transpose too (a Keras backward RNN)."""
+  return _along_rows_axis(finder, op.inputs[0], tf.get_static_value(
+      op.inputs[-1]), "it moves rows along the batch axis")
+
+
+def _along_rows_axis(finder, values, axis, why) -> Optional[str]:
+  """`why` if `axis` (a number or a list, None: not known) is the axis of
+  `values` that holds the rows: 0, or where a transpose moved it."""
+  where = 0
+  if values.op.type == "Transpose" and finder.carries_rows(
+      values.op.inputs[0]):
+    perm = tf.get_static_value(values.op.inputs[1])
+    where = None if perm is None else np.ravel(perm).tolist().index(0)
+  elif not finder.carries_rows(values):
     return None
-  if axis is None:
-    return "its axis is not known when the graph is built"
   rank = values.shape.rank
-  if any(a == 0 or (a < 0 and (rank is None or a == -rank))
-         for a in np.ravel(axis).tolist()):
-    return "it moves rows along the batch axis"
+  axes = None if axis is None else np.ravel(axis).tolist()
+  if where is None or axes is None or (rank is None and
+                                       any(a < 0 for a in axes)):
+    return "its axis is not known when the graph is built"
+  if any((a % rank if rank else a) == where for a in axes):
+    return why
   return None
 
 
