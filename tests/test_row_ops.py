@@ -372,3 +372,28 @@ def test_rows_moved_by_a_transpose_are_followed(perm, axis, refused):
         _build(_model_fn(move), towers=2, mode=PREDICT)
     else:
       assert _build(_model_fn(move), towers=2, mode=PREDICT).predictions
+
+
+def _tf1_layers(hidden):
+  """Ordinary TF 1 code on the rows: none of its op types is refused."""
+  steps = tf.reshape(tf.tile(hidden, [1, 3]), [-1, 3, 4])
+  lengths = 1 + tf.cast(tf.abs(hidden[:, 0]) > 0.5, tf.int32)
+  outputs, _ = tf.compat.v1.nn.bidirectional_dynamic_rnn(
+      tf.compat.v1.nn.rnn_cell.LSTMCell(2, name="fw"),
+      tf.compat.v1.nn.rnn_cell.GRUCell(2, name="bw"), steps,
+      sequence_length=lengths, dtype=tf.float32)
+  mask = tf.sequence_mask(lengths, 3, dtype=tf.float32)[:, :, None]
+  pooled = tf.reduce_sum(tf.concat(outputs, 2) * mask, 1)
+  normed = tf.compat.v1.layers.batch_normalization(hidden, training=True)
+  images = tf.image.flip_left_right(tf.reshape(hidden, [-1, 2, 2, 1]))
+  best = tf.nn.top_k(tf.nn.l2_normalize(hidden, 1), 2).values
+  return tf.concat([pooled, normed, tf.reshape(images, [-1, 4]), best,
+                    tf.one_hot(lengths, 2)], 1)
+
+
+@pytest.mark.parametrize("mode", [TRAIN, PREDICT])
+def test_ordinary_tf1_code_is_not_refused(mode):
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    spec = _build(_model_fn(_tf1_layers), towers=2, mode=mode)
+  assert spec.predictions is not None or spec.train_op is not None
