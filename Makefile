@@ -17,13 +17,14 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # and compares whole models (~3 minutes): equivalence, replicated, the
 # compat.v1 canned estimators on 3 towers (uneven batch, empty tower) and
 # their export, sharding, specs, the model_fn's arguments, synchronized
-# batch norm, seeded starts and TPUEstimatorSpec (BERT-family code is TF 1
-# code). TF 2 canned estimators are TF 2 code and are
+# batch norm, seeded starts, TPUEstimatorSpec (BERT-family code is TF 1
+# code) and the rows rule's op types (v1 control flow, ref variables). TF 2
+# canned estimators are TF 2 code and are
 # left to the first run.
 TF1_TESTS := tests/test_tf1_behavior.py tests/test_equivalence.py \
 	tests/test_replicated.py tests/test_canned.py tests/test_model_fn.py \
 	tests/test_specs.py tests/test_sharding.py tests/test_sync_batch_norm.py \
-	tests/test_seeded_start.py tests/test_tpu_spec.py
+	tests/test_seeded_start.py tests/test_tpu_spec.py tests/test_row_ops.py
 TF1_SELECTION := not v2 and not v1-1 and not v1-2
 
 .PHONY: venv demo test test-oracle test-oracle-full test-multiworker clean

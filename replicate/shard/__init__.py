@@ -5,5 +5,9 @@
 - `batch_leaves`: a batch's leaves converted, named for errors, measured.
 - `rows`: the one rule for "computed from the tower's rows".
 - `rows_meet`: ops that combine different rows of the batch (in-batch
-  negatives, top_k over the batch, ...), refused with `replicate.all_rows`.
+  negatives, top_k over the batch, ...), and op types it does not know,
+  refused with `replicate.all_rows`.
+- `row_ops`: the op types known to keep rows apart, by family.
+- `row_rules`: the op types that combine rows in some patterns, each with
+  its rule.
 """

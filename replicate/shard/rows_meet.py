@@ -1,32 +1,40 @@
-"""Ops that combine different rows of the batch: found, and refused.
+"""Ops on the rows' path: refused where they combine rows, or are unknown.
 
 On why: a tower computes on its shard. An op that combines rows of the
 batch with each other (in-batch negatives `tf.matmul(a, b,
-transpose_b=True)`, `top_k` over the batch, a cumulative sum down the
-batch, per-class sums keyed by the rows' labels) would combine only the
-tower's shard's rows, and the result would be silently unlike one device.
-Such an op on the path from the rows to the loss, a metric or a prediction
-is refused when the towers are built, naming the op and the fix,
-`replicate.all_rows(tensor)` (with `replicate.row_offset()`), which gives
-every tower the whole batch's rows.
+transpose_b=True)`, `top_k` over the batch, a cumulative sum or a
+`tf.roll` down the batch, per-class sums keyed by the rows' labels) would
+combine only the tower's shard's rows, and the result would be silently
+unlike one device. Such an op on the path from the rows to the loss, a
+metric or a prediction is refused when the towers are built, naming the op
+and the fix, `replicate.all_rows(tensor)` (with `replicate.row_offset()`),
+which gives every tower the whole batch's rows.
 
-On what is known: `_ROW_COMBINING` below lists every op type the check
-knows, with the pattern in which it combines rows; nothing else is refused
-(this check runs on every model, and ops that keep rows apart, such as the
-batched matmuls of attention within a row or the segment sums of embedding
-columns keyed by each row's own index, must pass). "From the rows" is
-`replicate.shard.rows`'s rule, within tower 0's ops, with two stops: values
-of `all_rows` are the whole batch's, and a candidate sampler's draws
-(`sampled_softmax_loss`) are random, not rows. Reductions over the batch
-(`reduce_sum`, `reduce_max`, batch norm's moments) are not this module's:
-they are combined elsewhere.
+On failing closed: every op type on that path must be known: either it
+has a rule in `replicate.shard.row_rules` (refused in the patterns that
+combine rows, passed otherwise, e.g. attention's batched matmuls within a
+row; linear algebra on each row's own matrices), or
+`replicate.shard.row_ops` knows it keeps rows apart (its docstring says how
+that list was chosen). Any other type (a `py_func`, a custom op) is refused,
+naming it, with the same fix: compute it on `all_rows(x)` and take the
+tower's rows back. The functions that a TF 2 `tf.cond`, `tf.while_loop` or
+`tf.function` on the path calls are looked into: each type there must be
+known too (types with a rule pass there; their patterns need the outer
+graph). Ops off the path (summaries, the backward pass) are not looked at.
+
+On "the path": tower 0's ops behind what the spec returns and computed
+from its rows (`replicate.shard.rows`' rule), stopping at `all_rows`' values
+(the whole batch's) and a candidate sampler's draws (random, not rows).
+Reductions over the batch pass here: they are combined elsewhere.
 """
 
-from typing import Any, Iterable, Optional
+from typing import Optional
 
 import tensorflow as tf
 
 from replicate import graph_walk
+from replicate.shard import row_ops
+from replicate.shard import row_rules
 from replicate.shard import rows as rows_lib
 
 # Ops whose outputs are random draws or positions, not the rows' values.
@@ -42,8 +50,8 @@ _POSITION_OP_TYPES = frozenset(["Shape", "ShapeN", "Size", "Rank", "Where",
 
 
 def check(context, spec: tf.estimator.EstimatorSpec) -> None:
-  """Refuses an op of tower 0 that combines rows, on the path to `spec`'s
-  loss, predictions or metrics."""
+  """Refuses an op of tower 0 on the path from its rows to `spec`'s loss,
+  predictions or metrics that combines rows, or whose type is unknown."""
   if not context.layout.combines:
     return
   tower = context.layout.towers[0]
@@ -56,22 +64,46 @@ def check(context, spec: tf.estimator.EstimatorSpec) -> None:
   finder = _Finder(rows, within, (tower.features, tower.labels),
                    _static_rows(context.layout.shards.sizes),
                    frozenset(context.progress.tower_ops[0]))
+  rules = row_rules.ROW_COMBINING
+  known, library = len(row_ops.KEEPS_ROWS_APART) + len(rules), None
   for op in graph_walk.ops_behind(_outputs_of(spec), within=within):
-    rule = _ROW_COMBINING.get(op.type)
-    if rule is None:
-      continue
-    why = rule(finder, op)
-    if why:
-      raise ValueError(
-          "The {} op {!r} combines different rows of the batch ({}) on the "
-          "path to the loss, a metric or a prediction. On {} towers each "
-          "tower would combine only its own shard's rows: silently unlike "
-          "one device. Fix: give it the whole batch's rows with "
-          "replicate.all_rows(tensor), and index rows of the batch with "
-          "replicate.row_offset(), e.g. sim = tf.matmul(a, "
-          "replicate.all_rows(b), transpose_b=True); labels = "
-          "tf.range(tf.shape(a)[0]) + replicate.row_offset().".format(
-              op.type, op.name, why, context.layout.num_towers))
+    rule = rules.get(op.type)
+    if rule is not None:
+      why = rule(finder, op)
+      if why:
+        raise ValueError(_COMBINES.format(op.type, op.name, why,
+                                          context.layout.num_towers))
+    elif not row_ops.keeps_rows_apart(op.type) and rows.depend([op]):
+      raise ValueError(_UNKNOWN.format(op.type, repr(op.name), known,
+                                       context.layout.num_towers))
+    elif op.type in row_ops.CALLS and rows.depend([op]):
+      if library is None:
+        library = {f.signature.name: f
+                   for f in op.graph.as_graph_def().library.function}
+      inner = row_ops.unknown_in_calls(op, library, rules)
+      if inner:
+        raise ValueError(_UNKNOWN.format(
+            inner[0], "{!r} (inside the function {!r} calls)".format(
+                inner[1], op.name), known, context.layout.num_towers))
+
+
+_COMBINES = (
+    "The {} op {!r} combines different rows of the batch ({}) on the path "
+    "to the loss, a metric or a prediction. On {} towers each tower would "
+    "combine only its own shard's rows: silently unlike one device. Fix: "
+    "give it the whole batch's rows with replicate.all_rows(tensor), and "
+    "index rows of the batch with replicate.row_offset(), e.g. sim = "
+    "tf.matmul(a, replicate.all_rows(b), transpose_b=True); labels = "
+    "tf.range(tf.shape(a)[0]) + replicate.row_offset().")
+_UNKNOWN = (
+    "The {} op {} is on the path from the tower's rows to the loss, a "
+    "metric or a prediction, and replicate cannot tell whether it keeps the "
+    "batch's rows apart (it knows {} op types, listed in "
+    "replicate/shard/row_ops.py and row_rules.py). On {} towers each tower "
+    "would apply it to its own shard's rows only: if it combines rows, "
+    "silently unlike one device. Fix: compute it on the whole batch and take "
+    "the tower's rows back, e.g. y = my_op(replicate.all_rows(x))"
+    "[replicate.row_offset():][:tf.shape(x)[0]].")
 
 
 def _data_inputs(op):
@@ -150,131 +182,9 @@ class _Finder:
       if (op not in self._within or op.type in _POSITION_OP_TYPES or
           "Ragged" in op.name or "RowPartition" in op.name):
         continue
-      for arg, value in _named_inputs(op):
+      for arg, value in row_rules.named_inputs(op):
         if op.type.startswith("Sparse") and (
             "values" in arg or arg == "default_value"):
           continue
         pending.append(value)
     return False
-
-
-def _named_inputs(op):
-  """(argument name, tensor) of each input; list arguments repeat a name."""
-  args = op.op_def.input_arg
-  inputs = list(op.inputs)
-  if len(args) == len(inputs):
-    return list(zip((a.name for a in args), inputs))
-  return [("", t) for t in inputs]
-
-
-def _const_int(tensor) -> Optional[int]:
-  value = tf.get_static_value(tensor)
-  if value is None or getattr(value, "ndim", 1) != 0:
-    return None
-  return int(value)
-
-
-def _matmul(finder, op):
-  """A matmul of two tensors with rows: the batch axis of one meets the
-  other's (`a @ b^T` is [rows, rows]; `a^T @ b` sums over rows)."""
-  a, b = op.inputs[0], op.inputs[1]
-  if a.shape.rank != 2 or b.shape.rank != 2:
-    return None  # batched matmuls keep dimension 0 apart (attention)
-  if (finder.carries_rows(a) and finder.carries_rows(b) and
-      not finder.sampled(a) and not finder.sampled(b)):
-    return "both operands hold rows of the batch along dimension 0"
-  return None
-
-
-def _einsum(finder, op):
-  """`tf.einsum` of two tensors with rows whose batch axes (each operand's
-  first subscript) differ (`'id,jd->ij'`: [rows, rows]) or are summed
-  away (`'id,id->d'`); a shared batch axis kept in the output (`'bij,bjk->
-  bik'`) keeps rows apart, as batched matmuls do."""
-  if len(op.inputs) != 2 or not all(
-      finder.carries_rows(t) and not finder.sampled(t) for t in op.inputs):
-    return None
-  operands, _, output = op.get_attr("equation").decode().partition("->")
-  subscripts = operands.split(",")
-  if len(subscripts) != 2 or any(not sub or sub.startswith(".")
-                                 for sub in subscripts):
-    return None  # the batch axis under an ellipsis is aligned, kept apart
-  first, second = subscripts[0][0], subscripts[1][0]
-  if first != second:
-    return "the two operands' batch axes ({!r}, {!r}) meet".format(
-        first, second)
-  if first not in output:
-    return "it sums over the batch axis {!r}".format(first)
-  return None
-
-
-def _top_k(finder, op):
-  """`top_k`, `sort`, `argsort` over the batch axis: along a vector of one
-  value per row, or along dimension 0 moved last by a transpose."""
-  values = op.inputs[0]
-  if values.shape.rank == 1 and finder.carries_rows(values):
-    return "it ranks a vector of one value per row against each other"
-  if values.op.type == "Transpose" and finder.carries_rows(
-      values.op.inputs[0]):
-    perm = tf.get_static_value(values.op.inputs[1])
-    if perm is not None and len(perm) and int(perm[-1]) == 0:
-      return "it ranks along the batch axis, moved last by a transpose"
-  return None
-
-
-def _cumulative(finder, op):
-  """A cumulative sum/product of values of the rows down dimension 0.
-
-  Integer cumulative sums are bookkeeping of positions (a ragged tensor's
-  row splits): not refused.
-  """
-  values, axis = op.inputs[0], _const_int(op.inputs[1])
-  if axis is None or not values.dtype.is_floating:
-    return None
-  rank = values.shape.rank
-  if rank and axis in (0, -rank) and finder.carries_rows(values):
-    return "it accumulates down the batch axis"
-  return None
-
-
-def _segments(finder, op):
-  """Segment reductions whose segment ids come from what rows hold
-  (per-class sums keyed by labels). Ids made from rows' positions (an
-  embedding column's sparse indices) keep rows apart."""
-  named = dict((arg, value) for arg, value in _named_inputs(op))
-  data, ids = named.get("data"), named.get("segment_ids")
-  if data is None or ids is None:
-    return None
-  if finder.rows.depend([data]) and finder.from_row_values(ids):
-    return "its segment ids come from the rows' values"
-  return None
-
-
-# Every op type the check knows, with the pattern in which it combines rows.
-_ROW_COMBINING = {
-    "MatMul": _matmul,
-    "BatchMatMul": _matmul,
-    "BatchMatMulV2": _matmul,
-    "BatchMatMulV3": _matmul,
-    "Einsum": _einsum,
-    "TopKV2": _top_k,
-    "TopK": _top_k,
-    "Cumsum": _cumulative,
-    "Cumprod": _cumulative,
-    "CumulativeLogsumexp": _cumulative,
-    "SegmentSum": _segments,
-    "SegmentMean": _segments,
-    "SegmentProd": _segments,
-    "SegmentMax": _segments,
-    "SegmentMin": _segments,
-    "UnsortedSegmentSum": _segments,
-    "UnsortedSegmentProd": _segments,
-    "UnsortedSegmentMax": _segments,
-    "UnsortedSegmentMin": _segments,
-    "SparseSegmentSum": _segments,
-    "SparseSegmentMean": _segments,
-    "SparseSegmentSqrtN": _segments,
-    "SparseSegmentSumWithNumSegments": _segments,
-    "SparseSegmentMeanWithNumSegments": _segments,
-    "SparseSegmentSqrtNWithNumSegments": _segments,
-}

@@ -1,0 +1,204 @@
+"""The op types that combine rows of the batch in some patterns: the rules.
+
+Each rule takes `rows_meet`'s finder (which tensors hold the tower's rows
+along dimension 0, which are computed from what rows hold rather than from
+their positions, which are a candidate sampler's draws) and the op, and
+returns why the op combines rows, or None where it keeps them apart (a
+matmul of rows by weights, attention's batched matmuls within a row, the
+segment sums of embedding columns keyed by each row's own index, linear
+algebra on matrices that are each a row's). `rows_meet` refuses the op with
+the reason and the fix.
+"""
+
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+
+def named_inputs(op):
+  """(argument name, tensor) of each input; list arguments repeat a name."""
+  args = op.op_def.input_arg
+  inputs = list(op.inputs)
+  if len(args) == len(inputs):
+    return list(zip((a.name for a in args), inputs))
+  return [("", t) for t in inputs]
+
+
+def _matmul(finder, op):
+  """A matmul of two tensors with rows: the batch axis of one meets the
+  other's (`a @ b^T` is [rows, rows]; `a^T @ b` sums over rows)."""
+  a, b = op.inputs[0], op.inputs[1]
+  if a.shape.rank != 2 or b.shape.rank != 2:
+    return None  # batched matmuls keep dimension 0 apart (attention)
+  if (finder.carries_rows(a) and finder.carries_rows(b) and
+      not finder.sampled(a) and not finder.sampled(b)):
+    return "both operands hold rows of the batch along dimension 0"
+  return None
+
+
+def _einsum(finder, op):
+  """`tf.einsum` of two tensors with rows whose batch axes (each operand's
+  first subscript) differ (`'id,jd->ij'`: [rows, rows]) or are summed
+  away (`'id,id->d'`); a shared batch axis kept in the output (`'bij,bjk->
+  bik'`) keeps rows apart, as batched matmuls do."""
+  if len(op.inputs) != 2 or not all(
+      finder.carries_rows(t) and not finder.sampled(t) for t in op.inputs):
+    return None
+  operands, _, output = op.get_attr("equation").decode().partition("->")
+  subscripts = operands.split(",")
+  if len(subscripts) != 2 or any(not sub or sub.startswith(".")
+                                 for sub in subscripts):
+    return None  # the batch axis under an ellipsis is aligned, kept apart
+  first, second = subscripts[0][0], subscripts[1][0]
+  if first != second:
+    return "the two operands' batch axes ({!r}, {!r}) meet".format(
+        first, second)
+  if first not in output:
+    return "it sums over the batch axis {!r}".format(first)
+  return None
+
+
+def _top_k(finder, op):
+  """`top_k`, `sort`, `argsort` over the batch axis: along a vector of one
+  value per row, or along dimension 0 moved last by a transpose."""
+  values = op.inputs[0]
+  if values.shape.rank == 1 and finder.carries_rows(values):
+    return "it ranks a vector of one value per row against each other"
+  if _batch_axis_moved_last(finder, values):
+    return "it ranks along the batch axis, moved last by a transpose"
+  return None
+
+
+def _softmax(finder, op):
+  """A softmax (or its cross entropy) along the batch axis: of a vector of
+  one value per row, or `tf.nn.softmax(x, axis=0)` (dimension 0 moved last
+  by a transpose). Along a row's own last axis it keeps rows apart."""
+  values = op.inputs[0]
+  while values.op.type == "Reshape":  # the cross entropy's 2-D view
+    values = values.op.inputs[0]
+  if values.shape.rank == 1 and finder.carries_rows(values):
+    return "it normalises a vector of one value per row over the batch"
+  if _batch_axis_moved_last(finder, values):
+    return "it normalises along the batch axis, moved last by a transpose"
+  return None
+
+
+def _batch_axis_moved_last(finder, values) -> bool:
+  """`values` is a transpose of values with rows that moves axis 0 last
+  (its permutation's last entry: known, or the last part of a concat)."""
+  if values.op.type != "Transpose" or not finder.carries_rows(
+      values.op.inputs[0]):
+    return False
+  perm = values.op.inputs[1]
+  last = tf.get_static_value(perm)
+  if last is None and perm.op.type == "ConcatV2":
+    last = tf.get_static_value(perm.op.inputs[-2])
+  last = None if last is None else np.ravel(last)
+  return last is not None and len(last) > 0 and int(last[-1]) == 0
+
+
+def _cumulative(finder, op):
+  """A cumulative sum/product of values of the rows down the batch axis.
+
+  Integer cumulative sums are bookkeeping of positions (a ragged tensor's
+  row splits): not refused.
+  """
+  if not op.inputs[0].dtype.is_floating:
+    return None
+  return _along_rows_axis(finder, op.inputs[0], tf.get_static_value(
+      op.inputs[1]), "it accumulates down the batch axis")
+
+
+def _segments(finder, op):
+  """Segment reductions whose segment ids come from what rows hold
+  (per-class sums keyed by labels). Ids made from rows' positions (an
+  embedding column's sparse indices) keep rows apart."""
+  named = dict((arg, value) for arg, value in named_inputs(op))
+  data, ids = named.get("data"), named.get("segment_ids")
+  if data is None or ids is None:
+    return None
+  if finder.rows.depend([data]) and finder.from_row_values(ids):
+    return "its segment ids come from the rows' values"
+  return None
+
+
+def _matrices(finder, op):
+  """Linear algebra on the last two axes, the axes before them a batch: per
+  row when the batch axis is one of those (rank >= 3); a vector or matrix
+  of the rows' values (not only of their shape) has it as a matrix axis."""
+  for tensor in op.inputs:
+    if ((tensor.shape.rank is None or tensor.shape.rank < 3) and
+        finder.carries_rows(tensor) and finder.from_row_values(tensor)):
+      return "it takes the batch axis as a matrix axis"
+  return None
+
+
+def _sparse_matmul(finder, op):
+  """`tf.sparse.sparse_dense_matmul`: a sparse tensor of rows times weights
+  is per row; its transpose (sums over rows) or a dense operand with rows
+  combines them."""
+  if op.get_attr("adjoint_a") and finder.rows.depend(op.inputs[:3]):
+    return "it multiplies the transpose of a sparse tensor of the rows"
+  if finder.carries_rows(op.inputs[3]):
+    return "its dense operand holds rows of the batch along dimension 0"
+  return None
+
+
+def _along_batch(finder, op):
+  """`tf.roll` and `tf.reverse` of values with rows along the batch axis
+  (shifted negatives: `tf.roll(d, 1, axis=0)`); other axes keep rows apart,
+  axis 0 of a time-major transpose too (a Keras backward RNN)."""
+  return _along_rows_axis(finder, op.inputs[0], tf.get_static_value(
+      op.inputs[-1]), "it moves rows along the batch axis")
+
+
+def _along_rows_axis(finder, values, axis, why) -> Optional[str]:
+  """`why` if `axis` (a number or a list, None: not known) is the axis of
+  `values` that holds the rows: 0, or where a transpose moved it."""
+  where = 0
+  if values.op.type == "Transpose" and finder.carries_rows(
+      values.op.inputs[0]):
+    perm = tf.get_static_value(values.op.inputs[1])
+    where = None if perm is None else np.ravel(perm).tolist().index(0)
+  elif not finder.carries_rows(values):
+    return None
+  rank = values.shape.rank
+  axes = None if axis is None else np.ravel(axis).tolist()
+  if where is None or axes is None or (rank is None and
+                                       any(a < 0 for a in axes)):
+    return "its axis is not known when the graph is built"
+  if any((a % rank if rank else a) == where for a in axes):
+    return why
+  return None
+
+
+# The op types that combine rows in some patterns, each with its rule.
+ROW_COMBINING = {
+    **dict.fromkeys(["MatMul", "BatchMatMul", "BatchMatMulV2",
+                     "BatchMatMulV3"], _matmul),
+    "Einsum": _einsum,
+    **dict.fromkeys(["TopKV2", "TopK"], _top_k),
+    **dict.fromkeys(["Cumsum", "Cumprod", "CumulativeLogsumexp"],
+                    _cumulative),
+    **dict.fromkeys([
+        "SegmentSum", "SegmentMean", "SegmentProd", "SegmentMax",
+        "SegmentMin", "UnsortedSegmentSum", "UnsortedSegmentProd",
+        "UnsortedSegmentMax", "UnsortedSegmentMin", "SparseSegmentSum",
+        "SparseSegmentMean", "SparseSegmentSqrtN",
+        "SparseSegmentSumWithNumSegments", "SparseSegmentMeanWithNumSegments",
+        "SparseSegmentSqrtNWithNumSegments"], _segments),
+    **dict.fromkeys(["Roll", "ReverseV2"], _along_batch),
+    "SparseTensorDenseMatMul": _sparse_matmul,
+    **dict.fromkeys(["Softmax", "LogSoftmax",
+                     "SoftmaxCrossEntropyWithLogits"], _softmax),
+    **dict.fromkeys([
+        "MatrixBandPart", "MatrixDiag", "MatrixDiagV2", "MatrixDiagV3",
+        "MatrixDiagPart", "MatrixDiagPartV2", "MatrixDiagPartV3",
+        "MatrixSetDiag", "MatrixSetDiagV2", "MatrixSetDiagV3",
+        "MatrixInverse", "MatrixDeterminant", "LogMatrixDeterminant",
+        "Cholesky", "Qr", "Svd", "SelfAdjointEigV2", "Eig", "Lu",
+        "MatrixSolve", "MatrixTriangularSolve", "MatrixSolveLs",
+        "MatrixExponential", "MatrixLogarithm", "MatrixSquareRoot"],
+                    _matrices),
+}
