@@ -272,7 +272,7 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
     if context.batch_norm is not None:
       report.log_per_tower_batch_norm(context.batch_norm.per_tower_labels,
                                       num_towers)
-    rows_meet.check(context, tower_specs[0])
+    rows_meet.check(context, tower_specs[0], batch_calls.whole_batch_ops())
     batch_reductions.combine(layout, context.progress, tower_specs, mode)
     with context.progress.building_own_ops():
       batch_calls.connect_batch(layout)

@@ -135,6 +135,11 @@ class BatchCalls:
               for key, value in tensors.items()}
     return [stand_in_for(str(i), value) for i, value in enumerate(tensors)]
 
+  def whole_batch_ops(self) -> List[tf.Operation]:
+    """The stand-ins' ops: their values are the whole batch's (after
+    `connect_batch`), not tower 0's rows."""
+    return [standing_in.op for standing_in, _, _ in self._standing_in]
+
   def connect_batch(self, layout) -> None:
     """Once every tower is built: the stand-ins pass on the whole batch's
     tensors."""

@@ -28,7 +28,7 @@ from its rows (`replicate.shard.rows`' rule), stopping at `all_rows`' values
 Reductions over the batch pass here: they are combined elsewhere.
 """
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import tensorflow as tf
 
@@ -49,13 +49,19 @@ _POSITION_OP_TYPES = frozenset(["Shape", "ShapeN", "Size", "Rank", "Where",
                                 "Const"])
 
 
-def check(context, spec: tf.estimator.EstimatorSpec) -> None:
+def check(context, spec: tf.estimator.EstimatorSpec,
+          whole_batch: Iterable[tf.Operation] = ()) -> None:
   """Refuses an op of tower 0 on the path from its rows to `spec`'s loss,
-  predictions or metrics that combines rows, or whose type is unknown."""
+  predictions or metrics that combines rows, or whose type is unknown.
+
+  `whole_batch`: ops whose values are the whole batch's (a
+  `TPUEstimatorSpec`'s stand-ins for its `eval_metrics` tensors), where the
+  walk from the rows stops, as at `all_rows`'s.
+  """
   if not context.layout.combines:
     return
   tower = context.layout.towers[0]
-  stops = set(context.all_rows.own_ops)
+  stops = set(context.all_rows.own_ops) | set(whole_batch)
   tower_ops = [op for op in context.progress.tower_ops[0]
                if op not in stops and op.type not in _SAMPLER_OP_TYPES]
   within = frozenset(tower_ops)
