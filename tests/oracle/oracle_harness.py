@@ -155,14 +155,18 @@ def cells(full: bool) -> List[Cell]:
 
 
 def ci_cells() -> List[Cell]:
-  """The cross `make test-oracle` runs: every training cell of more than
-  one tower, and evaluation, prediction and export with the model's first
-  strategy.
+  """The cross `make test-oracle` runs: training on 3 towers (uneven) and
+  on 3 towers of 2 rows (towers without rows) with every strategy and
+  pipeline, on 2 towers with the plain batch; evaluation and prediction on
+  the same 3-tower layouts, and export once (3 towers), with the model's
+  first strategy.
 
   Left out, as the pairwise sample of `make test` still covers them: one
-  tower (the `model_fn` placed on its device, no wrapper at work); an
-  export's other strategies (a SavedModel is built as one unplaced tower
-  whatever the strategy, so they export the same graph); and evaluation's
+  tower (the `model_fn` placed on its device, no wrapper at work); 2 towers
+  on the other pipelines (an even split of the same batches that 3 towers
+  split unevenly); an export's other strategies and tower counts (a
+  SavedModel is built as one unplaced tower whatever the strategy and the
+  towers it trained on, so they export the same graph); and evaluation's
   and prediction's other strategies (they read the same variables, placed
   elsewhere: no update, no copies to combine).
   """
@@ -172,6 +176,11 @@ def ci_cells() -> List[Cell]:
     if cell.towers == "1":
       continue
     if cell.mode != "train" and cell.strategy != strategies[0]:
+      continue
+    if cell.mode == "export" and cell.towers != "3":
+      continue
+    if cell.towers == "2" and (cell.mode != "train" or
+                               cell.pipeline != "batch"):
       continue
     kept.append(cell)
   return kept
