@@ -1,6 +1,7 @@
-"""Walking a graph backwards from tensors, to see what they are made from."""
+"""Walking a graph: backwards from tensors, to see what they are made from;
+forwards from ops, to see what is computed from them."""
 
-from typing import Container, Iterable, Iterator, Optional, Union
+from typing import Container, Iterable, Iterator, Optional, Set, Union
 
 import tensorflow as tf
 
@@ -28,3 +29,19 @@ def ops_behind(starts: Iterable[Union[tf.Tensor, tf.Operation]],
     pending.extend(t.op for t in op.inputs)
     if follow_control:
       pending.extend(op.control_inputs)
+
+
+def ops_after(starts: Iterable[Union[tf.Tensor, tf.Operation]],
+              include_starts: bool = True) -> Set[tf.Operation]:
+  """Every op computed from `starts` (data edges): their consumers, theirs,
+  and so on; the starts' own ops too if `include_starts`."""
+  pending = [getattr(start, "op", start) for start in starts]
+  found = set(pending) if include_starts else set()
+  while pending:
+    op = pending.pop()
+    for output in op.outputs:
+      for consumer in output.consumers():
+        if consumer not in found:
+          found.add(consumer)
+          pending.append(consumer)
+  return found

@@ -12,6 +12,7 @@ towers that `compute_gradients` returned), which are applied once.
 
 import tensorflow as tf
 
+from replicate import graph_walk
 from replicate.shard import sharding
 
 
@@ -31,7 +32,7 @@ def whole_batch(context, grads_and_vars: list) -> tuple:
   ops = context.records.whole_ops(index)
   if not ops:
     return (False,) * len(grads_and_vars)
-  whole = _downstream_of(ops)
+  whole = graph_walk.ops_after(ops)
   result = tuple(grad is not None and bool(_ops_of(grad) & whole)
                  for grad, _ in grads_and_vars)
   rows = context.progress.rows_of(index)
@@ -66,7 +67,7 @@ def weighted_once(context, grads_and_vars: list, whole=()) -> list:
   # In a synchronous cluster, the chief's tower 0 is the one tower of all.
   counts_once = context.layout.is_first_task
   weight = context.weights.of(index)
-  weighted = _downstream_of(context.weights.weight_ops(index))
+  weighted = graph_walk.ops_after(context.weights.weight_ops(index))
   rows = context.progress.rows_of(index)
   result = []
   whole = tuple(whole) or (False,) * len(grads_and_vars)
@@ -81,20 +82,6 @@ def weighted_once(context, grads_and_vars: list, whole=()) -> list:
     else:
       result.append((_nothing_like(grad), variable))
   return result
-
-
-def _downstream_of(ops):
-  """Every op computed from `ops` (data edges), `ops` included."""
-  found = set(ops)
-  frontier = list(ops)
-  while frontier:
-    op = frontier.pop()
-    for output in op.outputs:
-      for consumer in output.consumers():
-        if consumer not in found:
-          found.add(consumer)
-          frontier.append(consumer)
-  return found
 
 
 def _ops_of(grad):

@@ -118,7 +118,8 @@ def _of_the_loss(writes, layout, progress, tower_specs, weights) -> set:
     for index in towers:
       op = writes[index][position].op
       if index not in downstream:
-        downstream[index] = _downstream_of(parts[index].values())
+        downstream[index] = graph_walk.ops_after(parts[index].values(),
+                                                  include_starts=False)
       found[index] = (_parts_read(op, parts[index], progress, index)
                       if op in downstream[index] else {})
     if not found[0]:
@@ -193,20 +194,6 @@ def _part_of(parts, name, index):
         "computed from: each tower's model_fn must compute its loss the "
         "same way, whatever its data.".format(index, name))
   return parts[name]
-
-
-def _downstream_of(tensors):
-  """Every op computed from `tensors` (data edges)."""
-  found = set()
-  pending = [t.op for t in tensors]
-  while pending:
-    op = pending.pop()
-    for output in op.outputs:
-      for consumer in output.consumers():
-        if consumer not in found:
-          found.add(consumer)
-          pending.append(consumer)
-  return found
 
 
 def _parts_read(write, parts, progress, index):
