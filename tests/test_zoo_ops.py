@@ -48,9 +48,9 @@ def test_every_op_type_on_the_rows_path_is_known(name, monkeypatch):
   checked, asked = [], set()
   check, known = rows_meet.check, row_ops.keeps_rows_apart
 
-  def recording_check(context, spec):
+  def recording_check(context, spec, *args, **kwargs):
     checked.append(spec.mode)
-    return check(context, spec)
+    return check(context, spec, *args, **kwargs)
 
   def recording_known(op_type):
     asked.add(op_type)
