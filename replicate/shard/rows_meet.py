@@ -56,12 +56,16 @@ def check(context, spec: tf.estimator.EstimatorSpec,
 
   `whole_batch`: ops whose values are the whole batch's (a
   `TPUEstimatorSpec`'s stand-ins for its `eval_metrics` tensors), where the
-  walk from the rows stops, as at `all_rows`'s.
+  walk from the rows stops, as at `all_rows`'s and at replicate's own ops.
   """
   if not context.layout.combines:
     return
   tower = context.layout.towers[0]
-  stops = set(context.all_rows.own_ops) | set(whole_batch)
+  # Values replicate made the whole batch's: all_rows's, a TPUEstimatorSpec's
+  # stand-ins, and every op it built itself (a batch-norm site's moments
+  # gathered across tasks, in tower 0 when it is the task's one tower).
+  stops = (set(context.all_rows.own_ops) | set(whole_batch) |
+           set(context.progress.own_ops))
   tower_ops = [op for op in context.progress.tower_ops[0]
                if op not in stops and op.type not in _SAMPLER_OP_TYPES]
   within = frozenset(tower_ops)
