@@ -53,9 +53,10 @@ test: $(STAMP)
 # the (model, pipeline) pairs (graph building is one Python thread; the
 # machines have 2 cores). `make test-oracle` (in .ci/run) leaves out what
 # the sample covers for it (oracle_harness.ci_cells: one tower, 2 towers
-# but for training on the plain batch, the other strategies of evaluation,
-# prediction and export, an export's other tower counts); `make
-# test-oracle-full` runs every cell.
+# but for training on the plain batch, towers without rows on the fed
+# pipelines in training, evaluation and prediction but on towers without
+# rows, the other strategies of evaluation, prediction and export, an
+# export's other tower counts); `make test-oracle-full` runs every cell.
 # The second shows progress; the first's report follows it.
 ORACLE_TMP ?= /tmp/replicate-oracle
 ORACLE ?= ci
