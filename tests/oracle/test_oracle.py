@@ -123,39 +123,18 @@ def test_expected_refusals_name_models_and_factor_values():
         assert value in values[name], term
 
 
-def test_the_clip_is_active_on_one_device(workspace):
-  """clip_after_compute_gradients clips: from the oracle's start, one
-  device's global gradient norm exceeds CLIP_NORM on every batch of its
-  cells (3 rows, the remainder's 1, and 3_small's 2)."""
-  model = ZOO["clip_after_compute_gradients"]
-  start = tf.train.latest_checkpoint(workspace.start(model))
-  (features,), labels = model.data[0].values(), model.data[1]
-  with tf.Graph().as_default():
-    tokens = tf.compat.v1.placeholder(tf.int64, [None, 5])
-    targets = tf.compat.v1.placeholder(tf.int64, [None, 5])
-    tf.compat.v1.train.get_or_create_global_step()
-    spec = oracle_zoo.clipped_model_fn({"tokens": tokens}, targets,
-                                       tf.estimator.ModeKeys.TRAIN)
-    norm = tf.linalg.global_norm(tf.gradients(
-        spec.loss, tf.compat.v1.trainable_variables()))
-    with tf.compat.v1.Session() as session:
-      tf.compat.v1.train.Saver().restore(session, start)
-      norms = [session.run(norm, {tokens: features[rows],
-                                  targets: labels[rows]})
-               for rows in (slice(0, 3), slice(3, 6), slice(6, 7),
-                            slice(0, 2))]
-  assert min(norms) > oracle_zoo.CLIP_NORM, norms
-
-
 @pytest.mark.parametrize("name,model_fn,clip_norm", [
+    ("clip_after_compute_gradients", oracle_zoo.clipped_model_fn,
+     oracle_zoo.CLIP_NORM),
     ("bert_clip_active", oracle_zoo.bert_model_fn, oracle_zoo.BERT_CLIP_NORM),
     ("nmt_clip_after_tf_gradients", oracle_zoo_losses.nmt_model_fn,
      oracle_zoo_losses.NMT_CLIP_NORM)])
-def test_clips_after_tf_gradients_are_active_on_one_device(
+def test_the_zoos_clips_are_active_on_one_device(
     name, model_fn, clip_norm, workspace):
-  """The models clipping after their own tf.gradients clip: from the
-  oracle's start, one device's global gradient norm exceeds their clip
-  norm on every batch of their cells."""
+  """The models that clip after compute_gradients or after their own
+  tf.gradients clip: from the oracle's start, one device's global gradient
+  norm exceeds their clip norm on every batch of their cells (3 rows, the
+  remainder's 1, and 3_small's 2)."""
   model = ZOO[name]
   start = tf.train.latest_checkpoint(workspace.start(model))
   (key, features), = model.data[0].items()
