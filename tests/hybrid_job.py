@@ -157,12 +157,16 @@ class _Report(tf.compat.v1.train.SessionRunHook):
     print("hybrid_job: step {}".format(run_values.results + 1), flush=True)
 
   def end(self, session):
-    values = session.run({v.op.name: v for v in self._variables})
-    np.savez(self._path, **values)
+    variables = self._variables
     if self._report_memory:
+      # Training's peak, then the values but the ps tasks' (reading those
+      # would bring them here).
       print("hybrid_job: resident MB {}".format(
           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024),
             flush=True)
+      variables = [v for v in variables if "/job:ps/" not in v.op.device]
+    values = session.run({v.op.name: v for v in variables})
+    np.savez(self._path, **values)
     print("hybrid_job: done", flush=True)
 
 

@@ -133,3 +133,16 @@ def ps_reads(graph: tf.Graph, variables) -> List[tf.Operation]:
 def ps_held(variables) -> List[tf.Variable]:
   """The ones of `variables` that live on a ps task."""
   return [v for v in variables if on_ps(v)]
+
+
+def after_the_ps_update(cross, train_op, shared) -> tf.Operation:
+  """The step's barrier, with variables on ps tasks: a 1-float sum across
+  tasks after this task's whole step (the chief's: its update of the ps
+  tasks' variables too) and every read of them made so far (a summary's),
+  so that no task starts the next step's lookups before the update is
+  done, and no ps op of the step runs after a task's last collective
+  (`replicate.cluster.hybrid`)."""
+  reads = ps_reads(train_op.graph, shared)
+  with tf.control_dependencies([train_op] + list(cross.step_ops) + reads):
+    barrier = cross.sum(tf.ones([1], tf.float32), name="after_ps_update")
+  return barrier.op
