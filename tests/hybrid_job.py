@@ -43,6 +43,7 @@ FIELDS = 3
 VOCABULARY = 40
 DIMENSION = 4
 DENSE = 2
+SEED = 7  # the graph's: the canned model's initializers have no seed
 
 OPTIMIZERS = {
     "adam": lambda: tf.compat.v1.train.AdamOptimizer(0.05),
@@ -199,6 +200,7 @@ def main(argv):
       "type"] != "ps" else 0
   config = tf.estimator.RunConfig(
       model_dir=arguments.model_dir, save_checkpoints_steps=1000,
+      tf_random_seed=SEED,
       experimental_max_worker_delay_secs=0,
       session_config=tf.compat.v1.ConfigProto(
           device_count={"CPU": sync_job._of_task(arguments.towers, rank)}))
