@@ -3,7 +3,7 @@
   python tests/hybrid_job.py MODEL_DIR MAX_STEPS BATCHES
       [--optimizer {adam,adagrad,sgd,ftrl}] [--towers N[,N...]]
       [--shards S] [--canned] [--vocabulary V] [--dimension D]
-      [--report-memory]
+      [--report-memory] [--partitioned-statistic]
 
 A CTR model as its users write it: `FIELDS` categorical fields, each an
 embedding table made by `get_variable(..., partitioner=
@@ -89,6 +89,14 @@ def model_fn(features, labels, mode, params):
       hidden, 1, name="logits",
       kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
   loss = tf.compat.v1.losses.sigmoid_cross_entropy(labels, logits)
+  if params.get("partitioned_statistic"):
+    # A moving mean of the dense feature, partitioned: refused on ps.
+    mean = tf.compat.v1.get_variable(
+        "feature_mean", [8, DENSE], trainable=False, partitioner=partitioner,
+        initializer=tf.compat.v1.zeros_initializer())
+    tf.compat.v1.add_to_collection(
+        tf.compat.v1.GraphKeys.UPDATE_OPS, tf.compat.v1.assign_add(
+            mean, tf.zeros([8, DENSE]) + tf.reduce_mean(features["x"], 0)))
   optimizer = params["wrap"](OPTIMIZERS[params["optimizer"]]())
   train_op = optimizer.minimize(
       loss, tf.compat.v1.train.get_or_create_global_step())
@@ -188,6 +196,8 @@ def main(argv):
                       help="rows of each table")
   parser.add_argument("--dimension", type=int, default=DIMENSION,
                       help="columns of each table")
+  parser.add_argument("--partitioned-statistic", action="store_true",
+                      help="a partitioned variable that is not trainable")
   parser.add_argument("--report-memory", action="store_true",
                       help="print placements and peak resident memory")
   arguments = parser.parse_args(argv)
@@ -214,6 +224,7 @@ def main(argv):
       params={"optimizer": arguments.optimizer, "shards": arguments.shards,
               "vocabulary": arguments.vocabulary,
               "dimension": arguments.dimension,
+              "partitioned_statistic": arguments.partitioned_statistic,
               "wrap": replicate.TowerOptimizer})
   path = os.path.join(arguments.model_dir,
                       "values-{}-{}.npz".format(task["type"], task["index"]))

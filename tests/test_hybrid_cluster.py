@@ -265,6 +265,20 @@ def test_a_canned_wide_and_deep_with_partitioned_inputs(tmp_path):
   _assert_every_task_like(tmp_path / "cluster", 2, expected)
 
 
+def test_a_partitioned_variable_every_task_would_write_is_refused(tmp_path):
+  # Not trainable (a statistic its UPDATE_OPS move): every task would
+  # update the one copy on the ps tasks, once each.
+  log = Lines()
+  with _cluster(tmp_path / "cluster", 2, 3, "4,4;4,4", log, 1,
+                "--partitioned-statistic") as cluster:
+    codes = [cluster.wait(*task, timeout=240) for task in _tasks(2)]
+  assert codes == [1, 1], log.text()[-3000:]
+  for task in ("chief:0", "worker:0"):
+    assert ("The variable 'feature_mean' is partitioned and not trainable"
+            in log.of(task) and "Create it without a partitioner" in
+            log.of(task)), log.of(task)[-3000:]
+
+
 # (signal, what the training tasks' errors say).
 PS_FAULTS = {
     "ps killed mid-run": (signal.SIGKILL, ["lost the synchronous cluster",

@@ -79,6 +79,16 @@ class TowerVariables:
     """Records a variable tower 0 created (tower-local if in the scope)."""
     self._tower0.add(variable.ref())
     if hybrid.on_ps(variable):
+      if not trainable:
+        # Every task would write it (a statistic's update), once each.
+        raise ValueError(
+            "The variable {!r} is partitioned and not trainable. With ps "
+            "tasks and variable_strategy='replicated', what the model_fn "
+            "partitions lives once on the ps tasks, and only the "
+            "optimizer's update is applied once a step; every task would "
+            "change this variable itself. Create it without a partitioner "
+            "(each task keeps its own copy, combined as on one "
+            "machine).".format(variable.op.name.rpartition("/part_")[0]))
       self._on_ps.add(variable.ref())
     if self.local_reduce is None:
       return
