@@ -118,6 +118,41 @@ def ps_neighbour(colocated: Iterable, name: str):
   return None, False
 
 
+@contextlib.contextmanager
+def made_by_update(graph: tf.Graph, name: str, tower0_device: str):
+  """Where an optimizer's update makes a variable named `name`, beside a
+  ps-held variable: a slot of it stays with it, on the ps task; an
+  optimizer's own variable (Adam's beta powers), which TensorFlow puts
+  beside the first variable by name, goes to `tower0_device`, so that each
+  task keeps and updates its own. Yields a list that gets the variable
+  made."""
+  ps_op, is_slot = ps_neighbour(_tf.colocation_ops(graph), name)
+  made = []
+  if ps_op is None or is_slot:
+    yield made
+  else:
+    with graph.colocate_with(None, ignore_existing=True), graph.device(
+        tower0_device):
+      yield made
+  if ps_op is not None and is_slot and made:
+    # Its handle follows the device functions around the colocation.
+    _tf.set_device(made[0].op, ps_op.device)
+
+
+def check_updated_once(variable, trainable: bool) -> None:
+  """Refuses a ps-held variable that is not trainable: every task would
+  write it (a statistic's update), once each."""
+  if not trainable:
+    raise ValueError(
+        "The variable {!r} is partitioned and not trainable. With ps "
+        "tasks and variable_strategy='replicated', what the model_fn "
+        "partitions lives once on the ps tasks, and only the optimizer's "
+        "update is applied once a step; every task would change this "
+        "variable itself. Create it without a partitioner (each task "
+        "keeps its own copy, combined as on one machine).".format(
+            variable.op.name.rpartition("/part_")[0]))
+
+
 def ps_reads(graph: tf.Graph, variables) -> List[tf.Operation]:
   """The ops of `graph` (outside control flow) reading `variables`."""
   outputs = {v.op.outputs[0].ref() for v in variables}
