@@ -89,6 +89,25 @@ def memory_table(ctr, workers=WORKERS, ps=PS_TASKS):
   return "\n".join(lines)
 
 
+SUMMARY = (("all-dense", "all-dense"),
+           ("all-gather (distinct rows)", "all-gather of distinct rows"),
+           ("hybrid (straight)", "the hybrid, slices straight to the ps"))
+
+
+def summary(found):
+  """docs/benchmarks.md's sentence: SUMMARY's efficiencies on each link."""
+  efficiency = {(r["traffic"].scheme, r["link"]): r["step"].efficiency
+                for r in found}
+  parts = []
+  for number, gbit in enumerate(LINKS_GBIT):
+    figures = ["{:.0f} %{}".format(100 * efficiency[(scheme, gbit)], (
+        " ({})".format(name) if number == 0 else ""))
+               for scheme, name in SUMMARY]
+    parts.append("{} and {} at {} Gb/s".format(", ".join(figures[:-1]),
+                                                 figures[-1], gbit))
+  return ", and ".join(parts)
+
+
 def _efficiencies(ctr, overhead, workers, ps):
   found = rows(ctr, overhead, workers, ps, links=(LINKS_GBIT[0],))
   return ", ".join("{} {:.0%}".format(r["traffic"].scheme,

@@ -660,6 +660,20 @@ def test_results_md_holds_the_ctr_section_the_model_gives():
   assert "| hybrid (straight) | 100 Gb/s |" in section
 
 
+def test_docs_quote_the_ctr_sections_efficiencies():
+  with open(readme.RESULTS) as results:
+    probe = across_workers.probe_figures(across_workers.read_data(
+        results.read())["probes"]["2"])
+  sentence = ctr_cost.summary(ctr_cost.rows(ctr_cost.ctr_model(),
+                                            probe["untimed"]))
+  assert sentence.startswith("1 % (all-dense), 44 % (all-gather of "), (
+      sentence)
+  with open(readme.README) as text:
+    assert sentence in " ".join(text.read().split()), (
+        "docs/benchmarks.md does not quote RESULTS.md's CTR efficiencies: "
+        + sentence)
+
+
 def test_ctr_cost_prints_its_section(capsys):
   assert ctr_cost.main(["--workers", "2", "--ps", "1", "--unique", "1"]) == 0
   out = capsys.readouterr().out
