@@ -154,8 +154,9 @@ def section(overhead=None, ctr=None, workers=WORKERS, ps=PS_TASKS):
       "communication overlaps compute, since the embedding's gradient is "
       "the backward pass's last and the rows must arrive before the "
       "forward pass. Latency: 2(K-1) hops a round of collectives "
-      "(dense 2 rounds, all-gather 3, hybrid 3 or 4), 2 hops a worker-ps "
-      "exchange (2); overhead: the first collective's, then each further "
+      "(dense 2 rounds, all-gather 3, hybrid 3 or 4), 2 hops for each of "
+      "the hybrid's 2 worker-ps exchanges (lookup, slices); overhead: the "
+      "first collective's, then each further "
       "collective or ps transfer (P for the lookups, P for the slices) "
       "costs the further one's. Efficiency = compute / step; examples/sec "
       "= K x b / step.".format(
@@ -219,10 +220,11 @@ def section(overhead=None, ctr=None, workers=WORKERS, ps=PS_TASKS):
       "barrier), the dense sum's own arithmetic over V x d, skew (hot rows "
       "on one ps shard, one worker with more distinct rows: every step "
       "waits for the largest), contention between the MLP's all-reduce "
-      "and the slices on one link, TensorFlow's gRPC reaching the link's "
-      "bandwidth at all (on loopback here it did not: see `loopback here` "
-      "above), and that the ps machines are {} more machines than the "
-      "workers the efficiency counts.".format(ps)]
+      "and the slices on one link, whether TensorFlow's gRPC reaches the "
+      "link's bandwidth at all (not measured: the ResNet-50 table's "
+      "`loopback here` rows show what a slower transport costs), and that "
+      "the {} ps tasks are machines beyond the workers the efficiency "
+      "counts.".format(ps)]
   return lines
 
 

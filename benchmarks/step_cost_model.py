@@ -48,6 +48,11 @@ or gRPC streams that share a link, the optimizer's update, the input
 pipeline, stragglers, and whether TensorFlow's gRPC collectives reach the
 link's bandwidth at all (the `replicate` rows at the throughput measured
 here show what happens if they do not).
+
+The CTR part at the end models what a click-through-rate model's
+embedding gradient costs to synchronise (summed densely, all-gathered as
+slices, or through ps tasks beside an all-reduced MLP): bytes on each link
+phase by phase, collectives, memory; `benchmarks.ctr_cost` renders it.
 """
 
 import math
