@@ -666,8 +666,6 @@ def test_docs_quote_the_ctr_sections_efficiencies():
         results.read())["probes"]["2"])
   sentence = ctr_cost.summary(ctr_cost.rows(ctr_cost.ctr_model(),
                                             probe["untimed"]))
-  assert sentence.startswith("1 % (all-dense), 44 % (all-gather of "), (
-      sentence)
   with open(readme.README) as text:
     assert sentence in " ".join(text.read().split()), (
         "docs/benchmarks.md does not quote RESULTS.md's CTR efficiencies: "
