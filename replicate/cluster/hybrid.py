@@ -150,7 +150,7 @@ def check_updated_once(variable, trainable: bool) -> None:
         "update is applied once a step; every task would change this "
         "variable itself. Create it without a partitioner (each task "
         "keeps its own copy, combined as on one machine).".format(
-            variable.op.name.rpartition("/part_")[0]))
+            variable.op.name.rpartition("/part_")[0] or variable.op.name))
 
 
 def ps_reads(graph: tf.Graph, variables) -> List[tf.Operation]:

@@ -77,7 +77,7 @@ class TowerVariables:
   def note_tower0_variable(self, variable, trainable: bool):
     """Records a variable tower 0 created (tower-local if in the scope)."""
     self._tower0.add(variable.ref())
-    if hybrid.on_ps(variable):
+    if self.is_replicated and hybrid.on_ps(variable):
       hybrid.check_updated_once(variable, trainable)
       self._on_ps.add(variable.ref())
     if self.local_reduce is None:
