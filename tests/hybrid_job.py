@@ -45,14 +45,7 @@ DIMENSION = 4
 DENSE = 2
 SEED = 7  # the graph's: the canned model's initializers have no seed
 
-OPTIMIZERS = {
-    "adam": lambda: tf.compat.v1.train.AdamOptimizer(0.05),
-    "adagrad": lambda: tf.compat.v1.train.AdagradOptimizer(0.3),
-    "sgd": lambda: tf.compat.v1.train.GradientDescentOptimizer(0.5),
-    "ftrl": lambda: tf.compat.v1.train.FtrlOptimizer(
-        0.3, l1_regularization_strength=0.01,
-        l2_regularization_strength=0.01),
-}
+OPTIMIZERS = sync_job.SPARSE_OPTIMIZERS  # sgd, adam, adagrad, ftrl
 
 
 def batch(rank, step, rows):
@@ -142,41 +135,28 @@ def input_fn_for(batches, model_dir):
   return input_fn
 
 
-class _Report(tf.compat.v1.train.SessionRunHook):
-  """Prints the phases; writes every global variable's value at the end."""
+class _Report(sync_job.Report):
+  """`sync_job.Report`, and with `report_memory` where each variable lives
+  and the peak resident memory before the values (but the ps tasks':
+  reading those would bring them here)."""
 
   def __init__(self, path, report_memory):
-    self._path = path
+    super().__init__(path, prefix="hybrid_job")
     self._report_memory = report_memory
 
   def begin(self):
-    self._variables = tf.compat.v1.global_variables()
-    self._step = tf.compat.v1.train.get_global_step()
     if self._report_memory:
-      for variable in self._variables + tf.compat.v1.local_variables():
-        print("hybrid_job: placed {} {}".format(variable.op.name,
-                                                variable.op.device),
-              flush=True)
-    print("hybrid_job: started", flush=True)
+      for variable in (tf.compat.v1.global_variables() +
+                       tf.compat.v1.local_variables()):
+        self.say("placed {} {}".format(variable.op.name, variable.op.device))
+    super().begin()
 
-  def before_run(self, run_context):
-    return tf.compat.v1.train.SessionRunArgs(self._step)
-
-  def after_run(self, run_context, run_values):
-    print("hybrid_job: step {}".format(run_values.results + 1), flush=True)
-
-  def end(self, session):
-    variables = self._variables
-    if self._report_memory:
-      # Training's peak, then the values but the ps tasks' (reading those
-      # would bring them here).
-      print("hybrid_job: resident MB {}".format(
-          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024),
-            flush=True)
-      variables = [v for v in variables if "/job:ps/" not in v.op.device]
-    values = session.run({v.op.name: v for v in variables})
-    np.savez(self._path, **values)
-    print("hybrid_job: done", flush=True)
+  def saved(self, variables):
+    if not self._report_memory:
+      return variables
+    self.say("resident MB {}".format(
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024))
+    return [v for v in variables if "/job:ps/" not in v.op.device]
 
 
 def main(argv):
