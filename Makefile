@@ -57,7 +57,8 @@ test: $(STAMP)
 # but for training on the plain batch, towers without rows on the fed
 # pipelines in training, evaluation and prediction but on towers without
 # rows, the other strategies of evaluation, prediction and export, an
-# export's other tower counts); `make test-oracle-full` runs every cell.
+# export's other tower counts and pipelines, the fed pipelines' other
+# strategies in training); `make test-oracle-full` runs every cell.
 # The second shows progress; the first's report follows it.
 ORACLE_TMP ?= /tmp/replicate-oracle
 ORACLE ?= ci
