@@ -3,7 +3,7 @@
   python tests/hybrid_job.py MODEL_DIR MAX_STEPS BATCHES
       [--optimizer {adam,adagrad,sgd,ftrl}] [--towers N[,N...]]
       [--shards S] [--canned] [--vocabulary V] [--dimension D]
-      [--report-memory] [--partitioned-statistic]
+      [--report-memory] [--partitioned-statistic] [--save-every N]
 
 A CTR model as its users write it: `FIELDS` categorical fields, each an
 embedding table made by `get_variable(..., partitioner=
@@ -176,6 +176,8 @@ def main(argv):
                       help="rows of each table")
   parser.add_argument("--dimension", type=int, default=DIMENSION,
                       help="columns of each table")
+  parser.add_argument("--save-every", type=int, default=1000,
+                      help="the chief's checkpoints, every this many steps")
   parser.add_argument("--partitioned-statistic", action="store_true",
                       help="a partitioned variable that is not trainable")
   parser.add_argument("--report-memory", action="store_true",
@@ -189,7 +191,8 @@ def main(argv):
   rank = ranks.index((task["type"], task["index"])) if task[
       "type"] != "ps" else 0
   config = tf.estimator.RunConfig(
-      model_dir=arguments.model_dir, save_checkpoints_steps=1000,
+      model_dir=arguments.model_dir,
+      save_checkpoints_steps=arguments.save_every,
       tf_random_seed=SEED,
       experimental_max_worker_delay_secs=0,
       session_config=tf.compat.v1.ConfigProto(

@@ -232,14 +232,16 @@ def _memory(log):
 
 def test_a_checkpoint_moves_between_the_cluster_one_machine_and_back(
     tmp_path):
-  # The cluster trains steps 1-2 and stops; one machine's 2 towers
+  # The cluster trains steps 1-2 and stops (the chief saving after every
+  # step, while the worker waits in the next); one machine's 2 towers
   # ("replicated", no cluster) train step 3 from its checkpoint; the
   # cluster, every task restarted, steps 4-5. The tables are saved under
   # the unwrapped names and partitioning: the end equals one device's 5
   # uninterrupted steps.
   batches = "5,2,4,3,6;3,6,0,4,2"
   model_dir = tmp_path / "moved"
-  _run(model_dir, 2, 2, batches)
+  _run(model_dir, 2, 2, batches, "--save-every", "1")
+  assert tf.train.latest_checkpoint(str(model_dir)).endswith("-2")
   _one_machine(model_dir, batches, 3, towers=2, start=2)
   log = _run(model_dir, 2, 5, batches)
   assert "hybrid_job: step 4" in log.of("worker:0")
