@@ -153,6 +153,18 @@ def check_updated_once(variable, trainable: bool) -> None:
             variable.op.name.rpartition("/part_")[0] or variable.op.name))
 
 
+def duplicates_summed(grad):
+  """`grad` with one slice per row (`IndexedSlices`; else as it is): what
+  a sparse apply computes first (unique rows, their slices summed in
+  order), made here so that only the distinct rows travel to the ps."""
+  if not isinstance(grad, tf.IndexedSlices):
+    return grad
+  rows, positions = tf.unique(grad.indices)
+  values = tf.math.unsorted_segment_sum(grad.values, positions,
+                                        tf.shape(rows)[0])
+  return tf.IndexedSlices(values, rows, grad.dense_shape)
+
+
 def ps_reads(graph: tf.Graph, variables) -> List[tf.Operation]:
   """The ops of `graph` (outside control flow) reading `variables`."""
   outputs = {v.op.outputs[0].ref() for v in variables}
