@@ -424,6 +424,46 @@ def test_the_batch_is_taken_as_an_optional_that_ends_every_task(
                           for t in op.outputs)
 
 
+def _ops_behind_taken_side(op):
+  """The ops `op` waits for (data and control) on a step whose `Merge`s
+  take their first input: what it waits for when the task has a batch."""
+  pending, seen = [op], set()
+  while pending:
+    node = pending.pop()
+    if node in seen:
+      continue
+    seen.add(node)
+    inputs = node.inputs[:1] if node.type == "Merge" else node.inputs
+    pending.extend(t.op for t in inputs)
+    pending.extend(node.control_inputs)
+  return seen
+
+
+def test_the_forward_pass_does_not_wait_for_the_check_but_updates_do(
+    chief_config):
+  # The towers compute while every task's (ended, rows) are all-gathered
+  # and checked; only a task whose own input ended takes its batch after
+  # the check (which then stops it). Every update waits for the check.
+  config, _ = chief_config
+  graph, spec = _build(config)
+  check = graph.get_operation_by_name("take_batch/stop_if_any_input_ended")
+  batch = [op for op in graph.get_operations()
+           if op.type == "OptionalGetValue" and
+           any(c.type != "Shape" for t in op.outputs for c in t.consumers())
+           and "cond" not in op.name]
+  assert len(batch) == 1
+  waits = _ops_behind_taken_side(batch[0])
+  assert not [op for op in waits if op.type in ("CollectiveGatherV2",
+                                                "PyFunc")]
+  assert check in set(graph_walk.ops_behind(batch, follow_control=True))
+  updates = [op for op in graph_walk.ops_behind([spec.train_op],
+                                                follow_control=True)
+             if op.type.startswith(("ResourceApply", "AssignAdd", "Assign"))]
+  assert updates
+  for update in updates:
+    assert check in set(graph_walk.ops_behind([update], follow_control=True))
+
+
 def test_a_task_whose_input_ended_stops_with_out_of_range():
   tasks = [("chief", 0), ("worker", 0), ("worker", 1)]
   stop = sync_input._StopIfAnyEnded(tasks)  # pylint: disable=protected-access

@@ -8,8 +8,11 @@ takes its batch as an optional (`IteratorGetNextAsOptional` on the
 Estimator's iterator, in place of its `IteratorGetNext`), and the step
 starts with one all-gather of (whether this task's input ended, its rows).
 If any task's ended, every task raises `OutOfRangeError` at that point,
-before any variable changes: the Estimator ends training cleanly on every
-task at the same step, and the chief writes its last checkpoint. The same
+before any variable changes (the towers' forward pass does not wait for
+the all-gather when the task's own batch is there; what changes state
+waits for a collective, and every collective for the check): the
+Estimator ends training cleanly on every task at the same step, and the
+chief writes its last checkpoint. The same
 all-gather gives every task's rows this step: their sum `n`, by which each
 tower's share `n_i / n` is counted, and the rows of the tasks before this
 one (where its rows start in the batch: `replicate.row_offset`).
@@ -84,7 +87,7 @@ def take_batch(features, labels, cross) -> Tuple[Any, Any, Optional[tf.Tensor]]:
         [every_task[:, 0]], tf.int64, stateful=True,
         name="stop_if_any_input_ended")
     cross.after_check = check.op  # every later collective of the step
-    with tf.control_dependencies([check]):
+    with tf.control_dependencies([_own_batch_or_check(has_value, check)]):
       values = tf.raw_ops.OptionalGetValue(
           optional=optional, output_types=types, output_shapes=shapes)
   replaced = dict(zip(get_next.outputs, values))
@@ -98,6 +101,28 @@ def take_batch(features, labels, cross) -> Tuple[Any, Any, Optional[tf.Tensor]]:
       lambda leaf: replaced.get(leaf, leaf) if isinstance(leaf, tf.Tensor)
       else leaf, (features, labels), expand_composites=True)
   return features, labels, every_task[:, 1]
+
+
+def _own_batch_or_check(has_value, check) -> tf.Tensor:
+  """Ready at once when this task has a batch; else after the check.
+
+  So the towers' forward pass starts while the all-gather of every task's
+  (ended, rows) and the check run, instead of a round trip over every task
+  later: what the step changes waits for the check all the same (every
+  collective of the step does, and every update waits for a collective).
+  When this task's own input ended, its batch is taken only after the
+  check, which then raises the clean end of training (taking a value of
+  the empty optional would fail first, with another error).
+
+  `Switch` and `Merge`, as a TF 1 `cond`: `Merge` fires on its first live
+  input, so with a batch it does not wait for the check's (dead) side.
+  """
+  without_batch, with_batch = tf.raw_ops.Switch(data=has_value,
+                                                pred=has_value)
+  with tf.control_dependencies([check]):
+    checked = tf.identity(without_batch)
+  ready, _ = tf.raw_ops.Merge(inputs=[with_batch, checked])
+  return ready
 
 
 def count_rows(batch_size, cross) -> tf.Tensor:
