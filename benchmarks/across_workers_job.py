@@ -162,6 +162,7 @@ class _Timer(tf.compat.v1.train.SessionRunHook):
     self._traced = dict(traced or {})  # local step -> name
     self._op_types = None
     self.bytes = {}  # name -> what crossed tasks in that traced step
+    self.stop_after = None  # global steps timed, if the hook stops the run
     self._step = None
     self._local_steps = 0
     self.start = None  # (time, global step) at the end of the warm-up
@@ -194,9 +195,15 @@ class _Timer(tf.compat.v1.train.SessionRunHook):
     # The global step read in the same run as the update: before or after
     # it; either way the same each step, so the differences count steps.
     point = (now, int(run_values.results))
-    if self.start is None and point[1] >= self._warmup:
+    # Not before the traced steps are done (with ps-async, the other tasks'
+    # steps count too).
+    if (self.start is None and point[1] >= self._warmup and
+        self._local_steps > max(self._traced, default=-1) + 1):
       self.start = point
     self.last = point
+    if self.stop_after and self.start and (
+        point[1] - self.start[1] >= self.stop_after):
+      run_context.request_stop()
 
   @property
   def local_steps(self):
@@ -260,10 +267,17 @@ def _train(args, cluster, task, ranks):
                                           quarter_first=args.mode != "mwms")
   else:
     input_fn, touched = _input_fn_for(rank or 0, rows), None
+  max_steps = args.warmup + args.steps
+  if args.mode == "ps-async":
+    # Every task's step is a global step, and the tasks train on until the
+    # run is stopped, so they train through the whole of the chief's timing.
+    # The chief stops itself once it has timed `--steps` x tasks global
+    # steps (its own hook: the others' steps may reach any bound first).
+    max_steps = 10**9
+    timer.stop_after = args.steps * tasks
   tf.estimator.train_and_evaluate(
       estimator,
-      tf.estimator.TrainSpec(input_fn, max_steps=args.warmup + args.steps,
-                             hooks=[timer]),
+      tf.estimator.TrainSpec(input_fn, max_steps=max_steps, hooks=[timer]),
       tf.estimator.EvalSpec(input_fn, steps=1))
   if task == ("chief", 0):
     if timer.start is None or timer.last[1] <= timer.start[1]:
