@@ -141,6 +141,14 @@ def set_device(op: tf.Operation, device: str) -> None:
   op._set_device(device)
 
 
+def colocation_ops(graph) -> list:
+  """The ops what is built now is colocated with (`colocate_with`).
+
+  Private: the graph keeps its colocation stack unexposed.
+  """
+  return list(graph._colocation_stack.peek_objs())
+
+
 # Editing built ops -----------------------------------------------------------
 
 

@@ -49,7 +49,6 @@ from replicate.batch_norm import batch_moments
 from replicate.batch_norm import batch_norm_sites
 from replicate.batch_norm import user_moments as user_moments_lib
 from replicate.cluster import ps_cluster
-from replicate.cluster import sync_cluster
 from replicate.call import layout as layout_lib
 from replicate import _tf
 
@@ -57,10 +56,10 @@ from replicate import _tf
 def check_cluster(sync_all: bool, config, mode: str) -> Callable:
   """What makes a call's `BatchNormSync` from its layout (None: none).
 
-  Only TRAIN synchronizes. In a synchronous cluster (no ps tasks) the
-  moments and their gradients are combined across tasks too. In a ps
-  cluster of several training tasks, whose workers step on their own, a
-  batch norm that would be synchronized (every one with
+  Only TRAIN synchronizes. In a synchronous cluster (with ps tasks too,
+  `"replicated"`) the moments and their gradients are combined across
+  tasks too. In a ps cluster of several training tasks, whose workers step
+  on their own, a batch norm that would be synchronized (every one with
   `sync_batch_norm=True`, the default; else a layer declared
   `synchronized=True`) is refused where it is built, naming the layer: a
   model without batch norm trains there with the default.
@@ -69,7 +68,7 @@ def check_cluster(sync_all: bool, config, mode: str) -> Callable:
     return lambda layout: None
   tasks = ps_cluster.num_training_tasks(config)
   refusal = None
-  if tasks > 1 and not sync_cluster.is_sync_cluster(config):
+  if tasks > 1:
     refusal = (
         "The batch norm {{}} {}, but this RunConfig's cluster has {} "
         "training tasks (chief and workers) and ps tasks, where each worker "
@@ -80,9 +79,11 @@ def check_cluster(sync_all: bool, config, mode: str) -> Callable:
             ("is synchronized by sync_batch_norm=True (the default)", tasks,
              "sync_batch_norm=False") if sync_all else
             ("is declared synchronized=True", tasks, "synchronized=False"))))
+  # A cluster whose tasks step together (`layout.spans_tasks`) combines
+  # the moments across tasks.
   return lambda layout: batch_norm_sites.BatchNormSync(
-      layout.num_towers, layout.has_rows, sync_all, refusal,
-      layout.cross_task)
+      layout.num_towers, layout.has_rows, sync_all,
+      None if layout.spans_tasks else refusal, layout.cross_task)
 
 
 def swapped(context):

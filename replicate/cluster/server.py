@@ -32,8 +32,10 @@ def start_server(run_config) -> Optional[tf.distribute.Server]:
 
   Call it once per process, before `tf.estimator.train_and_evaluate`, with
   the `RunConfig` the Estimator gets: every task of a `TF_CONFIG` cluster of
-  `chief` and `worker` tasks (no `ps`) then trains in lockstep with
-  `replicate_model_fn(..., variable_strategy="replicated")`.
+  `chief` and `worker` tasks then trains in lockstep with
+  `replicate_model_fn(..., variable_strategy="replicated")`; with `ps`
+  tasks too, what the `model_fn` partitions lives on them
+  (`replicate.cluster.hybrid`).
 
   Args:
     run_config: the Estimator's `tf.estimator.RunConfig`. Its
@@ -42,13 +44,13 @@ def start_server(run_config) -> Optional[tf.distribute.Server]:
 
   Returns:
     The running server, or None for a process with nothing to serve: no
-    cluster (`TF_CONFIG` unset) or an `evaluator` task, which evaluates
-    checkpoints in a local session.
+    cluster (`TF_CONFIG` unset), an `evaluator` task, which evaluates
+    checkpoints in a local session, or a `ps` task, whose server
+    `train_and_evaluate` starts (it takes no part in the collectives).
 
   Raises:
-    ValueError: `run_config` is not a `RunConfig`, its cluster has ps
-      tasks (the Estimator starts those servers itself), or its task is not
-      one of the cluster's training tasks.
+    ValueError: `run_config` is not a `RunConfig`, or its task is not one
+      of the cluster's training tasks.
     RuntimeError: on a worker, the chief's server did not take connections
       within `REPLICATE_SYNC_TIMEOUT_SECS` (default 120 s), which also
       bounds how long any task waits for the others later.
@@ -60,13 +62,10 @@ def start_server(run_config) -> Optional[tf.distribute.Server]:
   spec = run_config.cluster_spec
   if not spec or not spec.jobs or run_config.task_type == "evaluator":
     return None
-  if "ps" in spec.jobs:
-    raise ValueError(
-        "start_server is for a synchronous cluster of chief and worker "
-        "tasks, but this RunConfig's cluster has ps tasks ({}), whose "
-        "servers the Estimator starts itself. Remove the start_server call, "
-        "or the ps tasks for synchronous training.".format(
-            ", ".join(spec.job_tasks("ps"))))
+  if run_config.task_type == "ps":
+    # Its server is the Estimator's (train_and_evaluate starts it): a ps
+    # task takes no part in the collectives.
+    return None
   tasks = sync_cluster.training_tasks(spec)
   task = (run_config.task_type, run_config.task_id)
   if task not in tasks:
@@ -102,7 +101,7 @@ def check_started(config) -> None:
   if (config.task_type, config.task_id) not in _servers:
     raise ValueError(
         "This RunConfig's cluster trains synchronously (chief and worker "
-        "tasks, no ps), which needs this task's server started by "
+        "tasks with variable_strategy='replicated'), which needs this task's server started by "
         "replicate.start_server(run_config), with the group leader "
         "TensorFlow's collectives need, before "
         "tf.estimator.train_and_evaluate. Call it once, with the "
@@ -141,6 +140,7 @@ def _filter_sessions(run_config, task) -> None:
   Estimator was (or will be) given with this RunConfig.
   """
   own = "/job:{}/task:{}".format(*task)
+  shared = ["/job:ps"] if "ps" in run_config.cluster_spec.jobs else []
   session_config = run_config.session_config
   if session_config is None:
     tf.compat.v1.logging.warning(
@@ -150,7 +150,7 @@ def _filter_sessions(run_config, task) -> None:
         "fail at once. Pass tf.estimator.RunConfig(session_config="
         "tf.compat.v1.ConfigProto()) to both.", own)
   elif not session_config.device_filters:
-    session_config.device_filters.append(own)
+    session_config.device_filters.extend([own] + shared)
 
 
 def _mark_started() -> None:

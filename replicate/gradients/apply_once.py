@@ -190,8 +190,10 @@ class TowerOptimizerCore:
         per_tower.append(copies)
         standing_in.extend(copies)
     with progress.applying():
+      # What lives on a ps task only the first task updates.
       update = apply(self.optimizer, [
-          pair for tower in per_tower for pair in self._transformed(tower)])
+          pair for tower in per_tower for pair in self._transformed(tower)
+          if variables.updates(pair[1])])
     records.record(0, self, grads_and_vars, update,
                    stand_in_pairs=standing_in, whole=whole,
                    touched=touched_here)

@@ -116,9 +116,12 @@ class TowerOptimizer(_Core, _V1Optimizer):
 
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
     """Tower 0 builds the one update; every tower's gradients are summed in."""
-    return self._collect_or_apply(
-        grads_and_vars, lambda optimizer, grads: optimizer.apply_gradients(
-            grads, global_step, name))
+    def apply(optimizer, grads):
+      if not grads:  # every variable is updated by another task
+        return _count_step(global_step)
+      return optimizer.apply_gradients(grads, global_step, name)
+
+    return self._collect_or_apply(grads_and_vars, apply)
 
   def get_name(self):
     return self.optimizer.get_name()
@@ -172,10 +175,14 @@ class KerasTowerOptimizer(_Core, _KerasOptimizer):
 
   def apply_gradients(self, grads_and_vars, name=None,
                       experimental_aggregate_gradients=True):
-    return self._collect_or_apply(
-        grads_and_vars, lambda optimizer, grads: optimizer.apply_gradients(
-            grads, name=name,
-            experimental_aggregate_gradients=experimental_aggregate_gradients))
+    def apply(optimizer, grads):
+      if not grads:  # every variable is updated by another task
+        return _count_step(optimizer.iterations)
+      return optimizer.apply_gradients(
+          grads, name=name,
+          experimental_aggregate_gradients=experimental_aggregate_gradients)
+
+    return self._collect_or_apply(grads_and_vars, apply)
 
   @property
   def iterations(self):
@@ -193,6 +200,15 @@ class KerasTowerOptimizer(_Core, _KerasOptimizer):
 
   def get_config(self):
     return self.optimizer.get_config()
+
+
+def _count_step(step) -> tf.Operation:
+  """What an update of no variable does: it counts the step, if given one
+  (a task of a cluster with ps tasks whose variables all live there)."""
+  if step is None:
+    return tf.no_op(name="update_elsewhere")
+  with tf.compat.v1.colocate_with(step):
+    return tf.compat.v1.assign_add(step, 1).op
 
 
 def _family_of(optimizer_or_optimizer_fn):

@@ -103,6 +103,7 @@ class ReplicationContext:
     self.progress.start(index)
     try:
       with graph.device(self.layout.towers[index].device_function), \
+          self.layout.strategy.tower_scope(index), \
           tf.compat.v1.variable_creator_scope(
               matching.variable_creator(self, index)):
         if index == 0:

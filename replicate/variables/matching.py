@@ -81,10 +81,13 @@ def variable_creator(context, index: int) -> Callable:
     requested = kwargs.get("name") or "Variable"
     own_name = graph.unique_name(requested, mark_as_used=False)
     if context.progress.is_applying:
-      if not context.variables.has_copies():
-        return next_creator(**kwargs)
-      return context.variables.slot_for(own_name, _without_towers(own_name),
-                                        next_creator, kwargs)
+      with context.variables.made_by_update(requested) as made:
+        if not context.variables.has_copies():
+          made.append(next_creator(**kwargs))
+        else:
+          made.append(context.variables.slot_for(
+              own_name, _without_towers(own_name), next_creator, kwargs))
+      return made[0]
     if index == 0:
       variable = next_creator(**kwargs)
       context.tower0_variables.record(variable)

@@ -8,6 +8,7 @@ tower sees of them, and how the towers' gradients become the update.
 | `Replicated` | with tower 0; tower i's copy on tower i | its own copy of each trainable variable | all-reduced: every copy gets the sum |
 | `PsCluster` | on the ps tasks in turn | tower 0's variable | summed on this worker's CPU, one update sent |
 | `SyncCluster` | as `Replicated`, on this task | as `Replicated` | summed on this task, then across tasks (`replicate.cluster.sync_cluster`) |
+| `HybridCluster` | partitioned: on the ps tasks in turn; else as `SyncCluster` | partitioned: the ps tasks' parts; else as `SyncCluster` | as `SyncCluster`; the chief alone applies the ps tasks' (`replicate.cluster.hybrid`) |
 
 For one call of the wrapped `model_fn`: `check_cluster` refuses a
 `variable_strategy` the cluster cannot train with, `tower_devices` finds
@@ -27,6 +28,7 @@ import tensorflow as tf
 
 from replicate.gradients import aggregation
 from replicate.communication import allreduce
+from replicate.cluster import hybrid
 from replicate.cluster import ps_cluster
 from replicate.cluster import server
 from replicate.cluster import sync_cluster
@@ -147,9 +149,34 @@ class SyncCluster(tasks.AcrossTasks, Replicated):
     self.cross_task = cross_task
 
 
+class HybridCluster(SyncCluster):
+  """A task of a cluster with ps tasks, trained `"replicated"`: what the
+  `model_fn` partitions lives on the ps tasks, the rest as `SyncCluster`
+  (`replicate.cluster.hybrid`)."""
+
+  def __init__(self, cross_task, compact: bool, num_ps: int):
+    super().__init__(cross_task, compact)
+    self._placement = hybrid.PsPlacement(num_ps)
+
+  def variable_device(self, op: tf.Operation) -> Optional[str]:
+    return self._placement.device(op)
+
+  def tower_scope(self, index: int):
+    """Where tower `index` is built: tower 0 places what it partitions."""
+    if index:
+      return contextlib.nullcontext()
+    return self._placement.in_scope()
+
+
 def _is_sync_training(config, mode: str) -> bool:
   return (mode == tf.estimator.ModeKeys.TRAIN and
           sync_cluster.is_sync_cluster(config))
+
+
+def _is_hybrid_training(variable_strategy: str, config, mode: str) -> bool:
+  """A cluster with ps tasks trained "replicated": `HybridCluster`."""
+  return (variable_strategy == REPLICATED and
+          ps_cluster.num_ps_tasks(config, mode) > 0)
 
 
 def check_cluster(variable_strategy: str, config, mode: str) -> None:
@@ -158,14 +185,8 @@ def check_cluster(variable_strategy: str, config, mode: str) -> None:
   if _is_sync_training(config, mode):
     _check_sync_cluster(variable_strategy, config)
     return
-  num_ps = ps_cluster.num_ps_tasks(config, mode)
-  if num_ps and variable_strategy == REPLICATED:
-    raise ValueError(
-        "variable_strategy='replicated' keeps a copy of every variable on "
-        "each tower, but this RunConfig's cluster has {} ps task(s), where "
-        "the variables live in multi-worker training. Use "
-        "variable_strategy='parameter_server' (the default) with ps "
-        "tasks.".format(num_ps))
+  if _is_hybrid_training(variable_strategy, config, mode):
+    _check_lockstep(config)
 
 
 def tower_devices(fixed_devices: Optional[List[str]], config,
@@ -181,15 +202,19 @@ def for_call(variable_strategy: str, devices: List[str], config, mode: str,
              all_reduce: str, compact: bool) -> VariableStrategy:
   """The strategy object for one model_fn call on the towers' `devices`
   (`tower_devices`), after `check_cluster`."""
-  if _is_sync_training(config, mode):
+  num_ps = ps_cluster.num_ps_tasks(config, mode)
+  hybrid_training = _is_hybrid_training(variable_strategy, config, mode)
+  if _is_sync_training(config, mode) or hybrid_training:
     # Across tasks the ring runs over gRPC from the host, where the input,
     # the start's Python functions and the iterator are; within a task,
     # `all_reduce` is not used: the towers' sum is an add_n on tower 0.
     allreduce.resolve_algorithm(all_reduce, devices)  # checks "nccl"
     cross = sync_cluster.CrossTask(sync_cluster.TaskGroup.of(config),
                                    devices_lib.cpu_of(devices[0]))
-    return SyncCluster(cross, compact)
-  num_ps = ps_cluster.num_ps_tasks(config, mode)
+    if not hybrid_training:
+      return SyncCluster(cross, compact)
+    hybrid.move_global_step(tf.compat.v1.get_default_graph(), cross.device)
+    return HybridCluster(cross, compact, num_ps)
   if num_ps:
     return PsCluster(num_ps, config)
   if variable_strategy == PARAMETER_SERVER:
@@ -216,6 +241,11 @@ def _check_sync_cluster(variable_strategy, config):
         "variables on parameter servers.".format(
             group.size, ", ".join(group.name(r) for r in range(group.size)),
             variable_strategy))
+  _check_lockstep(config)
+
+
+def _check_lockstep(config):
+  """Tasks that step together: no start delay, and the server started."""
   delay = getattr(config, "experimental_max_worker_delay_secs", None)
   if delay is None or delay > 0:
     raise ValueError(

@@ -9,6 +9,7 @@ used to ask as `cross_task is None`:
   (`replicate.call.strategy.CrossTask`).
 """
 
+import contextlib
 from typing import Any, Optional, Tuple
 
 import tensorflow as tf
@@ -35,6 +36,11 @@ class OneTask:
     """Whether the call builds towers (else the `model_fn` once, placed):
     with several devices."""
     return num_devices > 1
+
+  def tower_scope(self, index: int):
+    """What tower `index` is built in, besides its device: nothing."""
+    del index
+    return contextlib.nullcontext()
 
   def take_batch(self, features, labels) -> Tuple[Any, Any, Any]:
     """(features, labels, the rows of every task or None): as they are."""
@@ -75,6 +81,11 @@ class AcrossTasks:
     """Always: one device's sums still cross the tasks."""
     del num_devices
     return True
+
+  def tower_scope(self, index: int):
+    """What tower `index` is built in, besides its device: nothing."""
+    del index
+    return contextlib.nullcontext()
 
   def take_batch(self, features, labels) -> Tuple[Any, Any, Any]:
     """The batch taken as an optional, so that an input's end stops every

@@ -13,6 +13,10 @@ loss scale, a counter) are not copied: every tower uses tower 0's, as with
 `"parameter_server"`, so what the update changes there (a loss scale it
 halves) every tower sees.
 
+On ps-held variables (a cluster with ps tasks, `replicate.cluster.hybrid`):
+what tower 0 made on a ps task is never copied: every tower of every task
+reads it there, and only the first task (`updates_shared`) updates it.
+
 On tower-local variables: the copies of the variables made inside
 `replicate.tower_local_scope` are made here too, under any
 `variable_strategy`, and folded into tower 0's variable by
@@ -24,21 +28,28 @@ from typing import List, Optional
 
 import tensorflow as tf
 
+from replicate import _tf
 from replicate.call import name_counters
+from replicate.cluster import hybrid
 from replicate.variables import tower_local
 
 
 class TowerVariables:
   """Which variables each tower sees, for one replicated model_fn call."""
 
-  def __init__(self, graph, devices, is_replicated: bool):
+  def __init__(self, graph, devices, is_replicated: bool,
+               updates_shared: bool = True):
     self.graph = graph
+    # Whether this task updates the variables every task shares, on ps
+    # tasks (only the first task does).
+    self.updates_shared = updates_shared
     # Whether towers 1..N-1 train their own copies (the strategy's
     # `copies_variables`); asked through `has_copies`.
     self.is_replicated = is_replicated
     self.local_reduce = None  # set inside tower_local_scope
     self._devices = devices
     self._tower0 = set()  # refs of the variables tower 0 created
+    self._on_ps = set()  # refs of those that live on a ps task
     self._reduce_of = {}  # tower 0 variable ref -> "sum" or "mean"
     self._copies = [dict() for _ in devices]  # tower 0 variable ref -> copy
     self._tower0_of = {}  # copy ref -> tower 0's variable
@@ -67,6 +78,8 @@ class TowerVariables:
   def note_tower0_variable(self, variable, trainable: bool):
     """Records a variable tower 0 created (tower-local if in the scope)."""
     self._tower0.add(variable.ref())
+    if hybrid.on_ps(variable):
+      self._on_ps.add(variable.ref())
     if self.local_reduce is None:
       return
     name = variable.op.name
@@ -89,6 +102,29 @@ class TowerVariables:
   def is_shared(self, variable) -> bool:
     """Whether tower 0 made `variable` for every tower (not a metric's)."""
     return variable.ref() in self._tower0
+
+  def updates(self, variable) -> bool:
+    """Whether this task's update applies to `variable` (a ps-held one is
+    updated by the first task alone)."""
+    return self.updates_shared or variable.ref() not in self._on_ps
+
+  @contextlib.contextmanager
+  def made_by_update(self, name: str):
+    """Where the update makes a variable named `name`, beside a ps-held
+    variable: a slot of it stays with it, on the ps task; an optimizer's
+    own variable (Adam's beta powers), which TensorFlow puts beside the
+    first variable by name, goes to tower 0, so that each task keeps and
+    updates its own. Yields a list that gets the variable made."""
+    ps_op, is_slot = hybrid.ps_neighbour(_tf.colocation_ops(self.graph), name)
+    made = []
+    if ps_op is None or is_slot:
+      yield made
+    else:
+      with _on_device(self.graph, self._devices[0]):
+        yield made
+    if ps_op is not None and is_slot and made:
+      # Its handle follows the device functions around the colocation.
+      _tf.set_device(made[0].op, ps_op.device)
 
   def for_tower(self, index: int, variable):
     """What tower `index` uses in place of tower 0's `variable`."""
@@ -121,7 +157,8 @@ class TowerVariables:
       return variable
     reduce = self._reduce_of.get(variable.ref())
     if reduce is None and not (self.is_replicated and variable.trainable and
-                               variable.ref() in self._tower0):
+                               variable.ref() in self._tower0 and
+                               variable.ref() not in self._on_ps):
       return variable
     copies = self._copies[index]
     if variable.ref() not in copies:
@@ -227,6 +264,13 @@ class TowerVariables:
           collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
           name=name or "tower_{}/{}".format(index, variable.op.name),
           dtype=variable.dtype.base_dtype, use_resource=True)
+
+
+@contextlib.contextmanager
+def _on_device(graph, device):
+  """Ops made here go on `device`, out of any colocation."""
+  with graph.colocate_with(None, ignore_existing=True), graph.device(device):
+    yield
 
 
 def is_resource_variable(variable) -> bool:

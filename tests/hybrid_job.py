@@ -1,0 +1,226 @@
+"""The job every task of the tests with ps tasks and `"replicated"` runs.
+
+  python tests/hybrid_job.py MODEL_DIR MAX_STEPS BATCHES
+      [--optimizer {adam,adagrad,sgd,ftrl}] [--towers N[,N...]]
+      [--shards S] [--canned] [--vocabulary V] [--dimension D]
+      [--report-memory]
+
+A CTR model as its users write it: `FIELDS` categorical fields, each an
+embedding table made by `get_variable(..., partitioner=
+fixed_size_partitioner(S))` and looked up with `embedding_lookup`
+(sparse gradients), a dense feature, a hidden layer and a logistic loss,
+trained by one optimizer. `--canned`: `tf.compat.v1.estimator.
+DNNLinearCombinedClassifier`'s model_fn with `input_layer_partitioner`.
+The tables live on the ps tasks, everything else on every task's towers.
+
+`BATCHES` as in `tests/sync_job.py`: per task in rank order, the rows of
+each batch (`"5,2;3,6"`); a job restarted from a checkpoint of global step
+s starts at batch s. Each training task writes every global variable's
+value it can read when it stops, to `MODEL_DIR/values-<job>-<index>.npz`,
+and prints `hybrid_job: started`, `hybrid_job: step <global step>` and
+`hybrid_job: done`; a ps task prints `hybrid_job: ps <pid>` and serves.
+`--report-memory`: each training task also prints where each variable
+lives (`hybrid_job: placed <name> <device>`, its copies included) and, at
+the end, its peak resident memory (`hybrid_job: resident MB <n>`).
+"""
+
+import argparse
+import json
+import os
+import resource
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import replicate
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import sync_job  # noqa: E402  pylint: disable=wrong-import-position
+
+FIELDS = 3
+VOCABULARY = 40
+DIMENSION = 4
+DENSE = 2
+
+OPTIMIZERS = {
+    "adam": lambda: tf.compat.v1.train.AdamOptimizer(0.05),
+    "adagrad": lambda: tf.compat.v1.train.AdagradOptimizer(0.3),
+    "sgd": lambda: tf.compat.v1.train.GradientDescentOptimizer(0.5),
+    "ftrl": lambda: tf.compat.v1.train.FtrlOptimizer(
+        0.3, l1_regularization_strength=0.01,
+        l2_regularization_strength=0.01),
+}
+
+
+def batch(rank, step, rows):
+  """Task `rank`'s batch `step`: ids mostly from 6 hot rows, so that rows
+  repeat within and across tasks, a few anywhere; a dense feature; 0/1
+  labels."""
+  random = np.random.RandomState(1000 * rank + step)
+  hot = random.randint(0, 6, size=(rows, FIELDS))
+  far = random.randint(0, VOCABULARY, size=(rows, FIELDS))
+  ids = np.where(random.uniform(size=(rows, FIELDS)) < 0.7, hot, far)
+  x = random.normal(size=(rows, DENSE)).astype(np.float32)
+  labels = random.randint(0, 2, size=(rows, 1)).astype(np.float32)
+  return {"ids": ids.astype(np.int64), "x": x}, labels
+
+
+def model_fn(features, labels, mode, params):
+  """The model every task (and the one-device reference) builds."""
+  partitioner = tf.compat.v1.fixed_size_partitioner(params["shards"])
+  looked_up = []
+  for field in range(FIELDS):
+    table = tf.compat.v1.get_variable(
+        "table_{}".format(field),
+        [params.get("vocabulary", VOCABULARY),
+         params.get("dimension", DIMENSION)],
+        initializer=tf.compat.v1.random_normal_initializer(seed=field),
+        partitioner=partitioner)
+    looked_up.append(tf.compat.v1.nn.embedding_lookup(
+        table, features["ids"][:, field], partition_strategy="div"))
+  inputs = tf.concat(looked_up + [features["x"]], axis=1)
+  hidden = tf.compat.v1.layers.dense(
+      inputs, 8, activation=tf.nn.tanh, name="hidden",
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=1))
+  logits = tf.compat.v1.layers.dense(
+      hidden, 1, name="logits",
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
+  loss = tf.compat.v1.losses.sigmoid_cross_entropy(labels, logits)
+  optimizer = params["wrap"](OPTIMIZERS[params["optimizer"]]())
+  train_op = optimizer.minimize(
+      loss, tf.compat.v1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def canned_model_fn(features, labels, mode, params, config):
+  """A canned wide & deep model's model_fn, its inputs partitioned."""
+  columns = [tf.compat.v1.feature_column.embedding_column(
+      tf.compat.v1.feature_column.categorical_column_with_identity(
+          "id_{}".format(f), VOCABULARY), DIMENSION) for f in range(FIELDS)]
+  wide = [tf.compat.v1.feature_column.categorical_column_with_identity(
+      "id_0", VOCABULARY)]
+  estimator = tf.compat.v1.estimator.DNNLinearCombinedClassifier(
+      linear_feature_columns=wide, dnn_feature_columns=columns,
+      dnn_hidden_units=[8],
+      dnn_optimizer=params["wrap"](OPTIMIZERS[params["optimizer"]]()),
+      linear_optimizer=params["wrap"](OPTIMIZERS["ftrl"]()),
+      input_layer_partitioner=tf.compat.v1.fixed_size_partitioner(
+          params["shards"]),
+      config=config)
+  split = {"id_{}".format(f): features["ids"][:, f] for f in range(FIELDS)}
+  return estimator.model_fn(split, labels, mode, config)
+
+
+def input_fn_for(batches, model_dir):
+  """Task `rank`'s batches, then the end (from the checkpoint's step)."""
+
+  def input_fn(rank):
+    latest = tf.train.latest_checkpoint(model_dir)
+    start = int(latest.rsplit("-", 1)[1]) if latest else 0
+
+    def generate():
+      for step, rows in enumerate(batches[rank][start:], start=start):
+        yield batch(rank, step, rows)
+
+    return tf.data.Dataset.from_generator(
+        generate, output_signature=(
+            {"ids": tf.TensorSpec([None, FIELDS], tf.int64),
+             "x": tf.TensorSpec([None, DENSE], tf.float32)},
+            tf.TensorSpec([None, 1], tf.float32)))
+
+  return input_fn
+
+
+class _Report(tf.compat.v1.train.SessionRunHook):
+  """Prints the phases; writes every global variable's value at the end."""
+
+  def __init__(self, path, report_memory):
+    self._path = path
+    self._report_memory = report_memory
+
+  def begin(self):
+    self._variables = tf.compat.v1.global_variables()
+    self._step = tf.compat.v1.train.get_global_step()
+    if self._report_memory:
+      for variable in self._variables + tf.compat.v1.local_variables():
+        print("hybrid_job: placed {} {}".format(variable.op.name,
+                                                variable.op.device),
+              flush=True)
+    print("hybrid_job: started", flush=True)
+
+  def before_run(self, run_context):
+    return tf.compat.v1.train.SessionRunArgs(self._step)
+
+  def after_run(self, run_context, run_values):
+    print("hybrid_job: step {}".format(run_values.results + 1), flush=True)
+
+  def end(self, session):
+    values = session.run({v.op.name: v for v in self._variables})
+    np.savez(self._path, **values)
+    if self._report_memory:
+      print("hybrid_job: resident MB {}".format(
+          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024),
+            flush=True)
+    print("hybrid_job: done", flush=True)
+
+
+def main(argv):
+  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.INFO)
+  parser = argparse.ArgumentParser()
+  parser.add_argument("model_dir")
+  parser.add_argument("max_steps", type=int)
+  parser.add_argument("batches")
+  parser.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
+  parser.add_argument("--towers", default="2",
+                      help="towers (virtual CPUs) a task, or per task: 1,2")
+  parser.add_argument("--shards", type=int, default=2,
+                      help="parts of each table (fixed_size_partitioner)")
+  parser.add_argument("--canned", action="store_true",
+                      help="DNNLinearCombinedClassifier's model_fn")
+  parser.add_argument("--vocabulary", type=int, default=VOCABULARY,
+                      help="rows of each table")
+  parser.add_argument("--dimension", type=int, default=DIMENSION,
+                      help="columns of each table")
+  parser.add_argument("--report-memory", action="store_true",
+                      help="print placements and peak resident memory")
+  arguments = parser.parse_args(argv)
+  tf_config = json.loads(os.environ["TF_CONFIG"])
+  task = tf_config["task"]
+  cluster = tf_config["cluster"]
+  ranks = [("chief", 0)] + [("worker", i)
+                            for i in range(len(cluster.get("worker", [])))]
+  rank = ranks.index((task["type"], task["index"])) if task[
+      "type"] != "ps" else 0
+  config = tf.estimator.RunConfig(
+      model_dir=arguments.model_dir, save_checkpoints_steps=1000,
+      experimental_max_worker_delay_secs=0,
+      session_config=tf.compat.v1.ConfigProto(
+          device_count={"CPU": sync_job._of_task(arguments.towers, rank)}))
+  if replicate.start_server(config) is None:
+    print("hybrid_job: ps {}".format(os.getpid()), flush=True)
+  estimator = tf.estimator.Estimator(
+      replicate.replicate_model_fn(
+          canned_model_fn if arguments.canned else model_fn,
+          variable_strategy="replicated"),
+      config=config,
+      params={"optimizer": arguments.optimizer, "shards": arguments.shards,
+              "vocabulary": arguments.vocabulary,
+              "dimension": arguments.dimension,
+              "wrap": replicate.TowerOptimizer})
+  path = os.path.join(arguments.model_dir,
+                      "values-{}-{}.npz".format(task["type"], task["index"]))
+  input_fn = input_fn_for(sync_job.parse_batches(arguments.batches),
+                          arguments.model_dir)
+  tf.estimator.train_and_evaluate(
+      estimator,
+      tf.estimator.TrainSpec(lambda: input_fn(rank),
+                             max_steps=arguments.max_steps,
+                             hooks=[_Report(path, arguments.report_memory)]),
+      tf.estimator.EvalSpec(lambda: input_fn(rank)))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

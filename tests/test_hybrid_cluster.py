@@ -1,0 +1,282 @@
+"""Embeddings on ps tasks, the rest replicated, one synchronous step.
+
+Every task (ps tasks too) runs `tests/hybrid_job.py` under
+`replicate.launch.LocalCluster`: a CTR model whose tables are partitioned
+(`fixed_size_partitioner`), trained with `variable_strategy="replicated"`
+in a cluster with ps tasks. Each run is compared with the unwrapped
+`model_fn` on one device, on the concatenation of every task's batches
+(chief first), to 1e-5: every variable (the tables' parts, their slots,
+the dense layers, Adam's powers) and the global step, on every task and in
+the chief's checkpoint. Then: where the tables live (no task holds a copy,
+by placement and by resident memory), checkpoints moving between the
+cluster, one machine's towers and one device, and the ps tasks' faults.
+
+Slow (a cluster per test): run by `make test-multiworker`.
+"""
+
+import os
+import re
+import signal
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from replicate import launch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import hybrid_job  # noqa: E402  pylint: disable=wrong-import-position
+from test_sync_multiworker import Lines  # noqa: E402  pylint: disable=wrong-import-position
+from test_sync_multiworker import MARGIN  # noqa: E402  pylint: disable=wrong-import-position
+from test_sync_multiworker import TIMEOUT  # noqa: E402  pylint: disable=wrong-import-position
+from test_sync_multiworker import TOLERANCE  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def _tasks(workers):
+  return [("chief", 0)] + [("worker", i) for i in range(workers - 1)]
+
+
+def _cluster(model_dir, workers, max_steps, batches, log, num_ps=1,
+             *options):
+  command = [sys.executable, os.path.join(HERE, "hybrid_job.py"),
+             str(model_dir), str(max_steps), batches] + list(options)
+  return launch.LocalCluster(
+      command, num_ps=num_ps, num_workers=workers, log=log,
+      env={"REPLICATE_SYNC_TIMEOUT_SECS": str(TIMEOUT),
+           "TF_CPP_MIN_LOG_LEVEL": "1"})
+
+
+def _run(model_dir, workers, max_steps, batches, *options, num_ps=1):
+  """Runs the job to its end; every training task's exit code, the log."""
+  log = Lines()
+  with _cluster(model_dir, workers, max_steps, batches, log, num_ps,
+                *options) as cluster:
+    codes = {"{}:{}".format(*task): cluster.wait(*task, timeout=240)
+             for task in _tasks(workers)}
+  assert codes == {"{}:{}".format(*t): 0 for t in _tasks(workers)}, (
+      log.text()[-4000:])
+  return log
+
+
+def _concatenated(batches, steps, start=0):
+  """The one-device input: step s's batches of every task, chief first."""
+  per_task = hybrid_job.sync_job.parse_batches(batches)
+
+  def input_fn():
+    def generate():
+      for step in range(start, steps):
+        parts = [hybrid_job.batch(rank, step, rows[step])
+                 for rank, rows in enumerate(per_task)]
+        yield ({key: np.concatenate([p[0][key] for p in parts])
+                for key in ("ids", "x")},
+               np.concatenate([p[1] for p in parts]))
+
+    return tf.data.Dataset.from_generator(generate, output_signature=(
+        {"ids": tf.TensorSpec([None, hybrid_job.FIELDS], tf.int64),
+         "x": tf.TensorSpec([None, hybrid_job.DENSE], tf.float32)},
+        tf.TensorSpec([None, 1], tf.float32)))
+
+  return input_fn
+
+
+def _one_machine(model_dir, batches, steps, optimizer="adam", towers=1,
+                 start=0, canned=False):
+  """The model on one device, unwrapped (or on one machine's `towers`,
+  "replicated"), on the concatenated batches; the checkpoint's values."""
+  model_fn = hybrid_job.canned_model_fn if canned else hybrid_job.model_fn
+  wrap = lambda optimizer: optimizer  # noqa: E731
+  config = tf.estimator.RunConfig(model_dir=str(model_dir))
+  if towers > 1:
+    model_fn = replicate.replicate_model_fn(model_fn,
+                                            variable_strategy="replicated")
+    wrap = replicate.TowerOptimizer
+    config = config.replace(session_config=tf.compat.v1.ConfigProto(
+        device_count={"CPU": towers}))
+  estimator = tf.estimator.Estimator(
+      model_fn, config=config,
+      params={"optimizer": optimizer, "shards": 2, "wrap": wrap})
+  estimator.train(_concatenated(batches, steps, start), max_steps=steps)
+  reader = tf.train.load_checkpoint(str(model_dir))
+  return {name: reader.get_tensor(name)
+          for name in reader.get_variable_to_shape_map()}
+
+
+def _assert_like(values, expected, where, every=True):
+  if every:
+    assert sorted(values) == sorted(expected), where
+  else:
+    assert set(values) <= set(expected), (where, set(values) - set(expected))
+  for name, value in values.items():
+    np.testing.assert_allclose(value, expected[name], rtol=TOLERANCE,
+                               atol=TOLERANCE,
+                               err_msg="{}: {}".format(where, name))
+
+
+def _task_values(model_dir, job, index):
+  path = os.path.join(str(model_dir), "values-{}-{}.npz".format(job, index))
+  with np.load(path) as values:
+    return dict(values)
+
+
+def _joined(values):
+  """A task's values, each table's parts (`table_0/part_1`, its slots
+  `table_0/part_1/Adam`) joined along rows as the checkpoint saves them
+  (`table_0`, `table_0/Adam`)."""
+  joined, parts = {}, {}
+  for name, value in values.items():
+    match = re.fullmatch(r"(.*)/part_(\d+)(/.*)?", name)
+    if match:
+      parts.setdefault(match.group(1) + (match.group(3) or ""), {})[
+          int(match.group(2))] = value
+    else:
+      joined[name] = value
+  for name, by_index in parts.items():
+    joined[name] = np.concatenate([by_index[i] for i in sorted(by_index)])
+  return joined
+
+
+def _assert_every_task_like(model_dir, workers, expected):
+  """The chief's values and checkpoint hold every variable, as one
+  device's; a worker's what it reads (no slots of the ps tables)."""
+  reader = tf.train.load_checkpoint(str(model_dir))
+  _assert_like({name: reader.get_tensor(name)
+                for name in reader.get_variable_to_shape_map()}, expected,
+               "the chief's checkpoint")
+  for job, index in _tasks(workers):
+    values = _joined(_task_values(model_dir, job, index))
+    _assert_like(values, expected, "{}:{}".format(job, index),
+                 every=job == "chief")
+    assert "table_0" in values and ("table_0/Adam" in values) == (
+        job == "chief" and "table_0/Adam" in expected)
+
+
+@pytest.mark.parametrize("optimizer,workers,towers,num_ps", [
+    ("adam", 2, "1,2", 1), ("adagrad", 2, "2", 2), ("sgd", 2, "2,1", 1),
+    ("ftrl", 3, "1,2,1", 2)])
+def test_tables_on_ps_train_as_one_device(tmp_path, optimizer, workers,
+                                          towers, num_ps):
+  # Uneven batches, an empty one on a worker, a batch of 1 row, ids
+  # repeating within and across tasks.
+  batches = ("5,2,4;3,6,0" if workers == 2 else "5,2,4;3,6,0;1,0,7")
+  _run(tmp_path / "cluster", workers, 3, batches, "--optimizer", optimizer,
+       "--towers", towers, num_ps=num_ps)
+  expected = _one_machine(tmp_path / "reference", batches, 3, optimizer)
+  assert expected["global_step"] == 3
+  reader = tf.train.load_checkpoint(str(tmp_path / "cluster"))
+  # Saved as one device saves them: each table whole, from its 2 parts.
+  assert reader.get_variable_to_shape_map()["table_0"] == [
+      hybrid_job.VOCABULARY, hybrid_job.DIMENSION]
+  _assert_every_task_like(tmp_path / "cluster", workers, expected)
+
+
+def test_no_task_holds_a_copy_of_a_table(tmp_path):
+  # By placement: every part of every table, and its slots, on a ps task,
+  # none on a training task (no `tower_1/table_0/part_0` copy either); the
+  # dense layers on each task. Then by memory: a table of 4M x 16 floats
+  # (256 MB; with Adam's two slots 768 MB on the ps) leaves every training
+  # task's resident memory where a table of 40 rows leaves it.
+  log = _run(tmp_path / "small", 2, 2, "4,4;4,4", "--report-memory")
+  small = _memory(log)
+  placed = _placements(log, "chief:0")
+  tables = {name: device for name, device in placed.items()
+            if name.startswith("table_")}
+  assert len(tables) == 3 * hybrid_job.FIELDS * 2  # parts, Adam's 2 slots
+  assert all("/job:ps/" in device for device in tables.values()), tables
+  assert not any(name.startswith("tower_1/table_") for name in placed)
+  assert all("/job:chief/" in device for name, device in placed.items()
+             if name.startswith(("hidden/", "logits/", "tower_1/hidden/"))
+             ), placed
+  assert "/job:chief/" in placed["global_step"]
+  assert "/job:chief/" in placed["beta1_power"]
+  log = _run(tmp_path / "large", 2, 2, "4,4;4,4", "--report-memory",
+             "--vocabulary", str(4 * 10 ** 6), "--dimension", "16")
+  large = _memory(log)
+  table_mb = 4 * 10 ** 6 * 16 * 4 / 2 ** 20
+  print("resident MB, 40-row tables: {}; 4M x 16 tables ({:.0f} MB each): "
+        "{}".format(small, table_mb, large))
+  for task in ("chief:0", "worker:0"):
+    assert large[task] - small[task] < 0.1 * table_mb, (task, small, large)
+
+
+def _placements(log, task):
+  found = {}
+  for line in log.of(task).splitlines():
+    match = re.search(r"hybrid_job: placed (\S+) (\S+)", line)
+    if match:
+      found[match.group(1)] = match.group(2)
+  return found
+
+
+def _memory(log):
+  found = {}
+  for line in log.text().splitlines():
+    match = re.search(r"\[(\S+)\] hybrid_job: resident MB (\d+)", line)
+    if match:
+      found[match.group(1)] = int(match.group(2))
+  return found
+
+
+def test_a_checkpoint_moves_between_the_cluster_one_machine_and_back(
+    tmp_path):
+  # The cluster trains steps 1-2 and stops; one machine's 2 towers
+  # ("replicated", no cluster) train step 3 from its checkpoint; the
+  # cluster, every task restarted, steps 4-5. The tables are saved under
+  # the unwrapped names and partitioning: the end equals one device's 5
+  # uninterrupted steps.
+  batches = "5,2,4,3,6;3,6,0,4,2"
+  model_dir = tmp_path / "moved"
+  _run(model_dir, 2, 2, batches)
+  _one_machine(model_dir, batches, 3, towers=2, start=2)
+  log = _run(model_dir, 2, 5, batches)
+  assert "hybrid_job: step 4" in log.of("worker:0")
+  expected = _one_machine(tmp_path / "reference", batches, 5)
+  _assert_every_task_like(model_dir, 2, expected)
+
+
+def test_a_canned_wide_and_deep_with_partitioned_inputs(tmp_path):
+  # DNNLinearCombinedClassifier (TF 1 canned) with input_layer_partitioner:
+  # its embeddings on the ps tasks, the DNN and the linear part's
+  # unpartitioned variables replicated; Adagrad and FTRL.
+  batches = "5,2,4;3,6,0"
+  _run(tmp_path / "cluster", 2, 3, batches, "--canned", "--optimizer",
+       "adagrad")
+  expected = _one_machine(tmp_path / "reference", batches, 3, "adagrad",
+                          canned=True)
+  on_ps = [name for name in expected if "/part_" in name]
+  assert on_ps, sorted(expected)
+  _assert_every_task_like(tmp_path / "cluster", 2, expected)
+
+
+# (signal, what the training tasks' errors say).
+PS_FAULTS = {
+    "ps killed mid-run": (signal.SIGKILL, ["lost the synchronous cluster",
+                                           "has been running a step",
+                                           "Socket closed"]),
+    "ps frozen mid-run": (signal.SIGSTOP, ["has been running a step"]),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(PS_FAULTS))
+def test_a_dead_or_frozen_ps_ends_every_task_in_bounded_time(fault,
+                                                             tmp_path):
+  sig, messages = PS_FAULTS[fault]
+  log = Lines()
+  with _cluster(tmp_path / "cluster", 2, 100000, "4*100000;4*100000",
+                log) as cluster:
+    log.wait_for("chief:0", "hybrid_job: step 20")
+    cluster.kill("ps", 0, sig)
+    faulted = time.monotonic()
+    codes = {task: cluster.wait(*task, timeout=TIMEOUT + MARGIN + 60)
+             for task in _tasks(2)}
+    elapsed = time.monotonic() - faulted
+  print("{}: the training tasks exited with {} {:.1f} s after (bound "
+        "{:g} s)".format(fault, codes, elapsed, TIMEOUT))
+  for task, code in codes.items():
+    text = log.of("{}:{}".format(*task))
+    assert code != 0, text[-3000:]
+    assert any(message in text for message in messages), text[-3000:]
+  assert elapsed < TIMEOUT + MARGIN, (elapsed, log.text()[-3000:])
