@@ -117,9 +117,10 @@ def make_parser():
       help="task counts, the chief included, comma-separated")
   add("--model", choices=("mlp", "ctr"), default="mlp",
       help="the dense MLP, or the CTR model (benchmarks/ctr_model.py), "
-      "whose runs have their own section and defaults: --tasks 2,3, every "
-      "approach of {}, --repeats 1, --steps 100, --warmup 10, --batch "
-      "1536, --hidden 256,128, no probe".format(", ".join(CTR_APPROACHES)))
+      "whose runs have their own section and, for the flags left out: "
+      "--tasks 2,3, every approach of {}, --repeats 1, --steps 100, "
+      "--warmup 10, --batch 1536, --hidden 256,128, no probe".format(
+          ", ".join(CTR_APPROACHES)))
   add("--approaches", metavar="A,A", default=",".join(APPROACHES),
       type=cli.comma_list(cli.one_of(APPROACHES + ("hybrid", "ps-async")),
                           twice=cli.ONCE),
