@@ -170,8 +170,8 @@ def table(data):
   batch = data["batch"]
   lines = ["| approach | tasks | ps tasks | devices | rows a device | "
            "examples/sec | ms a global step | x replicate | bytes a step, quarter "
-           "batch | bytes a step, whole batch | of which collectives / "
-           "send-recv | chief's peak memory, MB |", "|" + "---|" * 12]
+           "batch | bytes a step, whole batch | of which collectives (ops) / "
+           "send-recv (tensors) | chief's peak memory, MB |", "|" + "---|" * 12]
   for approach, tasks in data["cells"]:
     key = aw._key(approach, tasks)  # pylint: disable=protected-access
     count = tasks * (1 if approach == "mwms" else data["towers"])
@@ -201,7 +201,9 @@ def table(data):
         aw._spread(ratios) if approach != "replicate" else "-",  # pylint: disable=protected-access
         *("-" if traced[n] is None else "{:,.0f}".format(traced[n])
           for n in ("quarter", "whole")),
-        "{:,} / {:,}".format(whole[0]["collectives"], whole[0]["send/recv"])
+        "{:,} ({}) / {:,} ({})".format(
+            whole[0]["collectives"], whole[0].get("collective ops", "-"),
+            whole[0]["send/recv"], whole[0].get("transfers", "-"))
         if whole else "-",
         aw._spread([r["memory_mb"] for r in runs if r.get("memory_mb")],  # pylint: disable=protected-access
                    "{:,.0f}")))
@@ -350,9 +352,11 @@ def draw(path, data):
       quarter.append((_median([total(r["bytes"]["quarter"]) for r in runs
                                if "quarter" in r.get("bytes", {})]) or 0)
                      / 1e6)
+    if not positions:
+      continue  # every run of it failed
     left.bar(positions, rates, width, color=COLORS[approach], label=approach)
     right.bar(positions, whole, width, color=COLORS[approach],
-              label=approach + ", whole batch")
+              label=approach)
     right.bar(positions, quarter, width, color="white", hatch="//",
               edgecolor=COLORS[approach], alpha=0.9)
   for axes in (left, right):
@@ -360,10 +364,10 @@ def draw(path, data):
     axes.grid(True, axis="y", color="0.9")
   left.set_ylabel("examples/sec (median)")
   left.legend(fontsize=8)
+  right.legend(fontsize=8)
   left.set_title("Measured: CTR model, global batch {}, 2 shared cores, "
                  "loopback gRPC".format(data["batch"]), fontsize=10)
-  right.set_ylabel("MB crossing tasks in one chief step (hatched: a "
-                   "quarter of the batch)")
+  right.set_ylabel("MB a step of the chief (hatched: a quarter batch)")
   right.set_title("Bytes a step: collectives' outputs + gRPC tensors "
                   "between tasks", fontsize=10)
   figure.suptitle("The CTR model across workers\n{}; {}, {}".format(

@@ -897,12 +897,14 @@ def _ctr_data():
 
 def test_ctr_section_rates_bytes_and_round_trip():
   data = _ctr_data()
+  data["runs"]["hybrid x2"][0]["bytes"]["whole"].update(
+      {"collective ops": 161, "transfers": 20})
   text = across_workers_ctr.section(data)
   # 1536 x 100 / 8 s = 19,200; 800,000 + 200,000 quarter bytes.
   assert ("| replicate | 2 | 0 | 4 | 384 | 19,200 | 80.0 | - | 1,000,000 | "
-          "3,000,000 | 3,000,000 / 0 | 800 |") in text
+          "3,000,000 | 3,000,000 (-) / 0 (-) | 800 |") in text
   assert ("| hybrid | 2 | 1 | 4 | 384 | 38,400 | 40.0 | 2.00 | 1,000,000 | "
-          "4,000,000 | 3,000,000 / 1,000,000 | 500 |") in text
+          "4,000,000 | 3,000,000 (161) / 1,000,000 (20) | 500 |") in text
   # MWMS: one device a task, no quarter step.
   assert ("| mwms | 2 | 0 | 2 | 768 | 76,800 | 20.0 | 4.00 | - | "
           "2,000,000 |") in text
