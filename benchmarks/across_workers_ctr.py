@@ -238,6 +238,19 @@ def growth(data, approach):
   return out
 
 
+def fastest_synchronous(data):
+  """{tasks: [(approach, median examples/sec), ...] fastest first} over the
+  synchronous approaches that ran."""
+  out = {}
+  for approach, tasks in data["cells"]:
+    runs = [r for r in data["runs"][aw._key(approach, tasks)] if r]  # pylint: disable=protected-access
+    if approach != "ps-async" and runs:
+      out.setdefault(tasks, []).append((approach, statistics.median(
+          rate(r, approach, data["batch"]) for r in runs)))
+  return {tasks: sorted(ranked, key=lambda pair: -pair[1])
+          for tasks, ranked in out.items()}
+
+
 def section(data):
   """The `## Across workers: a CTR model` section, from a run's figures."""
   rows_a_table = ctr_model.table_rows(data["table_rows"], data["fields"])
@@ -295,6 +308,14 @@ def section(data):
   touched = touched_text(data)
   if touched:
     parts += ["Rows touched (the chief's batch): {}.".format(touched), ""]
+  fastest = fastest_synchronous(data)
+  if fastest:
+    parts += ["Fastest synchronous approach (replicate, hybrid, mwms, "
+              "ps-sync; median examples/sec): {}.".format("; ".join(
+                  "{} tasks: {} ({:,.0f}, then {} {:,.0f})".format(
+                      tasks, *ranked[0], *ranked[1]) if len(ranked) > 1
+                  else "{} tasks: {} ({:,.0f})".format(tasks, *ranked[0])
+                  for tasks, ranked in sorted(fastest.items()))), ""]
   grown = ["{}: {}".format(a, ", ".join(
       "{:.2f} at {} tasks".format(v, t) for t, v in sorted(g.items())))
            for a in ("replicate", "hybrid", "ps-sync", "ps-async")

@@ -912,6 +912,10 @@ def test_ctr_section_rates_bytes_and_round_trip():
   assert "| ps-async | 2 | 1 | 4 | 384 | 76,800 | 10.0 | 4.00 |" in text
   assert "| ps-sync | 2 | 1 | 4 | 384 | failed: chief exited with 1" in text
   assert "replicate: 3.00 at 2 tasks; hybrid: 4.00 at 2 tasks" in text
+  # ps-async is not synchronous; the fastest first, then the next.
+  assert ("Fastest synchronous approach (replicate, hybrid, mwms, ps-sync; "
+          "median examples/sec): 2 tasks: mwms (76,800, then hybrid "
+          "38,400).") in text
   assert "2 tasks: 768 rows look up 19,968 ids (8,759 distinct)" in text
   assert "40,330 x 16 (1,048,580 rows, 67.1 MB" in text
   assert across_workers.read_data(text, across_workers_ctr.DATA) == data
