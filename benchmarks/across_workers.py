@@ -30,6 +30,11 @@ approach's communication costs, not how it scales across machines.
 the run's raw figures, in an HTML comment) into FILE, replacing the one
 there, and draws `<stem>_across_workers.png` beside it; `--redraw` rewrites
 both from the figures FILE holds, without running anything.
+
+`--model ctr` runs a CTR model instead (`benchmarks/across_workers_ctr.py`:
+embedding tables on ps tasks or all-gathered as slices, five approaches,
+examples/sec and bytes a step), into its own section `## Across workers: a
+CTR model` and `<stem>_across_workers_ctr.png`; the MLP's are left alone.
 """
 
 import datetime
