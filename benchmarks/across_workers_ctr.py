@@ -171,7 +171,7 @@ def table(data):
   lines = ["| approach | tasks | ps tasks | devices | rows a device | "
            "examples/sec | ms a global step | x replicate | bytes a step, quarter "
            "batch | bytes a step, whole batch | of which collectives (ops) / "
-           "send-recv (tensors) | chief's peak memory, MB |", "|" + "---|" * 12]
+           "received / sent | chief's peak memory, MB |", "|" + "---|" * 12]
   for approach, tasks in data["cells"]:
     key = aw._key(approach, tasks)  # pylint: disable=protected-access
     count = tasks * (1 if approach == "mwms" else data["towers"])
@@ -201,9 +201,10 @@ def table(data):
         aw._spread(ratios) if approach != "replicate" else "-",  # pylint: disable=protected-access
         *("-" if traced[n] is None else "{:,.0f}".format(traced[n])
           for n in ("quarter", "whole")),
-        "{:,} ({}) / {:,} ({})".format(
+        "{:,} ({}) / {} / {}".format(
             whole[0]["collectives"], whole[0].get("collective ops", "-"),
-            whole[0]["send/recv"], whole[0].get("transfers", "-"))
+            *("{:,}".format(whole[0][kind]) if kind in whole[0] else "-"
+              for kind in ("received", "sent")))
         if whole else "-",
         aw._spread([r["memory_mb"] for r in runs if r.get("memory_mb")],  # pylint: disable=protected-access
                    "{:,.0f}")))
@@ -291,15 +292,19 @@ def section(data):
           data["batch"], data["towers"], data["towers"], data["steps"],
           data["warmup"]), "",
       "Bytes a step, counted from tensor sizes: the chief traces two of "
-      "its warm-up steps (`RunOptions(trace_level=FULL_TRACE)`), one on a "
-      "quarter of its batch and one on all of it, and sums, from the "
-      "step's stats, the output of every collective op the step ran (an "
-      "all-reduce's reduced tensor, an all-gather's slices of every task, "
-      "padding included) and every tensor gRPC moved between the chief's "
-      "session and another task (the `RecvTensor` records: variable reads "
-      "and embedding rows from the ps task, ids, gradients to it). These "
-      "are the chief's step's tensors, not the bytes on the wire (a ring "
-      "all-reduce sends about 2(K-1)/K of its tensor; gRPC frames). "
+      "its warm-up steps (`RunOptions(trace_level=FULL_TRACE, "
+      "output_partition_graphs=True)`), one on a quarter of its batch and "
+      "one on all of it, and sums, from its own devices' stats of the step "
+      "(`benchmarks/ctr_model.py`, `step_bytes`): the output of every "
+      "collective op the step ran (an all-reduce's reduced tensor, an "
+      "all-gather's slices of every task, padding included); every tensor "
+      "it received from another task by gRPC (its `RecvTensor` records: "
+      "variable reads and embedding rows from the ps task); every tensor "
+      "it sent to another task (each cross-task `_Send` of the step's "
+      "partition graphs, sized by its producer's output: ids, gradients "
+      "and updates to the ps task). These are the chief's tensors, not "
+      "the bytes on the wire (a ring all-reduce sends about 2(K-1)/K of "
+      "its tensor; gRPC frames), and not the other tasks'. "
       "`mwms` runs the whole batch from its first step (its all-gathers "
       "keep their first shape), so it has no quarter figure. The tables "
       "are {:.1f} MB: summed densely, as replicate did before slices, a "

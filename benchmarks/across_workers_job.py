@@ -182,7 +182,8 @@ class _Timer(tf.compat.v1.train.SessionRunHook):
     if self._local_steps in self._traced:
       return tf.compat.v1.train.SessionRunArgs(
           self._step, options=tf.compat.v1.RunOptions(
-              trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
+              trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
+              output_partition_graphs=True))
     return tf.compat.v1.train.SessionRunArgs(self._step)
 
   def after_run(self, run_context, run_values):
@@ -190,7 +191,8 @@ class _Timer(tf.compat.v1.train.SessionRunHook):
     if self._local_steps in self._traced:
       from benchmarks import ctr_model  # pylint: disable=import-outside-toplevel
       self.bytes[self._traced[self._local_steps]] = ctr_model.step_bytes(
-          run_values.run_metadata.step_stats, self._op_types)
+          run_values.run_metadata, self._op_types,
+          "/job:chief/replica:0/task:0")
     self._local_steps += 1
     # The global step read in the same run as the update: before or after
     # it; either way the same each step, so the differences count steps.
@@ -255,7 +257,7 @@ def _train(args, cluster, task, ranks):
         variable_strategy="parameter_server")
   estimator = tf.estimator.Estimator(model_fn, config=config)
   traced = {}
-  if args.model == "ctr":  # mwms: the whole batch only (see below)
+  if args.model == "ctr" and task == ("chief", 0):  # mwms: the whole only
     traced = {step: name for step, name in TRACED_STEPS.items()
               if args.mode != "mwms" or name == "whole"}
   timer = _Timer(args.warmup, traced)

@@ -14,17 +14,19 @@ in click logs; every task draws its own rows from its rank, the same on
 every run.
 
 Bytes a step (`step_bytes`) are counted from one traced step's
-`RunMetadata.step_stats` (`trace_level=FULL_TRACE`): the runtime sizes of
-the tensors that cross between tasks in that step:
+`RunMetadata` (`trace_level=FULL_TRACE`, `output_partition_graphs=True`):
+the runtime sizes of the tensors that cross between the chief and the other
+tasks in that step, from the chief's own devices' stats:
 
 - every collective op the step ran (`Collective*` in the step's stats):
   the size of its output, i.e. the reduced tensor of an all-reduce and
   every task's (padded) slices of an all-gather, what each task ends with;
-- every tensor the step's session moved from one task to another by gRPC
-  (the ps tasks' variable reads and embedding rows to the workers, the
-  ids, gradients and updates to the ps tasks): the step's `RecvTensor`
-  records whose sending and receiving devices are on different tasks, the
-  bytes each received.
+- every tensor the chief received from another task by gRPC (variable
+  reads and embedding rows from the ps tasks): its `RecvTensor` records;
+- every tensor it sent to another task (ids, gradients, updates to the ps
+  tasks): each `_Send` of the step's partition graphs from a chief device
+  to another task's, the size of the tensor it sends (its producer's
+  output in the step's stats).
 
 These are the step's tensors as TensorFlow ran them (shapes at run time,
 so the ragged all-gathers count their real length), not an estimate of the
@@ -40,6 +42,7 @@ import numpy as np
 ZIPF_EXPONENT = 1.2
 _TASK = re.compile(r"^(/job:[^/]+/replica:\d+/task:\d+)")
 _LABEL = re.compile(r"^\S+ = (\w+)\(")
+_SENDS = ("_Send", "_HostSend")
 _TRANSFER = re.compile(r" from (\S+) to (\S+)")
 
 # tf.DType enum values -> bytes an element (those a CTR step moves).
@@ -114,12 +117,12 @@ def _task(device: str) -> str:
 
 
 def _tensor_bytes(description) -> int:
-  """Bytes of a step-stats tensor description (its shape x its dtype)."""
+  """Bytes of a step-stats tensor description: its shape x its dtype, or
+  what was allocated for it if either is not known here."""
   dims = [d.size for d in description.shape.dim]
-  if any(size < 0 for size in dims):
+  if description.dtype not in _ITEMSIZE or any(size < 0 for size in dims):
     return int(description.allocation_description.requested_bytes)
-  return int(np.prod(dims, dtype=np.int64)) * _ITEMSIZE.get(
-      description.dtype, 4)
+  return int(np.prod(dims, dtype=np.int64)) * _ITEMSIZE[description.dtype]
 
 
 def _op_type(node, op_types: Dict[str, str]) -> str:
@@ -130,30 +133,55 @@ def _op_type(node, op_types: Dict[str, str]) -> str:
   return found.group(1) if found else op_types.get(node.node_name, "")
 
 
-def step_bytes(step_stats, op_types: Dict[str, str]) -> Dict[str, int]:
-  """What crossed between tasks in one traced step, by kind, in bytes.
+def step_bytes(run_metadata, op_types: Dict[str, str],
+               task: str) -> Dict[str, int]:
+  """What crossed between `task` and the others in one traced step, bytes.
 
-  `step_stats` is a traced run's `RunMetadata.step_stats`; `op_types` maps
-  the task's graph's op names to their types (a collective keeps its name
-  in the step's stats). Kinds: `collectives` (every collective's output,
-  `collective ops` of them) and `send/recv` (every tensor that gRPC moved
-  from one task to another in the step, as the step's `RecvTensor`
-  records: `transfers` of them).
+  `run_metadata`: the step's (`trace_level=FULL_TRACE`,
+  `output_partition_graphs=True`); `op_types` maps the graph's op names to
+  their types (a collective keeps its name in the step's stats); `task` as
+  `/job:chief/replica:0/task:0`. Kinds: `collectives` (the output of every
+  collective op run on the task's devices, `collective ops` of them),
+  `received` (the task's `RecvTensor` records of tensors from other
+  tasks), `sent` (the task's sends to other tasks in the step's partition
+  graphs, each the size of the tensor it sends, as the step's stats give
+  its producer's output; `unsized` of them had none), `send/recv` (both)
+  and `transfers` (how many). Only the task's own devices' stats are
+  used: another task's stats of a step come back partly at times.
   """
-  totals = {"collectives": 0, "send/recv": 0, "collective ops": 0,
-            "transfers": 0}
-  for device in step_stats.dev_stats:
+  outputs, totals = {}, dict.fromkeys(
+      ("collectives", "collective ops", "received", "sent", "send/recv",
+       "transfers", "unsized"), 0)
+  for device in run_metadata.step_stats.dev_stats:
+    if _task(device.device) != task:
+      continue
     for node in device.node_stats:
+      for output in node.output:
+        outputs[(node.node_name, output.slot)] = output.tensor_description
       if not node.output:
         continue
       description = node.output[0].tensor_description
       if node.node_name == "RecvTensor":  # its bytes, no shape or dtype
         found = _TRANSFER.search(node.timeline_label)
-        if found and _task(found.group(1)) != _task(found.group(2)):
-          totals["send/recv"] += int(
+        if found and _task(found.group(1)) != task == _task(found.group(2)):
+          totals["received"] += int(
               description.allocation_description.requested_bytes)
           totals["transfers"] += 1
       elif _op_type(node, op_types).startswith("Collective"):
         totals["collectives"] += _tensor_bytes(description)
         totals["collective ops"] += 1
+  for graph in run_metadata.partition_graphs:
+    for node in graph.node:
+      if node.op not in _SENDS or _task(
+          node.attr["send_device"].s.decode()) != task or _task(
+              node.attr["recv_device"].s.decode()) == task:
+        continue
+      name, _, slot = node.input[0].partition(":")
+      description = outputs.get((name, int(slot or 0)))
+      if description is None:
+        totals["unsized"] += 1
+        continue
+      totals["sent"] += _tensor_bytes(description)
+      totals["transfers"] += 1
+  totals["send/recv"] = totals["received"] + totals["sent"]
   return totals

@@ -797,9 +797,10 @@ def _node(name, label, shape=None, dtype=1, requested=0):
 
 
 def test_step_bytes_counts_collectives_and_cross_task_transfers():
-  worker = "/job:worker/replica:0/task:0/device:CPU:0"
-  step_stats = step_stats_pb2.StepStats()
-  device = step_stats.dev_stats.add(device=worker)
+  chief = "/job:chief/replica:0/task:0"
+  ps = "/job:ps/replica:0/task:0/device:CPU:0"
+  metadata = tf.compat.v1.RunMetadata()
+  device = metadata.step_stats.dev_stats.add(device=chief + "/device:CPU:0")
   device.node_stats.extend([
       # An all-gather in a function (named only by its label), a [6, 16]
       # float32 output: 384 bytes; an all-reduce without a label, found by
@@ -808,23 +809,34 @@ def test_step_bytes_counts_collectives_and_cross_task_transfers():
             "cond/CollectiveGatherV2 = CollectiveGatherV2(x, y)", [6, 16]),
       _node("allreduce", "", [10]),
       _node("lengths", "lengths = CollectiveGatherV2(n)", [2], dtype=9),
-      # Rows from the ps task: counted; from this task's other device: not.
-      _node("RecvTensor", "[0.1MB] [7.2Gb/s] edge_1_rows from "
-            "/job:ps/replica:0/task:0/device:CPU:0 to " + worker,
-            requested=1000),
-      _node("RecvTensor", "[1KB] edge_2_x from "
-            "/job:worker/replica:0/task:0/device:CPU:1 to " + worker,
-            requested=5000),
+      # Rows from the ps task: counted; from the chief's other device: not.
+      _node("RecvTensor", "[0.1MB] [7.2Gb/s] edge_1_rows from {} to "
+            "{}/device:CPU:0".format(ps, chief), requested=1000),
+      _node("RecvTensor", "[1KB] edge_2_x from {0}/device:CPU:1 to "
+            "{0}/device:CPU:0".format(chief), requested=5000),
+      # The ids sent to the ps task, int64 [3]: 24 bytes.
+      _node("ids", "ids = Unique(x)", [3], dtype=9),
       _node("MatMul", "MatMul = MatMul(a, b)", [100, 100]),
   ])
-  ps = step_stats.dev_stats.add(device="/job:ps/replica:0/task:0/device:CPU:0")
-  ps.node_stats.extend([_node("RecvTensor", "[1KB] edge_3_ids from " + worker
-                              + " to /job:ps/replica:0/task:0/device:CPU:0",
-                              requested=24)])
-  counted = ctr_model.step_bytes(step_stats, {"allreduce":
-                                              "CollectiveReduceV2"})
+  # The ps task's own record of receiving the ids: not the chief's.
+  metadata.step_stats.dev_stats.add(device=ps).node_stats.extend([
+      _node("RecvTensor", "[1KB] edge_3_ids from {}/device:CPU:0 to "
+            "{}".format(chief, ps), requested=24)])
+  graph = metadata.partition_graphs.add()
+  for name, inputs, sender, receiver in [
+      ("send_ids", ["ids", "^MatMul"], chief + "/device:CPU:0", ps),
+      ("send_local", ["MatMul"], chief + "/device:CPU:0",
+       chief + "/device:CPU:1"),
+      ("send_unknown", ["Const:1"], chief + "/device:CPU:0", ps),
+      ("send_from_ps", ["rows"], ps, chief + "/device:CPU:0")]:
+    node = graph.node.add(name=name, op="_Send", input=inputs)
+    node.attr["send_device"].s = sender.encode()
+    node.attr["recv_device"].s = receiver.encode()
+  counted = ctr_model.step_bytes(metadata, {"allreduce":
+                                            "CollectiveReduceV2"}, chief)
   assert counted == {"collectives": 384 + 40 + 16, "collective ops": 3,
-                     "send/recv": 1000 + 24, "transfers": 2}
+                     "received": 1000, "sent": 24, "send/recv": 1024,
+                     "transfers": 2, "unsized": 1}
 
 
 def test_step_bytes_of_a_traced_step_of_a_tiny_graph():
@@ -842,11 +854,13 @@ def test_step_bytes_of_a_traced_step_of_a_tiny_graph():
     session.run([summed, gathered], options=tf.compat.v1.RunOptions(
         trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
                 run_metadata=metadata)
-  counted = ctr_model.step_bytes(metadata.step_stats, {
-      op.name: op.type for op in graph.get_operations()})
+  counted = ctr_model.step_bytes(
+      metadata, {op.name: op.type for op in graph.get_operations()},
+      "/job:localhost/replica:0/task:0")
   # 12 float32 and 5 int64, counted once each; nothing crossed tasks.
   assert counted == {"collectives": 48 + 40, "collective ops": 2,
-                     "send/recv": 0, "transfers": 0}
+                     "received": 0, "sent": 0, "send/recv": 0,
+                     "transfers": 0, "unsized": 0}
 
 
 def test_ctr_batches_are_power_law_ids_in_the_table_and_repeat_per_rank():
@@ -898,13 +912,13 @@ def _ctr_data():
 def test_ctr_section_rates_bytes_and_round_trip():
   data = _ctr_data()
   data["runs"]["hybrid x2"][0]["bytes"]["whole"].update(
-      {"collective ops": 161, "transfers": 20})
+      {"collective ops": 161, "received": 400_000, "sent": 600_000})
   text = across_workers_ctr.section(data)
   # 1536 x 100 / 8 s = 19,200; 800,000 + 200,000 quarter bytes.
   assert ("| replicate | 2 | 0 | 4 | 384 | 19,200 | 80.0 | - | 1,000,000 | "
-          "3,000,000 | 3,000,000 (-) / 0 (-) | 800 |") in text
+          "3,000,000 | 3,000,000 (-) / - / - | 800 |") in text
   assert ("| hybrid | 2 | 1 | 4 | 384 | 38,400 | 40.0 | 2.00 | 1,000,000 | "
-          "4,000,000 | 3,000,000 (161) / 1,000,000 (20) | 500 |") in text
+          "4,000,000 | 3,000,000 (161) / 400,000 / 600,000 | 500 |") in text
   # MWMS: one device a task, no quarter step.
   assert ("| mwms | 2 | 0 | 2 | 768 | 76,800 | 20.0 | 4.00 | - | "
           "2,000,000 |") in text
