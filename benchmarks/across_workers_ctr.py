@@ -227,16 +227,24 @@ def touched_text(data):
 
 
 def growth(data, approach):
-  """whole / quarter bytes of `approach`'s runs, by tasks (median)."""
+  """{tasks: (whole - quarter bytes, whole / quarter)} of `approach`'s
+  runs (medians)."""
   out = {}
   for name, tasks in data["cells"]:
     runs = [r for r in data["runs"][aw._key(name, tasks)] if r and {  # pylint: disable=protected-access
         "quarter", "whole"} <= set(r.get("bytes", {}))]
     if name == approach and runs:
-      out[tasks] = statistics.median(
-          total(r["bytes"]["whole"]) / total(r["bytes"]["quarter"])
-          for r in runs)
+      pairs = [(total(r["bytes"]["whole"]), total(r["bytes"]["quarter"]))
+               for r in runs]
+      out[tasks] = (statistics.median(w - q for w, q in pairs),
+                    statistics.median(w / q for w, q in pairs))
   return out
+
+
+def dense_parameters(data):
+  """The MLP's parameters on top of the embeddings (all float32)."""
+  sizes = [data["fields"] * data["dim"]] + list(data["hidden"]) + [1]
+  return sum(a * b + b for a, b in zip(sizes, sizes[1:]))
 
 
 def fastest_synchronous(data):
@@ -322,13 +330,18 @@ def section(data):
                   else "{} tasks: {} ({:,.0f})".format(tasks, *ranked[0])
                   for tasks, ranked in sorted(fastest.items()))), ""]
   grown = ["{}: {}".format(a, ", ".join(
-      "{:.2f} at {} tasks".format(v, t) for t, v in sorted(g.items())))
+      "+{:.2f} MB (x {:.2f}) at {} tasks".format(v[0] / 1e6, v[1], t)
+      for t, v in sorted(g.items())))
            for a in ("replicate", "hybrid", "ps-sync", "ps-async")
            for g in [growth(data, a)] if g]
   if grown:
-    parts += ["Bytes of the whole batch's step over the quarter's (4 x the "
-              "ids): {}. What grows is the rows looked up; the tables' size "
-              "is not in it.".format("; ".join(grown)), ""]
+    parts += ["From a quarter of the batch to all of it (4 x the ids looked "
+              "up), the chief's bytes a step grow by: {}. What does not grow "
+              "is the dense layers' part ({:.2f} MB of gradients, or of "
+              "reads from the ps task, a tower), and the tables' {:.1f} MB "
+              "are in none of it: the bytes follow the rows looked up."
+              .format("; ".join(grown), dense_parameters(data) * 4 / 1e6,
+                      table_bytes / 1e6), ""]
   parts += ["", DATA + json.dumps(data, separators=(",", ":")) + " -->",
             ""]
   return "\n".join(parts)

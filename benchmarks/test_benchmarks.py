@@ -925,7 +925,11 @@ def test_ctr_section_rates_bytes_and_round_trip():
   # ps-async: a global step is one task's 768 rows.
   assert "| ps-async | 2 | 1 | 4 | 384 | 76,800 | 10.0 | 4.00 |" in text
   assert "| ps-sync | 2 | 1 | 4 | 384 | failed: chief exited with 1" in text
-  assert "replicate: 3.00 at 2 tasks; hybrid: 4.00 at 2 tasks" in text
+  assert ("grow by: replicate: +2.00 MB (x 3.00) at 2 tasks; hybrid: +3.00 "
+          "MB (x 4.00) at 2 tasks; ps-async: +1.50 MB (x 2.00) at 2 "
+          "tasks.") in text
+  # 416 x 256 + 256 + 256 x 128 + 128 + 128 + 1 floats.
+  assert "dense layers' part (0.56 MB of gradients" in text
   # ps-async is not synchronous; the fastest first, then the next.
   assert ("Fastest synchronous approach (replicate, hybrid, mwms, ps-sync; "
           "median examples/sec): 2 tasks: mwms (76,800, then hybrid "
