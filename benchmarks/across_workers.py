@@ -26,10 +26,11 @@ step on a real cluster (`benchmarks.step_cost_model`) takes.
 
 All tasks share this machine's cores, so the figures show what each
 approach's communication costs, not how it scales across machines.
-`--record FILE` puts the `## Across workers` section (tables, cost model and
-the run's raw figures, in an HTML comment) into FILE, replacing the one
-there, and draws `<stem>_across_workers.png` beside it; `--redraw` rewrites
-both from the figures FILE holds, without running anything.
+`--record FILE` puts the `## Across workers` section (tables, cost model, a
+CTR model's step on paper from `benchmarks.ctr_cost`, and the run's raw
+figures, in an HTML comment) into FILE, replacing the one there, and draws
+`<stem>_across_workers.png` beside it; `--redraw` rewrites both from the
+figures FILE holds, without running anything.
 
 `--model ctr` runs a CTR model instead (`benchmarks/across_workers_ctr.py`:
 embedding tables on ps tasks or all-gathered as slices, five approaches,
@@ -49,7 +50,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks import cli
+from benchmarks import cli, ctr_cost
 from benchmarks import step_cost_model as cost
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -533,6 +534,7 @@ def section(data):
   parts += cost_section(probe, resnet, resnet_collectives, norms)
   if probe:
     parts += ["", _loopback_check(data, probe, mlp, mlp_collectives)]
+  parts += [""] + ctr_cost.section(probe["untimed"] if probe else None)
   parts += ["", _DATA + json.dumps(data, separators=(",", ":")) + " -->", ""]
   return "\n".join(parts)
 

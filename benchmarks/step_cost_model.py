@@ -48,6 +48,11 @@ or gRPC streams that share a link, the optimizer's update, the input
 pipeline, stragglers, and whether TensorFlow's gRPC collectives reach the
 link's bandwidth at all (the `replicate` rows at the throughput measured
 here show what happens if they do not).
+
+The CTR part at the end models what a click-through-rate model's
+embedding gradient costs to synchronise (summed densely, all-gathered as
+slices, or through ps tasks beside an all-reduced MLP): bytes on each link
+phase by phase, collectives, memory; `benchmarks.ctr_cost` renders it.
 """
 
 import math
@@ -186,3 +191,171 @@ def step(arrangement: Arrangement, gradient_bytes: float,
   forward = compute * (1 - backward_share)
   return Step(compute, transfer, latency, cost, compute + communication,
               max(compute, forward + communication))
+
+
+# --- a CTR step: sparse traffic ----------------------------------------------
+#
+# A click-through-rate model: F categorical fields, each id a row of one
+# embedding table of V rows x d float32 (26 tables of V rows in all move the
+# same bytes), an MLP on top; each of K workers (one device, one network
+# link each) trains b rows a step, so it looks up F x b ids, of which `rows`
+# are distinct. What the embedding's gradient costs to synchronise:
+#
+# - `all-dense`: the table's gradient summed as a dense V x d tensor (today's
+#   `replicate` across tasks): a ring all-reduce of the table and the MLP.
+# - `all-gather`: each worker's slices (an int64 index and d floats a row)
+#   all-gathered, every worker applying every worker's slices to its own
+#   full copy: a ring all-gather, each member sending and receiving (K-1)
+#   x rows x (4d + 8) B, the MLP all-reduced beside it.
+# - `hybrid`: the table sharded over P ps tasks (own machines, own links,
+#   rows spread evenly over them), the MLP all-reduced among the workers.
+#   Each worker sends its distinct ids to the ps (8 B each), gets its rows
+#   back (4d B each), and after backward its slices reach the ps one of two
+#   ways: `gathered`, all-gathered among the workers, then the chief pushes
+#   all K workers' slices to the ps and applies them there, or `straight`,
+#   each worker sends its own slices to the ps that hold their rows (as
+#   into a `SparseConditionalAccumulator`), where they are summed and
+#   applied once all K arrived. Both end with a collective barrier.
+#
+# Links are full duplex: a phase takes its busiest link's max(bytes out,
+# bytes in) / bandwidth, and the phases of a step run one after the other.
+# Nothing overlaps the compute: the embedding's gradient is the backward
+# pass's last, and the rows must be read before the forward pass.
+
+INDEX_BYTES = 8  # an int64 row id
+
+
+class Ctr(NamedTuple):
+  """A CTR model's step on each worker."""
+  rows: int  # V: embedding rows in all
+  dim: int  # d
+  fields: int  # F: ids an example (one a field)
+  batch: int  # b: examples a worker a step
+  unique: float  # distinct rows among a worker's F x b ids
+  mlp: Tuple[Tuple[int, ...], ...]  # the dense layers' shapes
+  compute: float  # seconds of a worker's forward and backward pass
+  slots: int = 1  # optimizer slots of the table's size: Adagrad 1, Adam 2
+
+  @property
+  def ids(self) -> int:
+    return self.fields * self.batch
+
+  @property
+  def touched(self) -> int:
+    return round(self.unique * self.ids)
+
+  @property
+  def slice_bytes(self) -> int:
+    return FLOAT32_BYTES * self.dim + INDEX_BYTES
+
+  @property
+  def table_bytes(self) -> int:
+    return self.rows * self.dim * FLOAT32_BYTES
+
+  @property
+  def mlp_bytes(self) -> int:
+    return parameters(self.mlp) * FLOAT32_BYTES
+
+
+class Traffic(NamedTuple):
+  """What one scheme's step moves and holds; bytes a step."""
+  scheme: str
+  sent: float  # by a worker (not the chief)
+  received: float
+  busiest: str  # the link that carries most: "a worker", "the chief", "a ps"
+  busiest_bytes: float  # max(out, in) on it
+  phases: Tuple[float, ...]  # the busiest link's max(out, in), phase by phase
+  collectives: int  # among the workers
+  rounds: int  # of them, one after the other
+  exchanges: int  # worker-ps request and reply, one after the other
+  ps_messages: int  # transfers a worker (or the chief) makes to the ps
+  worker_memory: float  # bytes a worker holds: variables, slots, buffers
+  ps_memory: float  # bytes a ps task holds
+
+
+def _mlp_collectives(ctr: Ctr) -> int:
+  return sum(replicate_collectives(ctr.mlp).values())
+
+
+def all_dense(ctr: Ctr, workers: int) -> Traffic:
+  summed = ring_bytes_per_member(ctr.table_bytes + ctr.mlp_bytes, workers)
+  collectives = sum(replicate_collectives(
+      list(ctr.mlp) + [(ctr.rows, ctr.dim)]).values())
+  # The table, its slots, and its dense gradient; the MLP's likewise.
+  memory = (ctr.table_bytes + ctr.mlp_bytes) * (2 + ctr.slots)
+  return Traffic("all-dense", summed, summed, "a worker", summed, (summed,),
+                 collectives, 2, 0, 0, memory, 0.0)
+
+
+def all_gather(ctr: Ctr, workers: int, rows: int,
+               scheme: str = "all-gather") -> Traffic:
+  """`rows`: the slices a worker puts on the wire (padding included)."""
+  moved = ((workers - 1) * rows * ctr.slice_bytes +
+           ring_bytes_per_member(ctr.mlp_bytes, workers))
+  # The MLP's, then a gather of the lengths, of the indices, of the values;
+  # rounds: the batch rows, the lengths, the rest.
+  collectives = _mlp_collectives(ctr) + 3
+  memory = (ctr.table_bytes * (1 + ctr.slots) + ctr.mlp_bytes *
+            (2 + ctr.slots) + workers * rows * ctr.slice_bytes)
+  return Traffic(scheme, moved, moved, "a worker", moved, (moved,),
+                 collectives, 3, 0, 0, memory, 0.0)
+
+
+def hybrid(ctr: Ctr, workers: int, ps: int, gathered: bool) -> Traffic:
+  """The hybrid's step, its slices `gathered` (the chief pushes them) or
+  sent straight to the ps by each worker."""
+  rows, k = ctr.touched, workers
+  ids, looked_up = rows * INDEX_BYTES, rows * FLOAT32_BYTES * ctr.dim
+  slices, mlp = rows * ctr.slice_bytes, ring_bytes_per_member(
+      ctr.mlp_bytes, k)
+  lookup = (max(ids, k * ids / ps), max(looked_up, k * looked_up / ps))
+  ps_in = k * (ids + slices) / ps
+  ps_memory = ctr.table_bytes * (1 + ctr.slots) / ps + k * slices / ps
+  worker_memory = ctr.mlp_bytes * (2 + ctr.slots) + 2 * looked_up
+  if gathered:
+    gather = (k - 1) * slices + mlp
+    sent, received = ids + gather, looked_up + gather
+    chief = sent + k * slices
+    phases = lookup + (gather, max(k * slices, k * slices / ps))
+    return Traffic("hybrid (gathered)", sent, received, "the chief",
+                   max(chief, received), phases,
+                   _mlp_collectives(ctr) + 3 + 1, 4, 2, 2 * ps,
+                   worker_memory + k * slices, ps_memory)
+  sent, received = ids + slices + mlp, looked_up + mlp
+  phases = lookup + (max(sent - ids, k * slices / ps),)
+  busiest = max((max(sent, received), "a worker"),
+                (max(ps_in, k * looked_up / ps), "a ps"))
+  # The MLP's collectives, then a barrier after the ps's apply.
+  return Traffic("hybrid (straight)", sent, received, busiest[1], busiest[0],
+                 phases, _mlp_collectives(ctr) + 1, 3, 2, 2 * ps,
+                 worker_memory, ps_memory)
+
+
+class CtrStep(NamedTuple):
+  compute: float  # seconds
+  transfer: float
+  latency: float
+  overhead: float
+
+  @property
+  def step(self) -> float:
+    return self.compute + self.transfer + self.latency + self.overhead
+
+  @property
+  def efficiency(self) -> float:
+    return self.compute / self.step
+
+
+def ctr_step(traffic: Traffic, workers: int, bandwidth: float,
+             hop_latency: float, overhead: Overhead,
+             compute: float) -> CtrStep:
+  """A CTR step's times, in seconds; `bandwidth` in bytes a second. A
+  collective round costs 2(K-1) hops, a worker-ps exchange 2; the first
+  collective α_first, every further collective or ps transfer α_more."""
+  if workers == 1 and not traffic.ps_messages:
+    return CtrStep(compute, 0.0, 0.0, 0.0)
+  latency = (traffic.rounds * 2 * (workers - 1) + 2 * traffic.exchanges
+             ) * hop_latency
+  cost = overhead.first + (traffic.collectives - 1 +
+                           traffic.ps_messages) * overhead.more
+  return CtrStep(compute, sum(traffic.phases) / bandwidth, latency, cost)

@@ -16,8 +16,9 @@ from tensorflow.core.framework import step_stats_pb2
 
 from benchmarks import __main__ as main
 from benchmarks import (across_workers, across_workers_ctr, allreduce_cost,
-                        cluster, configs, ctr_model, harness, pipelines, plot,
-                        profile, readme, report, split_cost, step_cost_model)
+                        cluster, configs, ctr_cost, ctr_model, harness,
+                        pipelines, plot, profile, readme, report, split_cost,
+                        step_cost_model)
 from benchmarks.models import MODELS
 
 
@@ -310,7 +311,8 @@ PARSERS = {"benchmarks": main.make_parser,
            "split_cost": split_cost.make_parser,
            "profile": profile.make_parser, "cluster": cluster.make_parser,
            "plot": plot.make_parser,
-           "across_workers": across_workers.make_parser}
+           "across_workers": across_workers.make_parser,
+           "ctr_cost": ctr_cost.make_parser}
 
 
 @pytest.mark.parametrize("name, argv, flag, message", [
@@ -350,6 +352,11 @@ PARSERS = {"benchmarks": main.make_parser,
     ("across_workers", ["--steps", "0"], "--steps", "received '0'"),
     ("across_workers", ["--timeout", "0"], "--timeout",
      "must be a number above 0; received '0'"),
+    ("ctr_cost", ["--unique", "1.5"], "--unique",
+     "must be a fraction above 0 and at most 1; received '1.5'"),
+    ("ctr_cost", ["--unique", "0"], "--unique", "received '0'"),
+    ("ctr_cost", ["--ps", "0"], "--ps", "at least 1; received '0'"),
+    ("ctr_cost", ["--compute-ms", "-2"], "--compute-ms", "above 0"),
 ])
 def test_a_bad_value_is_a_usage_error_naming_its_flag(name, argv, flag,
                                                        message, capsys):
@@ -530,6 +537,148 @@ def test_a_step_predicted_by_hand():
   assert alone.communication == 0.0 and alone.efficiency_no_overlap == 1.0
   flat = model.flat_ring(2, 8, 100e6)  # 100 MB in 64 MiB buffers: 2
   assert (flat.members, flat.collectives, flat.rounds) == (16, 2, 2)
+
+
+def _tiny_ctr(**changes):
+  """10 rows x 2, 3 fields, 2 examples a worker: 6 ids, 3 distinct rows; a
+  slice 4 x 2 + 8 = 16 B; an MLP 6-1 (7 parameters, 28 B); the table 80 B."""
+  ctr = step_cost_model.Ctr(rows=10, dim=2, fields=3, batch=2, unique=0.5,
+                            mlp=((6, 1), (1,)), compute=1.0, slots=1)
+  return ctr._replace(**changes)
+
+
+def test_ctr_traffic_by_hand_at_2_workers():
+  model, ctr = step_cost_model, _tiny_ctr()
+  assert (ctr.ids, ctr.touched, ctr.slice_bytes, ctr.table_bytes,
+          ctr.mlp_bytes) == (6, 3, 16, 80, 28)
+  # Dense: a 2-member ring sends 2 x 1/2 of table + MLP = 108 B each way;
+  # the table, its slot and its dense gradient, the MLP's likewise.
+  dense = model.all_dense(ctr, 2)
+  assert (dense.sent, dense.received, dense.phases) == (108, 108, (108,))
+  assert (dense.collectives, dense.rounds, dense.worker_memory) == (3, 2, 324)
+  # All-gather: 1 other worker x 3 rows x 16 B, plus the MLP's 28 B; the
+  # static cap pads to the 6 ids. Memory: table + slot 160, MLP x 3 84,
+  # the 2 workers' 3 slices 96.
+  gather = model.all_gather(ctr, 2, ctr.touched)
+  assert (gather.sent, gather.received, gather.phases) == (76, 76, (76,))
+  assert model.all_gather(ctr, 2, ctr.ids).sent == 6 * 16 + 28
+  assert (gather.collectives, gather.rounds, gather.worker_memory) == (
+      6, 3, 340)
+  # Hybrid, 1 ps, straight: ids up 3 x 8 = 24, rows down 3 x 8 = 24,
+  # slices 48 out. The ps takes both workers' ids (48) and slices (96):
+  # its link is the busiest, 144 B in.
+  straight = model.hybrid(ctr, 2, 1, gathered=False)
+  assert (straight.sent, straight.received) == (24 + 48 + 28, 24 + 28)
+  assert straight.phases == (48, 48, 96)
+  assert (straight.busiest, straight.busiest_bytes) == ("a ps", 144)
+  assert (straight.worker_memory, straight.ps_memory) == (84 + 48, 160 + 96)
+  # Gathered: the workers all-gather their slices (48 + the MLP's 28),
+  # then the chief pushes both workers' 96 B to the ps.
+  gathered = model.hybrid(ctr, 2, 1, gathered=True)
+  assert (gathered.sent, gathered.received) == (24 + 76, 24 + 76)
+  assert gathered.phases == (48, 48, 76, 96)
+  assert (gathered.busiest, gathered.busiest_bytes) == ("the chief", 196)
+  assert (gathered.collectives, gathered.rounds) == (7, 4)
+  # Half the workers' rows on each of 2 ps: the ps links carry half.
+  assert model.hybrid(ctr, 2, 2, gathered=False).phases == (24, 24, 76)
+
+
+def test_a_ctr_step_predicted_by_hand():
+  model, ctr = step_cost_model, _tiny_ctr()
+  overhead = model.Overhead(first=0.01, more=0.002)
+  dense = model.ctr_step(model.all_dense(ctr, 2), 2, 100.0, 0.001, overhead,
+                         ctr.compute)
+  # 108 B at 100 B/s; 2 rounds x 2 hops; 0.01 + 2 further collectives.
+  assert dense.transfer == pytest.approx(1.08)
+  assert dense.latency == pytest.approx(0.004)
+  assert dense.overhead == pytest.approx(0.014)
+  assert dense.step == pytest.approx(2.098)
+  assert dense.efficiency == pytest.approx(1 / 2.098)
+  straight = model.ctr_step(model.hybrid(ctr, 2, 1, gathered=False), 2,
+                            100.0, 0.001, overhead, ctr.compute)
+  # 192 B in 3 phases; 3 rounds x 2 hops + 2 exchanges x 2 hops; 4
+  # collectives and 2 ps transfers: 0.01 + 5 x 0.002.
+  assert straight.transfer == pytest.approx(1.92)
+  assert straight.latency == pytest.approx(0.010)
+  assert straight.overhead == pytest.approx(0.020)
+  alone = model.ctr_step(model.all_gather(ctr, 1, 3), 1, 100.0, 0.001,
+                         overhead, ctr.compute)
+  assert alone.step == 1.0 and alone.efficiency == 1.0
+
+
+def test_sparse_bytes_grow_with_rows_touched_and_dense_with_the_table():
+  model, small = step_cost_model, _tiny_ctr()
+  big = small._replace(rows=1_000_010)
+  for scheme in (lambda c: model.all_gather(c, 4, c.touched),
+                 lambda c: model.hybrid(c, 4, 2, gathered=False),
+                 lambda c: model.hybrid(c, 4, 2, gathered=True)):
+    assert scheme(big).sent == scheme(small).sent
+    assert scheme(big).phases == scheme(small).phases
+  # 100,000 times the table: 2 x 3/4 x 4 x 2 x 1,000,000 B more a worker.
+  assert model.all_dense(big, 4).sent - model.all_dense(small, 4).sent == (
+      pytest.approx(12e6))
+  # Twice the distinct rows: twice the slices, (4 - 1) x 3 x 16 B more.
+  more = small._replace(unique=1.0)
+  assert model.all_gather(more, 4, more.touched).sent - model.all_gather(
+      small, 4, small.touched).sent == 3 * 3 * 16
+  assert model.all_gather(more, 4, more.ids).sent == model.all_gather(
+      small, 4, small.ids).sent  # the static cap does not see them
+
+
+def test_ctr_cost_at_100m_rows_and_16_workers():
+  ctr = ctr_cost.ctr_model()
+  assert (ctr.ids, ctr.touched, ctr.table_bytes) == (106_496, 53_248, 6.4e9)
+  found = {(r["traffic"].scheme, r["link"]): r for r in ctr_cost.rows(
+      ctr, step_cost_model.Overhead(0.0, 0.0))}
+  # 2 x 15/16 x (6.4 GB + the MLP's 4.39 MB) over 3.125 GB/s
+  dense = found[("all-dense", 25)]
+  assert dense["traffic"].sent == pytest.approx(
+      1.875 * (6.4e9 + 1_096_705 * 4))
+  assert dense["step"].transfer == pytest.approx(
+      dense["traffic"].sent / 3.125e9)
+  # 15 x 53,248 x 72 B + the MLP's ring share
+  gather = found[("all-gather (distinct rows)", 100)]["traffic"]
+  assert gather.sent == pytest.approx(15 * 53_248 * 72 + 1.875 * 4_386_820)
+  # The hybrid's worker holds no table; its ps a quarter of table + slot.
+  straight = found[("hybrid (straight)", 25)]
+  assert straight["traffic"].worker_memory < 1e8
+  assert straight["traffic"].ps_memory == pytest.approx(
+      3.2e9 + 16 * 53_248 * 72 / 4)
+  ranked = sorted(found.values(), key=lambda r: r["step"].step)
+  assert ranked[-1]["traffic"].scheme == "all-dense"
+  assert ranked[0]["traffic"].scheme == "hybrid (straight)"
+
+
+def test_results_md_holds_the_ctr_section_the_model_gives():
+  with open(readme.RESULTS) as results:
+    text = results.read()
+  probe = across_workers.probe_figures(
+      across_workers.read_data(text)["probes"]["2"])
+  section = "\n".join(ctr_cost.section(probe["untimed"]))
+  assert section in text, ("RESULTS.md's CTR section is not the model's; "
+                           "run python -m benchmarks.across_workers "
+                           "--redraw --record benchmarks/RESULTS.md")
+  assert section.startswith(ctr_cost.HEADING + "\n")
+  assert "| hybrid (straight) | 100 Gb/s |" in section
+
+
+def test_docs_quote_the_ctr_sections_efficiencies():
+  with open(readme.RESULTS) as results:
+    probe = across_workers.probe_figures(across_workers.read_data(
+        results.read())["probes"]["2"])
+  sentence = ctr_cost.summary(ctr_cost.rows(ctr_cost.ctr_model(),
+                                            probe["untimed"]))
+  with open(readme.README) as text:
+    assert sentence in " ".join(text.read().split()), (
+        "docs/benchmarks.md does not quote RESULTS.md's CTR efficiencies: "
+        + sentence)
+
+
+def test_ctr_cost_prints_its_section(capsys):
+  assert ctr_cost.main(["--workers", "2", "--ps", "1", "--unique", "1"]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith(ctr_cost.HEADING)
+  assert "K = 2 workers" in out and "P = 1 ps tasks" in out
 
 
 def _across_workers_data():

@@ -3,7 +3,7 @@
   python tests/hybrid_job.py MODEL_DIR MAX_STEPS BATCHES
       [--optimizer {adam,adagrad,sgd,ftrl}] [--towers N[,N...]]
       [--shards S] [--canned] [--vocabulary V] [--dimension D]
-      [--report-memory]
+      [--report-memory] [--partitioned-statistic] [--save-every N]
 
 A CTR model as its users write it: `FIELDS` categorical fields, each an
 embedding table made by `get_variable(..., partitioner=
@@ -43,15 +43,9 @@ FIELDS = 3
 VOCABULARY = 40
 DIMENSION = 4
 DENSE = 2
+SEED = 7  # the graph's: the canned model's initializers have no seed
 
-OPTIMIZERS = {
-    "adam": lambda: tf.compat.v1.train.AdamOptimizer(0.05),
-    "adagrad": lambda: tf.compat.v1.train.AdagradOptimizer(0.3),
-    "sgd": lambda: tf.compat.v1.train.GradientDescentOptimizer(0.5),
-    "ftrl": lambda: tf.compat.v1.train.FtrlOptimizer(
-        0.3, l1_regularization_strength=0.01,
-        l2_regularization_strength=0.01),
-}
+OPTIMIZERS = sync_job.SPARSE_OPTIMIZERS  # sgd, adam, adagrad, ftrl
 
 
 def batch(rank, step, rows):
@@ -88,6 +82,14 @@ def model_fn(features, labels, mode, params):
       hidden, 1, name="logits",
       kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
   loss = tf.compat.v1.losses.sigmoid_cross_entropy(labels, logits)
+  if params.get("partitioned_statistic"):
+    # A moving mean of the dense feature, partitioned: refused on ps.
+    mean = tf.compat.v1.get_variable(
+        "feature_mean", [8, DENSE], trainable=False, partitioner=partitioner,
+        initializer=tf.compat.v1.zeros_initializer())
+    tf.compat.v1.add_to_collection(
+        tf.compat.v1.GraphKeys.UPDATE_OPS, tf.compat.v1.assign_add(
+            mean, tf.zeros([8, DENSE]) + tf.reduce_mean(features["x"], 0)))
   optimizer = params["wrap"](OPTIMIZERS[params["optimizer"]]())
   train_op = optimizer.minimize(
       loss, tf.compat.v1.train.get_or_create_global_step())
@@ -133,37 +135,28 @@ def input_fn_for(batches, model_dir):
   return input_fn
 
 
-class _Report(tf.compat.v1.train.SessionRunHook):
-  """Prints the phases; writes every global variable's value at the end."""
+class _Report(sync_job.Report):
+  """`sync_job.Report`, and with `report_memory` where each variable lives
+  and the peak resident memory before the values (but the ps tasks':
+  reading those would bring them here)."""
 
   def __init__(self, path, report_memory):
-    self._path = path
+    super().__init__(path, prefix="hybrid_job")
     self._report_memory = report_memory
 
   def begin(self):
-    self._variables = tf.compat.v1.global_variables()
-    self._step = tf.compat.v1.train.get_global_step()
     if self._report_memory:
-      for variable in self._variables + tf.compat.v1.local_variables():
-        print("hybrid_job: placed {} {}".format(variable.op.name,
-                                                variable.op.device),
-              flush=True)
-    print("hybrid_job: started", flush=True)
+      for variable in (tf.compat.v1.global_variables() +
+                       tf.compat.v1.local_variables()):
+        self.say("placed {} {}".format(variable.op.name, variable.op.device))
+    super().begin()
 
-  def before_run(self, run_context):
-    return tf.compat.v1.train.SessionRunArgs(self._step)
-
-  def after_run(self, run_context, run_values):
-    print("hybrid_job: step {}".format(run_values.results + 1), flush=True)
-
-  def end(self, session):
-    values = session.run({v.op.name: v for v in self._variables})
-    np.savez(self._path, **values)
-    if self._report_memory:
-      print("hybrid_job: resident MB {}".format(
-          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024),
-            flush=True)
-    print("hybrid_job: done", flush=True)
+  def saved(self, variables):
+    if not self._report_memory:
+      return variables
+    self.say("resident MB {}".format(
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024))
+    return [v for v in variables if "/job:ps/" not in v.op.device]
 
 
 def main(argv):
@@ -183,6 +176,10 @@ def main(argv):
                       help="rows of each table")
   parser.add_argument("--dimension", type=int, default=DIMENSION,
                       help="columns of each table")
+  parser.add_argument("--save-every", type=int, default=1000,
+                      help="the chief's checkpoints, every this many steps")
+  parser.add_argument("--partitioned-statistic", action="store_true",
+                      help="a partitioned variable that is not trainable")
   parser.add_argument("--report-memory", action="store_true",
                       help="print placements and peak resident memory")
   arguments = parser.parse_args(argv)
@@ -194,7 +191,9 @@ def main(argv):
   rank = ranks.index((task["type"], task["index"])) if task[
       "type"] != "ps" else 0
   config = tf.estimator.RunConfig(
-      model_dir=arguments.model_dir, save_checkpoints_steps=1000,
+      model_dir=arguments.model_dir,
+      save_checkpoints_steps=arguments.save_every,
+      tf_random_seed=SEED,
       experimental_max_worker_delay_secs=0,
       session_config=tf.compat.v1.ConfigProto(
           device_count={"CPU": sync_job._of_task(arguments.towers, rank)}))
@@ -208,6 +207,7 @@ def main(argv):
       params={"optimizer": arguments.optimizer, "shards": arguments.shards,
               "vocabulary": arguments.vocabulary,
               "dimension": arguments.dimension,
+              "partitioned_statistic": arguments.partitioned_statistic,
               "wrap": replicate.TowerOptimizer})
   path = os.path.join(arguments.model_dir,
                       "values-{}-{}.npz".format(task["type"], task["index"]))

@@ -226,27 +226,36 @@ def input_fn_for(batches, model_dir, static=False):
   return input_fn
 
 
-class _Report(tf.compat.v1.train.SessionRunHook):
-  """Prints the phases; writes every global variable's value at the end."""
+class Report(tf.compat.v1.train.SessionRunHook):
+  """Prints the phases; writes every global variable's value at the end
+  (`saved(variables)`: which of them)."""
 
-  def __init__(self, path):
+  def __init__(self, path, prefix="sync_job"):
     self._path = path
+    self._prefix = prefix
+
+  def say(self, text):
+    print("{}: {}".format(self._prefix, text), flush=True)
 
   def begin(self):
     self._variables = tf.compat.v1.global_variables()
     self._step = tf.compat.v1.train.get_global_step()
-    print("sync_job: started", flush=True)
+    self.say("started")
 
   def before_run(self, run_context):
     return tf.compat.v1.train.SessionRunArgs(self._step)
 
   def after_run(self, run_context, run_values):
-    print("sync_job: step {}".format(run_values.results + 1), flush=True)
+    self.say("step {}".format(run_values.results + 1))
+
+  def saved(self, variables):
+    return variables
 
   def end(self, session):
-    values = session.run({v.op.name: v for v in self._variables})
+    values = session.run({v.op.name: v
+                          for v in self.saved(self._variables)})
     np.savez(self._path, **values)
-    print("sync_job: done", flush=True)
+    self.say("done")
 
 
 def _of_task(values, rank):
@@ -316,7 +325,7 @@ def main(argv):
       estimator,
       tf.estimator.TrainSpec(lambda: input_fn(rank),
                              max_steps=arguments.max_steps,
-                             hooks=[_Report(path)]),
+                             hooks=[Report(path)]),
       tf.estimator.EvalSpec(lambda: input_fn(rank)))
   return 0
 

@@ -125,12 +125,20 @@ def test_evaluation_on_the_chief_stays_on_local_devices(monkeypatch):
                  for op in graph.get_operations())
 
 
-def test_replicated_variables_are_refused_with_ps_tasks(monkeypatch):
+def test_replicated_variables_with_ps_tasks_need_the_server_started(
+    monkeypatch):
+  # "replicated" with ps tasks trains in lockstep (what the model_fn
+  # partitions on the ps tasks: tests/test_hybrid_cluster.py), which needs
+  # the collectives' server of replicate.start_server.
   config = _config(monkeypatch)
   with pytest.raises(ValueError, match=(
-      r"variable_strategy='replicated' keeps a copy of every variable on "
-      r"each tower, but this RunConfig's cluster has 2 ps task\(s\).*Use "
-      r"variable_strategy='parameter_server'")):
+      r"Pass tf.estimator.RunConfig\(experimental_max_worker_delay_secs=0\)"
+      r". Received experimental_max_worker_delay_secs=None")):
+    _build(config, variable_strategy="replicated")
+  config = config.replace(experimental_max_worker_delay_secs=0)
+  with pytest.raises(ValueError, match=(
+      r"needs this task's server started by replicate.start_server\("
+      r"run_config\)")):
     _build(config, variable_strategy="replicated")
 
 

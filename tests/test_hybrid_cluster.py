@@ -41,20 +41,21 @@ def _tasks(workers):
 
 
 def _cluster(model_dir, workers, max_steps, batches, log, num_ps=1,
-             *options):
+             *options, timeout=TIMEOUT):
   command = [sys.executable, os.path.join(HERE, "hybrid_job.py"),
              str(model_dir), str(max_steps), batches] + list(options)
   return launch.LocalCluster(
       command, num_ps=num_ps, num_workers=workers, log=log,
-      env={"REPLICATE_SYNC_TIMEOUT_SECS": str(TIMEOUT),
+      env={"REPLICATE_SYNC_TIMEOUT_SECS": str(timeout),
            "TF_CPP_MIN_LOG_LEVEL": "1"})
 
 
-def _run(model_dir, workers, max_steps, batches, *options, num_ps=1):
+def _run(model_dir, workers, max_steps, batches, *options, num_ps=1,
+         timeout=TIMEOUT):
   """Runs the job to its end; every training task's exit code, the log."""
   log = Lines()
   with _cluster(model_dir, workers, max_steps, batches, log, num_ps,
-                *options) as cluster:
+                *options, timeout=timeout) as cluster:
     codes = {"{}:{}".format(*task): cluster.wait(*task, timeout=240)
              for task in _tasks(workers)}
   assert codes == {"{}:{}".format(*t): 0 for t in _tasks(workers)}, (
@@ -89,7 +90,8 @@ def _one_machine(model_dir, batches, steps, optimizer="adam", towers=1,
   "replicated"), on the concatenated batches; the checkpoint's values."""
   model_fn = hybrid_job.canned_model_fn if canned else hybrid_job.model_fn
   wrap = lambda optimizer: optimizer  # noqa: E731
-  config = tf.estimator.RunConfig(model_dir=str(model_dir))
+  config = tf.estimator.RunConfig(model_dir=str(model_dir),
+                                  tf_random_seed=hybrid_job.SEED)
   if towers > 1:
     model_fn = replicate.replicate_model_fn(model_fn,
                                             variable_strategy="replicated")
@@ -150,8 +152,6 @@ def _assert_every_task_like(model_dir, workers, expected):
     values = _joined(_task_values(model_dir, job, index))
     _assert_like(values, expected, "{}:{}".format(job, index),
                  every=job == "chief")
-    assert "table_0" in values and ("table_0/Adam" in values) == (
-        job == "chief" and "table_0/Adam" in expected)
 
 
 @pytest.mark.parametrize("optimizer,workers,towers,num_ps", [
@@ -171,14 +171,21 @@ def test_tables_on_ps_train_as_one_device(tmp_path, optimizer, workers,
   assert reader.get_variable_to_shape_map()["table_0"] == [
       hybrid_job.VOCABULARY, hybrid_job.DIMENSION]
   _assert_every_task_like(tmp_path / "cluster", workers, expected)
+  # The tables' slots (SGD has none) are the chief's: it alone updates them.
+  slots = {"adam": "Adam", "adagrad": "Adagrad", "ftrl": "Ftrl"}
+  if optimizer in slots:
+    slot = "table_0/part_0/" + slots[optimizer]
+    assert slot in _task_values(tmp_path / "cluster", "chief", 0)
+    assert slot not in _task_values(tmp_path / "cluster", "worker", 0)
 
 
 def test_no_task_holds_a_copy_of_a_table(tmp_path):
   # By placement: every part of every table, and its slots, on a ps task,
   # none on a training task (no `tower_1/table_0/part_0` copy either); the
-  # dense layers on each task. Then by memory: a table of 4M x 16 floats
-  # (256 MB; with Adam's two slots 768 MB on the ps) leaves every training
-  # task's resident memory where a table of 40 rows leaves it.
+  # dense layers on each task. Then by memory: tables of 2M x 16 floats
+  # (128 MB each, 384 MB in all; with Adam's two slots 1.1 GB on the ps)
+  # leave every training task's peak resident memory where tables of 40
+  # rows leave it.
   log = _run(tmp_path / "small", 2, 2, "4,4;4,4", "--report-memory")
   small = _memory(log)
   placed = _placements(log, "chief:0")
@@ -192,14 +199,17 @@ def test_no_task_holds_a_copy_of_a_table(tmp_path):
              ), placed
   assert "/job:chief/" in placed["global_step"]
   assert "/job:chief/" in placed["beta1_power"]
+  # The ps initialises the large tables before the first step: a longer
+  # timeout for the start.
   log = _run(tmp_path / "large", 2, 2, "4,4;4,4", "--report-memory",
-             "--vocabulary", str(4 * 10 ** 6), "--dimension", "16")
+             "--vocabulary", str(2 * 10 ** 6), "--dimension", "16",
+             timeout=60)
   large = _memory(log)
-  table_mb = 4 * 10 ** 6 * 16 * 4 / 2 ** 20
-  print("resident MB, 40-row tables: {}; 4M x 16 tables ({:.0f} MB each): "
-        "{}".format(small, table_mb, large))
+  tables_mb = hybrid_job.FIELDS * 2 * 10 ** 6 * 16 * 4 / 2 ** 20
+  print("peak resident MB, 40-row tables: {}; tables of {:.0f} MB in all: "
+        "{}".format(small, tables_mb, large))
   for task in ("chief:0", "worker:0"):
-    assert large[task] - small[task] < 0.1 * table_mb, (task, small, large)
+    assert large[task] - small[task] < 0.1 * tables_mb, (task, small, large)
 
 
 def _placements(log, task):
@@ -222,14 +232,16 @@ def _memory(log):
 
 def test_a_checkpoint_moves_between_the_cluster_one_machine_and_back(
     tmp_path):
-  # The cluster trains steps 1-2 and stops; one machine's 2 towers
+  # The cluster trains steps 1-2 and stops (the chief saving after every
+  # step, while the worker waits in the next); one machine's 2 towers
   # ("replicated", no cluster) train step 3 from its checkpoint; the
   # cluster, every task restarted, steps 4-5. The tables are saved under
   # the unwrapped names and partitioning: the end equals one device's 5
   # uninterrupted steps.
   batches = "5,2,4,3,6;3,6,0,4,2"
   model_dir = tmp_path / "moved"
-  _run(model_dir, 2, 2, batches)
+  _run(model_dir, 2, 2, batches, "--save-every", "1")
+  assert tf.train.latest_checkpoint(str(model_dir)).endswith("-2")
   _one_machine(model_dir, batches, 3, towers=2, start=2)
   log = _run(model_dir, 2, 5, batches)
   assert "hybrid_job: step 4" in log.of("worker:0")
@@ -241,14 +253,32 @@ def test_a_canned_wide_and_deep_with_partitioned_inputs(tmp_path):
   # DNNLinearCombinedClassifier (TF 1 canned) with input_layer_partitioner:
   # its embeddings on the ps tasks, the DNN and the linear part's
   # unpartitioned variables replicated; Adagrad and FTRL.
-  batches = "5,2,4;3,6,0"
+  batches = "5,2,4;3,6,1"
   _run(tmp_path / "cluster", 2, 3, batches, "--canned", "--optimizer",
        "adagrad")
   expected = _one_machine(tmp_path / "reference", batches, 3, "adagrad",
                           canned=True)
-  on_ps = [name for name in expected if "/part_" in name]
-  assert on_ps, sorted(expected)
+  # The embeddings were partitioned (parts in the task's values), and are
+  # compared whole.
+  parts = [name for name in _task_values(tmp_path / "cluster", "chief", 0)
+           if "/part_" in name]
+  assert any("id_0_embedding/embedding_weights/part_1" in p for p in parts), (
+      parts)
   _assert_every_task_like(tmp_path / "cluster", 2, expected)
+
+
+def test_a_partitioned_variable_every_task_would_write_is_refused(tmp_path):
+  # Not trainable (a statistic its UPDATE_OPS move): every task would
+  # update the one copy on the ps tasks, once each.
+  log = Lines()
+  with _cluster(tmp_path / "cluster", 2, 3, "4,4;4,4", log, 1,
+                "--partitioned-statistic") as cluster:
+    codes = [cluster.wait(*task, timeout=240) for task in _tasks(2)]
+  assert codes == [1, 1], log.text()[-3000:]
+  for task in ("chief:0", "worker:0"):
+    assert ("The variable 'feature_mean' is partitioned and not trainable"
+            in log.of(task) and "Create it without a partitioner" in
+            log.of(task)), log.of(task)[-3000:]
 
 
 # (signal, what the training tasks' errors say).

@@ -80,15 +80,16 @@ def test_start_server_is_none_without_a_cluster_or_for_an_evaluator(
   assert replicate.start_server(_run_config()) is None
 
 
-def test_start_server_refuses_a_ps_cluster_and_other_arguments(monkeypatch):
+def test_start_server_is_none_on_a_ps_task_and_refuses_other_arguments(
+    monkeypatch):
   with pytest.raises(ValueError, match=r"tf.estimator.RunConfig. Received: "
                      r"\{'cluster'"):
     replicate.start_server({"cluster": {}})
-  cluster = dict(CLUSTER, ps=["127.0.0.1:1"])
-  _set_tf_config(monkeypatch, cluster=cluster)
-  with pytest.raises(ValueError, match="has ps tasks .127.0.0.1:1.*Remove "
-                     "the start_server call"):
-    replicate.start_server(_run_config())
+  # A ps task's server is the Estimator's: it takes no part in the
+  # collectives.
+  _set_tf_config(monkeypatch, "ps", 0, cluster=dict(CLUSTER,
+                                                    ps=["127.0.0.1:1"]))
+  assert replicate.start_server(_run_config()) is None
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "soon", "nan"])
@@ -320,13 +321,19 @@ def test_a_count_of_rows_into_shared_state_is_refused(chief_config):
 
 
 def _embedding_step(config, rows=100000, width=16, ids=64,
-                    optimizer=tf.compat.v1.train.GradientDescentOptimizer):
-  """The chief's TRAIN graph of an embedding [rows, width], `ids` a batch."""
+                    optimizer=tf.compat.v1.train.GradientDescentOptimizer,
+                    more_widths=()):
+  """The chief's TRAIN graph of an embedding [rows, width], `ids` a batch
+  (and one more table of each of `more_widths`)."""
 
   def embedding_model_fn(features, labels, mode):
-    table = tf.compat.v1.get_variable("table", [rows, width])
-    logits = tf.compat.v1.layers.dense(
-        tf.nn.embedding_lookup(table, features["ids"]), 2, name="logits")
+    looked_up = []
+    for number, columns in enumerate((width,) + tuple(more_widths)):
+      table = tf.compat.v1.get_variable(
+          "table_{}".format(number) if number else "table", [rows, columns])
+      looked_up.append(tf.nn.embedding_lookup(table, features["ids"]))
+    logits = tf.compat.v1.layers.dense(tf.concat(looked_up, axis=1), 2,
+                                       name="logits")
     loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
     train_op = replicate.TowerOptimizer(optimizer(0.1)).minimize(loss)
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
@@ -365,7 +372,7 @@ def test_sparse_gradients_cross_tasks_as_slices_never_densely(chief_config):
   assert sorted(op.type for op in sliced) == ["CollectiveGatherV2"] * 3
   shapes = sorted((op.inputs[0].dtype.name, str(op.inputs[0].shape))
                   for op in sliced)
-  assert shapes == [("float32", "(None, 16)"), ("int32", "(1,)"),
+  assert shapes == [("float32", "(None, 16)"), ("int32", "(1, 1)"),
                     ("int64", "(None,)")]
   assert sum(tf.get_static_value(op.inputs[-1]) is None
              for op in sliced) == 2  # values' and indices' keys
@@ -384,6 +391,23 @@ def test_sparse_gradients_cross_tasks_as_slices_never_densely(chief_config):
   updates = [op for op in graph.get_operations()
              if op.type == "ResourceScatterAdd"]
   assert len(updates) == 2
+
+
+def test_every_tables_slices_share_the_steps_few_collectives(chief_config):
+  # A CTR model has a sparse gradient per table: 3 collectives each would
+  # be 3 x 26 a step. Tables of the same width share their gathers: one
+  # all-gather of every length, then values and indices per width.
+  config, _ = chief_config
+  graph = _embedding_step(config, rows=1000, width=16, ids=8,
+                          more_widths=(16, 16, 8))
+  sliced = [op for op in _step_collectives(graph)
+            if "slices_over_tasks" in op.name]
+  shapes = sorted((op.inputs[0].dtype.name, str(op.inputs[0].shape))
+                  for op in sliced)
+  # Lengths: the 2 widths' totals, then the 3 tables' own that share one.
+  assert shapes == sorted([("float32", "(None, 16)"), ("float32", "(None, 8)"),
+                           ("int32", "(1, 5)"), ("int64", "(None,)"),
+                           ("int64", "(None,)")])
 
 
 def test_the_batch_is_taken_as_an_optional_that_ends_every_task(

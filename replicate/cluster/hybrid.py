@@ -118,6 +118,53 @@ def ps_neighbour(colocated: Iterable, name: str):
   return None, False
 
 
+@contextlib.contextmanager
+def made_by_update(graph: tf.Graph, name: str, tower0_device: str):
+  """Where an optimizer's update makes a variable named `name`, beside a
+  ps-held variable: a slot of it stays with it, on the ps task; an
+  optimizer's own variable (Adam's beta powers), which TensorFlow puts
+  beside the first variable by name, goes to `tower0_device`, so that each
+  task keeps and updates its own. Yields a list that gets the variable
+  made."""
+  ps_op, is_slot = ps_neighbour(_tf.colocation_ops(graph), name)
+  made = []
+  if ps_op is None or is_slot:
+    yield made
+  else:
+    with graph.colocate_with(None, ignore_existing=True), graph.device(
+        tower0_device):
+      yield made
+  if ps_op is not None and is_slot and made:
+    # Its handle follows the device functions around the colocation.
+    _tf.set_device(made[0].op, ps_op.device)
+
+
+def check_updated_once(variable, trainable: bool) -> None:
+  """Refuses a ps-held variable that is not trainable: every task would
+  write it (a statistic's update), once each."""
+  if not trainable:
+    raise ValueError(
+        "The variable {!r} is partitioned and not trainable. With ps "
+        "tasks and variable_strategy='replicated', what the model_fn "
+        "partitions lives once on the ps tasks, and only the optimizer's "
+        "update is applied once a step; every task would change this "
+        "variable itself. Create it without a partitioner (each task "
+        "keeps its own copy, combined as on one machine).".format(
+            variable.op.name.rpartition("/part_")[0] or variable.op.name))
+
+
+def duplicates_summed(grad):
+  """`grad` with one slice per row (`IndexedSlices`; else as it is): what
+  a sparse apply computes first (unique rows, their slices summed in
+  order), made here so that only the distinct rows travel to the ps."""
+  if not isinstance(grad, tf.IndexedSlices):
+    return grad
+  rows, positions = tf.unique(grad.indices)
+  values = tf.math.unsorted_segment_sum(grad.values, positions,
+                                        tf.shape(rows)[0])
+  return tf.IndexedSlices(values, rows, grad.dense_shape)
+
+
 def ps_reads(graph: tf.Graph, variables) -> List[tf.Operation]:
   """The ops of `graph` (outside control flow) reading `variables`."""
   outputs = {v.op.outputs[0].ref() for v in variables}
@@ -133,3 +180,16 @@ def ps_reads(graph: tf.Graph, variables) -> List[tf.Operation]:
 def ps_held(variables) -> List[tf.Variable]:
   """The ones of `variables` that live on a ps task."""
   return [v for v in variables if on_ps(v)]
+
+
+def after_the_ps_update(cross, train_op, shared) -> tf.Operation:
+  """The step's barrier, with variables on ps tasks: a 1-float sum across
+  tasks after this task's whole step (the chief's: its update of the ps
+  tasks' variables too) and every read of them made so far (a summary's),
+  so that no task starts the next step's lookups before the update is
+  done, and no ps op of the step runs after a task's last collective
+  (`replicate.cluster.hybrid`)."""
+  reads = ps_reads(train_op.graph, shared)
+  with tf.control_dependencies([train_op] + list(cross.step_ops) + reads):
+    barrier = cross.sum(tf.ones([1], tf.float32), name="after_ps_update")
+  return barrier.op

@@ -54,6 +54,54 @@ def gather_ragged(cross, tensors: Sequence[tf.Tensor],
   return results
 
 
+def gather_ragged_groups(cross, pairs: Sequence[Tuple[tf.Tensor, tf.Tensor]]
+                        ) -> List[Tuple[tf.Tensor, tf.Tensor]]:
+  """`gather_ragged` of several (values, indices) pairs, in few collectives.
+
+  The step's sparse gradients (one pair per variable: a CTR model has one
+  per table and part) would take 3 collectives each. Here one all-gather
+  carries every task's lengths (per group and per pair), then each group
+  of pairs whose values share dtype and row shape is concatenated and
+  gathered as one pair; each task's rows are then split back by pair
+  (`dynamic_partition` keeps their order), so each result is every task's
+  rows of that pair in rank order, as `gather_ragged` gives them.
+  """
+  groups = {}  # (dtype, row shape) -> positions in `pairs`
+  for position, (values, _) in enumerate(pairs):
+    rows = values.shape[1:]
+    key = ((values.dtype.base_dtype, tuple(rows.as_list()))
+           if rows.is_fully_defined() else position)
+    groups.setdefault(key, []).append(position)
+  groups = list(groups.values())
+  lengths = [tf.shape(values, out_type=tf.int32)[0] for values, _ in pairs]
+  # Each group's length, then the pairs' of the groups of several.
+  shared = [p for group in groups if len(group) > 1 for p in group]
+  mine = tf.stack([tf.add_n([lengths[p] for p in group]) for group in groups]
+                  + [lengths[p] for p in shared])
+  every = cross.gather(mine[tf.newaxis])  # [tasks, groups + len(shared)]
+  results = [None] * len(pairs)
+  for number, group in enumerate(groups):
+    values, indices = gather_ragged(
+        cross, [tf.concat([pairs[p][0] for p in group], axis=0),
+                tf.concat([tf.cast(pairs[p][1], tf.int64) for p in group],
+                          axis=0)], counts=every[:, number])
+    if len(group) == 1:
+      results[group[0]] = (values, indices)
+      continue
+    # Each gathered row's place in the group: task by task, pair by pair.
+    per_pair = tf.gather(every[:, len(groups):],
+                         [shared.index(p) for p in group], axis=1)
+    places = tf.repeat(tf.tile(tf.range(len(group)), [tf.shape(every)[0]]),
+                       tf.reshape(per_pair, [-1]))
+    for position, part_values, part_indices in zip(
+        group, tf.dynamic_partition(values, places, len(group)),
+        tf.dynamic_partition(indices, places, len(group))):
+      part_values.set_shape(pairs[position][0].shape[:0].concatenate(
+          [None]).concatenate(pairs[position][0].shape[1:]))
+      results[position] = (part_values, part_indices)
+  return results
+
+
 def sum_ragged(cross, tensor: tf.Tensor) -> tf.Tensor:
   """The sum over tasks of `tensor`, whose length (dimension 0) is the same
   on every task but changes between steps (`replicate.all_rows`'s gradient

@@ -198,25 +198,30 @@ class CrossTask:
           shape=tf.shape(tensor), T=tensor.dtype,
           communication_hint=_HINT, timeout_seconds=timeout, **keys)
 
-  def gather_slices(self, values: tf.Tensor, indices: tf.Tensor,
+  def gather_slices(self, pairs: Sequence[Tuple[tf.Tensor, tf.Tensor]],
                     name: str = "slices_over_tasks"
-                   ) -> Tuple[tf.Tensor, tf.Tensor]:
-    """Every task's slices (`values` [k, ...], `indices` [k]), concatenated.
+                   ) -> List[Tuple[tf.Tensor, tf.Tensor]]:
+    """Every task's slices, concatenated, for each (`values` [k, ...],
+    `indices` [k]) pair of `pairs` (a step's sparse gradients).
 
-    In rank order, so the result is what one device's sum over the
+    In rank order, so each result is what one device's sum over the
     concatenated batches holds, duplicates included. `k` differs between
-    tasks and steps; see `gather_ragged`.
+    tasks and steps; the pairs share their collectives
+    (`ragged.gather_ragged_groups`).
     """
-    if values.dtype.base_dtype not in _GATHERED_DTYPES:
-      raise ValueError(
-          "A sparse gradient (tf.IndexedSlices) of {} cannot cross the tasks "
-          "of a synchronous cluster: TensorFlow's collectives carry float16, "
-          "float32 and float64 gradients only. Fix: compute the embedding's "
-          "gradient in one of those (e.g. keep the variable float32 and "
-          "cast after the lookup), or train with ps tasks.".format(
-              values.dtype.base_dtype.name))
+    for values, _ in pairs:
+      if values.dtype.base_dtype not in _GATHERED_DTYPES:
+        raise ValueError(
+            "A sparse gradient (tf.IndexedSlices) of {} cannot cross the "
+            "tasks of a synchronous cluster: TensorFlow's collectives carry "
+            "float16, float32 and float64 gradients only. Fix: compute the "
+            "embedding's gradient in one of those (e.g. keep the variable "
+            "float32 and cast after the lookup), or train with ps "
+            "tasks.".format(values.dtype.base_dtype.name))
     with tf.device(self.device), tf.name_scope(name):
-      return ragged.gather_ragged(self, [values, tf.cast(indices, tf.int64)])
+      return ragged.gather_ragged_groups(
+          self, [(values, tf.cast(indices, tf.int64))
+                 for values, indices in pairs])
 
   def step_collective(self, op_type: str, tensor: tf.Tensor, instance_key,
                       **attributes) -> tf.Tensor:

@@ -76,7 +76,7 @@ def for_task(spec: tf.estimator.EstimatorSpec,
   shared = hybrid.ps_held(tf.compat.v1.global_variables())
   train_op = spec.train_op
   if shared:
-    train_op = _after_the_ps_update(cross, train_op, shared)
+    train_op = hybrid.after_the_ps_update(cross, train_op, shared)
   with tf.name_scope("start_of_cluster"):
     with tf.device(cross.device):
       guard = tf.numpy_function(_Guard(cross.group.name()), [], tf.int64,
@@ -106,19 +106,6 @@ def for_task(spec: tf.estimator.EstimatorSpec,
     train_op = tf.group(train_op, *cross.step_ops)
   return spec._replace(scaffold=scaffold, train_op=train_op,
                        training_hooks=list(spec.training_hooks) + [watchdog])
-
-
-def _after_the_ps_update(cross, train_op, shared) -> tf.Operation:
-  """The step's barrier, with variables on ps tasks: a 1-float sum across
-  tasks after this task's whole step (the chief's: its update of the ps
-  tasks' variables too) and every read of them made so far (a summary's),
-  so that no task starts the next step's lookups before the update is
-  done, and no ps op of the step runs after a task's last collective
-  (`replicate.cluster.hybrid`)."""
-  reads = hybrid.ps_reads(train_op.graph, shared)
-  with tf.control_dependencies([train_op] + list(cross.step_ops) + reads):
-    barrier = cross.sum(tf.ones([1], tf.float32), name="after_ps_update")
-  return barrier.op
 
 
 def start_seconds(timeout: float) -> float:

@@ -113,14 +113,14 @@ def all_reduce_grads(per_tower: Sequence[Sequence[Any]], devices: Sequence[str],
   results = [[None] * len(per_tower[0]) for _ in devices]
   packs = {}  # dtype -> positions whose gradients are packed together
   singles = []
+  sparse = []  # positions of sparse gradients, gathered together
   reducer = _reducer(algorithm, devices, cross)
   for position in range(len(per_tower[0])):
     grads = [tower[position] for tower in per_tower]
     if all(g is None for g in grads):
       continue
     if any(isinstance(g, tf.IndexedSlices) for g in grads):
-      for index, summed in enumerate(reducer.gather_slices(grads)):
-        results[index][position] = summed
+      sparse.append(position)
       continue
     grads = _zeros_for_missing(grads, devices)
     for index, grad in enumerate(grads):
@@ -129,6 +129,12 @@ def all_reduce_grads(per_tower: Sequence[Sequence[Any]], devices: Sequence[str],
       packs.setdefault(grads[0].dtype, []).append(position)
     else:
       singles.append(position)
+  if sparse:
+    gathered = reducer.gather_slices(
+        [[tower[p] for tower in per_tower] for p in sparse])
+    for position, per_position in zip(sparse, gathered):
+      for index, summed in enumerate(per_position):
+        results[index][position] = summed
   for positions in packs.values():
     with tf.name_scope("packed_all_reduce"):
       buffers = [_pack([per_tower[i][p] for p in positions], devices[i])
@@ -151,7 +157,8 @@ def all_reduce_grads(per_tower: Sequence[Sequence[Any]], devices: Sequence[str],
 class _Reducer(NamedTuple):
   """How one call's per-tower values become per-tower results."""
   reduce: Callable  # per-tower dense tensors -> per-tower sums
-  gather_slices: Callable  # per-tower IndexedSlices -> per-tower all-gathers
+  # [per-tower IndexedSlices of each variable] -> the same, all-gathered
+  gather_slices: Callable
 
 
 # (per-tower tensors, devices) -> per-tower sums: `gather`'s dense sum while
@@ -186,7 +193,7 @@ def _reducer(algorithm, devices, cross=None) -> _Reducer:
   if algorithm not in (RING, NCCL):
     reduce = _replaced_gather_reduce or gather_reduce
     return _Reducer(functools.partial(reduce, devices=devices),
-                    functools.partial(_concat_slices, devices=devices))
+                    _each(functools.partial(_concat_slices, devices=devices)))
   # One object per call: it reads the keys still free from the graph.
   launcher = collectives.Collectives(devices, communication_hint=algorithm)
 
@@ -204,7 +211,12 @@ def _reducer(algorithm, devices, cross=None) -> _Reducer:
     return gathered if gathered is not None else _concat_slices(grads,
                                                                 devices)
 
-  return _Reducer(reduce_collectively, gather_collectively)
+  return _Reducer(reduce_collectively, _each(gather_collectively))
+
+
+def _each(gather: Callable) -> Callable:
+  """`gather` of one variable's slices, for each variable's."""
+  return lambda many: [gather(grads) for grads in many]
 
 
 def _over_tasks(tensors, devices, cross):
@@ -219,39 +231,48 @@ def _over_tasks(tensors, devices, cross):
   return copies
 
 
-def _slices_over_tasks(grads, devices, cross):
+def _slices_over_tasks(many, devices, cross):
   """Sparse gradients across tasks as slices: an all-gather, never dense.
 
-  This task's towers' slices are concatenated on tower 0's device (tower
-  order: this task's batch order), then every task's are all-gathered
-  (`CrossTask.gather_slices`: lengths first, as each task's differ) and
-  concatenated in rank order, which is the concatenated batches' order:
-  the optimizer gets the slices one device's would, duplicates and all,
-  and sums duplicates as it does there. Every tower gets a copy, so every
-  copy takes the same update. What travels grows with the rows looked up,
-  not with the variable. A tower's dense gradient (rare: the variable also
-  used densely there) joins as slices of every row.
+  For each variable's per-tower slices (`many`): this task's towers' slices
+  are concatenated on tower 0's device (tower order: this task's batch
+  order), then every task's are all-gathered (`CrossTask.gather_slices`:
+  lengths first, as each task's differ; every variable's in the same few
+  collectives) and concatenated in rank order, which is the concatenated
+  batches' order: the optimizer gets the slices one device's would,
+  duplicates and all, and sums duplicates as it does there. Every tower
+  gets a copy, so every copy takes the same update. What travels grows
+  with the rows looked up, not with the variable. A tower's dense gradient
+  (rare: the variable also used densely there) joins as slices of every
+  row.
   """
-  present = [_as_slices(g) for g in grads if g is not None]
-  with tf.device(devices[0]), tf.name_scope("slices_over_tasks"):
-    if len(present) == 1:
-      local = present[0]
-    else:
-      local = tf.IndexedSlices(
-          tf.concat([s.values for s in present], axis=0),
-          tf.concat([tf.cast(s.indices, tf.int64) for s in present], axis=0),
-          present[0].dense_shape)
-  values, indices = cross.gather_slices(local.values, local.indices)
-  dense_shape = next((s.dense_shape for s in present
-                      if s.dense_shape is not None), None)
-  summed = tf.IndexedSlices(values, indices, dense_shape)
-  copies = [summed]
-  for device in devices[1:]:
-    with tf.device(device):
-      copies.append(tf.IndexedSlices(tf.identity(summed.values),
-                                     tf.identity(summed.indices),
-                                     summed.dense_shape))
-  return copies
+  locals_ = []
+  for grads in many:
+    present = [_as_slices(g) for g in grads if g is not None]
+    with tf.device(devices[0]), tf.name_scope("slices_over_tasks"):
+      if len(present) == 1:
+        local = present[0]
+      else:
+        local = tf.IndexedSlices(
+            tf.concat([s.values for s in present], axis=0),
+            tf.concat([tf.cast(s.indices, tf.int64) for s in present],
+                      axis=0), present[0].dense_shape)
+    dense_shape = next((s.dense_shape for s in present
+                        if s.dense_shape is not None), None)
+    locals_.append((local, dense_shape))
+  gathered = cross.gather_slices([(local.values, local.indices)
+                                  for local, _ in locals_])
+  results = []
+  for (values, indices), (_, dense_shape) in zip(gathered, locals_):
+    summed = tf.IndexedSlices(values, indices, dense_shape)
+    copies = [summed]
+    for device in devices[1:]:
+      with tf.device(device):
+        copies.append(tf.IndexedSlices(tf.identity(summed.values),
+                                       tf.identity(summed.indices),
+                                       summed.dense_shape))
+    results.append(copies)
+  return results
 
 
 def _as_slices(value):

@@ -161,6 +161,17 @@ class HybridCluster(SyncCluster):
   def variable_device(self, op: tf.Operation) -> Optional[str]:
     return self._placement.device(op)
 
+  def combine(self, per_tower, has_rows, tower_devices) -> GradsAndVars:
+    """As `SyncCluster`'s; on the chief, which applies them, a ps-held
+    variable's slices have their duplicates summed before they go to the
+    ps task, as its optimizer would sum them there."""
+    summed = super().combine(per_tower, has_rows, tower_devices)
+    if not self.is_first_task:
+      return summed
+    with tf.device(self.cross_task.device):
+      return [(hybrid.duplicates_summed(grad) if hybrid.on_ps(variable)
+               else grad, variable) for grad, variable in summed]
+
   def tower_scope(self, index: int):
     """Where tower `index` is built: tower 0 places what it partitions."""
     if index:

@@ -28,7 +28,6 @@ from typing import List, Optional
 
 import tensorflow as tf
 
-from replicate import _tf
 from replicate.call import name_counters
 from replicate.cluster import hybrid
 from replicate.variables import tower_local
@@ -78,7 +77,8 @@ class TowerVariables:
   def note_tower0_variable(self, variable, trainable: bool):
     """Records a variable tower 0 created (tower-local if in the scope)."""
     self._tower0.add(variable.ref())
-    if hybrid.on_ps(variable):
+    if self.is_replicated and hybrid.on_ps(variable):
+      hybrid.check_updated_once(variable, trainable)
       self._on_ps.add(variable.ref())
     if self.local_reduce is None:
       return
@@ -108,23 +108,11 @@ class TowerVariables:
     updated by the first task alone)."""
     return self.updates_shared or variable.ref() not in self._on_ps
 
-  @contextlib.contextmanager
   def made_by_update(self, name: str):
-    """Where the update makes a variable named `name`, beside a ps-held
-    variable: a slot of it stays with it, on the ps task; an optimizer's
-    own variable (Adam's beta powers), which TensorFlow puts beside the
-    first variable by name, goes to tower 0, so that each task keeps and
-    updates its own. Yields a list that gets the variable made."""
-    ps_op, is_slot = hybrid.ps_neighbour(_tf.colocation_ops(self.graph), name)
-    made = []
-    if ps_op is None or is_slot:
-      yield made
-    else:
-      with _on_device(self.graph, self._devices[0]):
-        yield made
-    if ps_op is not None and is_slot and made:
-      # Its handle follows the device functions around the colocation.
-      _tf.set_device(made[0].op, ps_op.device)
+    """Where the update makes a variable named `name`: beside a ps-held
+    variable, as `replicate.cluster.hybrid.made_by_update` says. Yields a
+    list that gets the variable made."""
+    return hybrid.made_by_update(self.graph, name, self._devices[0])
 
   def for_tower(self, index: int, variable):
     """What tower `index` uses in place of tower 0's `variable`."""
@@ -264,13 +252,6 @@ class TowerVariables:
           collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
           name=name or "tower_{}/{}".format(index, variable.op.name),
           dtype=variable.dtype.base_dtype, use_resource=True)
-
-
-@contextlib.contextmanager
-def _on_device(graph, device):
-  """Ops made here go on `device`, out of any colocation."""
-  with graph.colocate_with(None, ignore_existing=True), graph.device(device):
-    yield
 
 
 def is_resource_variable(variable) -> bool:

@@ -161,21 +161,24 @@ _FED_PIPELINES = ("repeat", "numpy_input_fn", "tf_example")
 
 def ci_cells() -> List[Cell]:
   """The cross `make test-oracle` runs: training on 3 towers (uneven) with
-  every strategy and pipeline, on 3 towers of 2 rows (towers without rows)
-  with every strategy on the in-memory pipelines, on 2 towers with the
-  plain batch; evaluation and prediction on 3 towers of 2 rows, and export
-  once (3 towers), with the model's first strategy.
+  every strategy on the in-memory pipelines and the model's first strategy
+  on the fed ones, on 3 towers of 2 rows (towers without rows) with every
+  strategy on the in-memory pipelines, on 2 towers with the plain batch;
+  evaluation and prediction on 3 towers of 2 rows, and export once (3
+  towers, the plain batch), with the model's first strategy.
 
   Left out, as the pairwise sample of `make test` still covers them: one
   tower (the `model_fn` placed on its device, no wrapper at work); 2 towers
   on the other pipelines (an even split of the same batches that 3 towers
   split unevenly); towers without rows fed by `repeat`, `numpy_input_fn`
-  and `tf_example` (the same split of other inputs); evaluation and
+  and `tf_example` (the same split of other inputs), and the fed pipelines'
+  other strategies (how the batch arrives is the pipeline's, where the
+  variables live the strategy's); evaluation and
   prediction on 2 and 3 towers of 7 rows and with the other strategies
   (they read the same variables, placed elsewhere: no update, no copies to
-  combine); an export's other strategies and tower counts (a SavedModel is
-  built as one unplaced tower whatever the strategy and the towers it
-  trained on, so they export the same graph).
+  combine); an export's other strategies, tower counts and pipelines (a
+  SavedModel is built as one unplaced tower whatever the strategy, the
+  towers and the input it trained on, so they export the same graph).
   """
   kept = []
   for cell in cells(full=True):
@@ -184,7 +187,11 @@ def ci_cells() -> List[Cell]:
       continue
     if cell.mode != "train" and cell.strategy != strategies[0]:
       continue
-    if cell.mode == "export" and cell.towers != "3":
+    if cell.mode == "export" and (cell.towers != "3" or
+                                  cell.pipeline != "batch"):
+      continue
+    if (cell.mode == "train" and cell.pipeline in _FED_PIPELINES and
+        cell.strategy != strategies[0]):
       continue
     if cell.towers == "2" and (cell.mode != "train" or
                                cell.pipeline != "batch"):
