@@ -742,8 +742,9 @@ def replace_section(text, new, heading=SECTION):
   """`text` with its `## Across workers` section (or `heading`'s) replaced
   by `new` (or `new` appended, after a blank line)."""
   old = kept_section(text, heading)
-  if old:
-    return text.replace(old, new.rstrip("\n") + "\n", 1)
+  if old:  # keeping the blank line before a section that follows
+    return text.replace(old, new.rstrip("\n") + (
+        "\n\n" if old.endswith("\n\n") else "\n"), 1)
   return text.rstrip("\n") + "\n\n" + new.rstrip("\n") + "\n"
 
 

@@ -1098,6 +1098,9 @@ def test_the_ctr_section_sits_beside_the_mlp_section(tmp_path):
   across_workers_ctr.publish(str(path), _ctr_data())
   text = path.read_text()
   assert across_workers.kept_section(text).strip() == mlp.strip()
+  # Recording the MLP's section again keeps the blank line before this one.
+  again = across_workers.replace_section(text, mlp)
+  assert again == text and "-->\n\n" + across_workers_ctr.SECTION in again
   assert across_workers.read_data(text) == across_workers.read_data(
       original)
   assert readme.parse(text) == readme.parse(original)
