@@ -260,6 +260,13 @@ def fastest_synchronous(data):
           for tasks, ranked in out.items()}
 
 
+def _wall(data):
+  """How long the runs took, start-up included, if they say."""
+  walls = [r["wall"] for runs in data["runs"].values() for r in runs
+           if r and r.get("wall")]
+  return ", the runs {:.0f} s in all".format(sum(walls)) if walls else ""
+
+
 def section(data):
   """The `## Across workers: a CTR model` section, from a run's figures."""
   rows_a_table = ctr_model.table_rows(data["table_rows"], data["fields"])
@@ -267,9 +274,9 @@ def section(data):
   hidden = "-".join(str(u) for u in data["hidden"])
   parts = [
       SECTION, "",
-      "`{}`, {}; {}; {}.{}".format(
+      "`{}`, {}; {}; {}{}.{}".format(
           data["command"], data["date"], data["machine"],
-          aw._repeats(data["repeats"]), aw._load(data)), ""] + [  # pylint: disable=protected-access
+          aw._repeats(data["repeats"]), _wall(data), aw._load(data)), ""] + [  # pylint: disable=protected-access
           line for note in data.get("notes", []) for line in (
               "Note: " + note, "")] + [
       "The CTR model of `benchmarks/ctr_model.py`, as a TF1 Estimator user "

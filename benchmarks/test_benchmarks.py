@@ -1086,6 +1086,10 @@ def test_ctr_section_rates_bytes_and_round_trip():
   assert "2 tasks: 768 rows look up 19,968 ids (8,759 distinct)" in text
   assert "40,330 x 16 (1,048,580 rows, 67.1 MB" in text
   assert across_workers.read_data(text, across_workers_ctr.DATA) == data
+  data["runs"]["mwms x2"][0]["wall"] = 30.4
+  data["runs"]["hybrid x2"][0]["wall"] = 50.0
+  assert "; 1 repeat, the runs 80 s in all." in across_workers_ctr.section(
+      data)
   assert across_workers.read_data(text) is None  # not the MLP's figures
 
 
