@@ -31,6 +31,11 @@ CTR model's step on paper from `benchmarks.ctr_cost`, and the run's raw
 figures, in an HTML comment) into FILE, replacing the one there, and draws
 `<stem>_across_workers.png` beside it; `--redraw` rewrites both from the
 figures FILE holds, without running anything.
+
+`--model ctr` runs a CTR model instead (`benchmarks/across_workers_ctr.py`:
+embedding tables on ps tasks or all-gathered as slices, five approaches,
+examples/sec and bytes a step), into its own section `## Across workers: a
+CTR model` and `<stem>_across_workers_ctr.png`; the MLP's are left alone.
 """
 
 import datetime
@@ -51,6 +56,9 @@ from benchmarks import step_cost_model as cost
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "benchmarks", "across_workers_job.py")
 APPROACHES = ("replicate", "mwms", "ps-sync")
+# With --model ctr: the embeddings on ps (hybrid) and asynchronous ps too.
+CTR_APPROACHES = ("replicate", "hybrid", "mwms", "ps-async", "ps-sync")
+_PS_MODES = ("hybrid", "ps-async", "ps-sync")
 SECTION = "## Across workers"
 _DATA = "<!-- across_workers data: "
 _PREFIX = "[chief:0] across_workers: "
@@ -74,6 +82,14 @@ LINKS_GBIT = (25, 100)
 def main(argv=None):
   parser = make_parser()
   args = parser.parse_args(argv)
+  if args.model == "ctr":
+    from benchmarks import across_workers_ctr  # pylint: disable=import-outside-toplevel
+    return across_workers_ctr.main(parser, args, argv)
+  extra = [a for a in args.approaches if a not in APPROACHES]
+  if extra:
+    parser.error("argument --approaches: {} run with --model ctr only; "
+                 "the MLP's are {}".format(", ".join(extra),
+                                           ", ".join(APPROACHES)))
   if args.redraw:
     if not args.record:
       parser.error("argument --redraw: needs --record FILE, whose figures "
@@ -105,9 +121,17 @@ def make_parser():
   tasks = cli.comma_list(cli.whole_number(1), twice=cli.ONCE)
   add("--tasks", metavar="N,N", type=tasks, default="1,2,3",
       help="task counts, the chief included, comma-separated")
+  add("--model", choices=("mlp", "ctr"), default="mlp",
+      help="the dense MLP, or the CTR model (benchmarks/ctr_model.py), "
+      "whose runs have their own section and, for the flags left out: "
+      "--tasks 2,3, every approach of {}, --repeats 1, --steps 100, "
+      "--warmup 10, --batch 1536, --hidden 256,128, no probe".format(
+          ", ".join(CTR_APPROACHES)))
   add("--approaches", metavar="A,A", default=",".join(APPROACHES),
-      type=cli.comma_list(cli.one_of(APPROACHES), twice=cli.ONCE),
-      help="which of {} to run".format(", ".join(APPROACHES)))
+      type=cli.comma_list(cli.one_of(APPROACHES + ("hybrid", "ps-async")),
+                          twice=cli.ONCE),
+      help="which of {} to run (hybrid and ps-async: --model ctr "
+      "only)".format(", ".join(APPROACHES)))
   add("--repeats", metavar="N", type=cli.whole_number(1), default=2,
       help="runs of every (approach, tasks), the order reversed on odd "
       "repeats")
@@ -122,6 +146,15 @@ def make_parser():
       help="the MLP's hidden layers (784 inputs, 10 classes)")
   add("--towers", metavar="N", type=cli.whole_number(1), default=2,
       help="towers (virtual CPU devices) a task for replicate and ps-sync")
+  add("--fields", metavar="N", type=cli.whole_number(1), default=26,
+      help="--model ctr: categorical fields, one embedding table each")
+  add("--table-rows", metavar="ROWS", type=cli.whole_number(1),
+      default=1048576, help="--model ctr: rows of all the tables together")
+  add("--dim", metavar="N", type=cli.whole_number(1), default=16,
+      help="--model ctr: the embeddings' width")
+  add("--shards", metavar="N", type=cli.whole_number(1), default=2,
+      help="--model ctr: partitions of each table "
+      "(fixed_size_partitioner)")
   add("--probe-tasks", metavar="N,N", default="2,3",
       type=cli.comma_list(cli.whole_number(2), twice=cli.ONCE),
       help="task counts the collective probe runs at after each repeat")
@@ -214,7 +247,7 @@ def run_task_cluster(mode, tasks, args, job_args):
   command = [sys.executable, JOB, mode, "--model-dir", model_dir] + job_args
   code = None
   try:
-    with LocalCluster(command, num_ps=1 if mode == "ps-sync" else 0,
+    with LocalCluster(command, num_ps=1 if mode in _PS_MODES else 0,
                       num_workers=tasks, env={"PYTHONPATH": ROOT},
                       log=log) as cluster:
       try:
@@ -683,38 +716,40 @@ def _described(collectives):
 # --- RESULTS.md --------------------------------------------------------------
 
 
-def read_data(text):
-  """The figures a recorded section holds, or None."""
-  start = text.find(_DATA)
+def read_data(text, prefix=_DATA):
+  """The figures a recorded section holds, or None (`prefix`: the CTR
+  section's, for its own)."""
+  start = text.find(prefix)
   if start < 0:
     return None
   end = text.index(" -->", start)
-  return json.loads(text[start + len(_DATA):end])
+  return json.loads(text[start + len(prefix):end])
 
 
-def kept_section(text):
+def kept_section(text, heading=SECTION):
   """The `## Across workers` section of `text` (to its end or the next
-  `## ` heading), or "" if it has none."""
-  start = _section_start(text)
+  `## ` heading), or "" if it has none; `heading`: another section's."""
+  start = _section_start(text, heading)
   if start < 0:
     return ""
-  following = re.search(r"^## ", text[start + len(SECTION):], re.MULTILINE)
-  end = len(text) if not following else (start + len(SECTION) +
+  following = re.search(r"^## ", text[start + len(heading):], re.MULTILINE)
+  end = len(text) if not following else (start + len(heading) +
                                          following.start())
   return text[start:end]
 
 
-def replace_section(text, new):
-  """`text` with its `## Across workers` section replaced by `new` (or
-  `new` appended, after a blank line)."""
-  old = kept_section(text)
-  if old:
-    return text.replace(old, new.rstrip("\n") + "\n", 1)
+def replace_section(text, new, heading=SECTION):
+  """`text` with its `## Across workers` section (or `heading`'s) replaced
+  by `new` (or `new` appended, after a blank line)."""
+  old = kept_section(text, heading)
+  if old:  # keeping the blank line before a section that follows
+    return text.replace(old, new.rstrip("\n") + (
+        "\n\n" if old.endswith("\n\n") else "\n"), 1)
   return text.rstrip("\n") + "\n\n" + new.rstrip("\n") + "\n"
 
 
-def _section_start(text):
-  match = re.search(r"^" + re.escape(SECTION) + r"\s*$", text, re.MULTILINE)
+def _section_start(text, heading=SECTION):
+  match = re.search(r"^" + re.escape(heading) + r"\s*$", text, re.MULTILINE)
   return match.start() if match else -1
 
 

@@ -25,15 +25,32 @@ times):
   with a timeout of `--probe-timeout` seconds (replicate's collectives have
   one), `--probe-rounds` times, interleaved with runs of no collective.
 
+- `hybrid` (`--model ctr`): as `replicate`, in a cluster with one ps task
+  (`start_server` returns None there, and the Estimator serves it): the
+  partitioned variables (the embedding tables) live on the ps task, every
+  other variable is replicated and all-reduced;
+- `ps-async` (`--model ctr`): as `ps-sync` with the plain optimizer in
+  `replicate.TowerOptimizer`: every task updates the ps task's variables on
+  its own, asynchronously.
+
 Each training task reads its own fixed batch of `--batch / tasks` rows
 (random, seeded by its rank) from `from_tensors(...).repeat()`, so the
 global batch is the same whatever the number of tasks, and the input costs
-nothing. The model is an MLP 784-`--hidden`-10 with plain gradient descent.
+nothing. `--model mlp` (the default) is an MLP 784-`--hidden`-10 with plain
+gradient descent; `--model ctr` is `benchmarks/ctr_model.py`'s CTR model
+(`--fields` int64 ids, embedding tables of `--table-rows` rows in all,
+`--dim` wide, each in `--shards` partitions, an MLP `--hidden` on top,
+Adagrad), whose first SMALL_STEPS local steps take a quarter of the task's
+batch (not with `mwms`, see `_train`); the chief traces one step of each
+size in the warm-up and counts the bytes that crossed between tasks
+(`ctr_model.step_bytes`).
 
 The chief prints one line `across_workers: {json}`: for training, the
 global steps and seconds it timed after `--warmup` global steps (from the
 end of step `--warmup` to the end of the last), how many collective ops its
-training graph holds and how many threads it has at the end; for `probe`,
+training graph holds and how many threads it has at the end (with `--model
+ctr` also the traced steps' bytes, the rows they looked up and the chief's
+peak resident memory); for `probe`,
 the median milliseconds of each fetch.
 """
 
@@ -49,7 +66,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-MODES = ("replicate", "mwms", "ps-sync", "probe")
+MODES = ("replicate", "hybrid", "mwms", "ps-async", "ps-sync", "probe")
+# The local steps whose bytes the chief counts (traced, in the warm-up): one
+# at a quarter of the batch, one at the whole batch (see _input_fn_for).
+SMALL_STEPS = 4
+TRACED_STEPS = {2: "quarter", SMALL_STEPS + 2: "whole"}
 PREFIX = "across_workers: "
 FEATURES = 784
 CLASSES = 10
@@ -77,12 +98,20 @@ def _parse(argv):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("mode", choices=MODES)
   parser.add_argument("--model-dir", default=None)
-  parser.add_argument("--hidden", default="1024,1024")
+  parser.add_argument("--model", choices=("mlp", "ctr"), default="mlp")
+  parser.add_argument("--hidden", default=None,
+                      help="default 1024,1024 (mlp), 256,128 (ctr)")
+  parser.add_argument("--fields", type=int, default=26)
+  parser.add_argument("--table-rows", type=int, default=1048576,
+                      help="rows of all the CTR model's tables together")
+  parser.add_argument("--dim", type=int, default=16)
+  parser.add_argument("--shards", type=int, default=2)
   parser.add_argument("--batch", type=int, default=384)
   parser.add_argument("--towers", type=int, default=2)
   parser.add_argument("--warmup", type=int, default=20)
   parser.add_argument("--steps", type=int, default=100)
-  parser.add_argument("--learning-rate", type=float, default=0.001)
+  parser.add_argument("--learning-rate", type=float, default=None,
+                      help="default 0.001 (mlp), 0.05 (ctr)")
   parser.add_argument("--probe-elements", default="1,262144")
   parser.add_argument("--probe-rounds", type=int, default=200)
   parser.add_argument("--probe-concurrent", type=int, default=32)
@@ -128,8 +157,12 @@ def _input_fn_for(rank, rows):
 class _Timer(tf.compat.v1.train.SessionRunHook):
   """Times the global steps after the warm-up, from one step's end on."""
 
-  def __init__(self, warmup):
+  def __init__(self, warmup, traced=None):
     self._warmup = warmup
+    self._traced = dict(traced or {})  # local step -> name
+    self._op_types = None
+    self.bytes = {}  # name -> what crossed tasks in that traced step
+    self.stop_after = None  # global steps timed, if the hook stops the run
     self._step = None
     self._local_steps = 0
     self.start = None  # (time, global step) at the end of the warm-up
@@ -142,19 +175,37 @@ class _Timer(tf.compat.v1.train.SessionRunHook):
     types = [op.type for op in graph.get_operations()]
     self.collectives = {kind: types.count(kind) for kind in sorted(set(
         types)) if kind.startswith("Collective")}
+    if self._traced:
+      self._op_types = {op.name: op.type for op in graph.get_operations()}
 
   def before_run(self, run_context):
+    if self._local_steps in self._traced:
+      return tf.compat.v1.train.SessionRunArgs(
+          self._step, options=tf.compat.v1.RunOptions(
+              trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
+              output_partition_graphs=True))
     return tf.compat.v1.train.SessionRunArgs(self._step)
 
   def after_run(self, run_context, run_values):
     now = time.perf_counter()
+    if self._local_steps in self._traced:
+      from benchmarks import ctr_model  # pylint: disable=import-outside-toplevel
+      self.bytes[self._traced[self._local_steps]] = ctr_model.step_bytes(
+          run_values.run_metadata, self._op_types,
+          "/job:chief/replica:0/task:0")
     self._local_steps += 1
     # The global step read in the same run as the update: before or after
     # it; either way the same each step, so the differences count steps.
     point = (now, int(run_values.results))
-    if self.start is None and point[1] >= self._warmup:
+    # Not before the traced steps are done (with ps-async, the other tasks'
+    # steps count too).
+    if (self.start is None and point[1] >= self._warmup and
+        self._local_steps > max(self._traced, default=-1) + 1):
       self.start = point
     self.last = point
+    if self.stop_after and self.start and (
+        point[1] - self.start[1] >= self.stop_after):
+      run_context.request_stop()
 
   @property
   def local_steps(self):
@@ -163,7 +214,6 @@ class _Timer(tf.compat.v1.train.SessionRunHook):
 
 def _train(args, cluster, task, ranks):
   tasks = len(ranks)
-  hidden = [int(units) for units in args.hidden.split(",") if units]
   rows = args.batch // tasks
   is_training_task = task in ranks
   rank = ranks.index(task) if is_training_task else None
@@ -173,21 +223,23 @@ def _train(args, cluster, task, ranks):
                 log_step_count_steps=None,
                 experimental_max_worker_delay_secs=0)
   import replicate  # pylint: disable=import-outside-toplevel
+  model_for = _ctr_model_fn_for(args) if args.model == "ctr" else (
+      _mlp_model_fn_for(args))
 
   if args.mode == "mwms":
     experimental = tf.compat.v1.distribute.experimental
     strategy = experimental.MultiWorkerMirroredStrategy()
     config = tf.estimator.RunConfig(train_distribute=strategy, **kwargs)
-    model_fn = _model_fn_for(hidden, args.learning_rate,
-                             lambda optimizer: (optimizer, []))
-  elif args.mode == "replicate":
+    model_fn = model_for(lambda optimizer: (optimizer, []))
+  elif args.mode in ("replicate", "hybrid"):
+    # hybrid: the same, in a cluster with ps tasks, whose partitioned
+    # variables (the embedding tables) live on the ps tasks.
     config = tf.estimator.RunConfig(session_config=session_config, **kwargs)
-    replicate.start_server(config)
+    replicate.start_server(config)  # None on a ps task, which serves below
     model_fn = replicate.replicate_model_fn(
-        _model_fn_for(hidden, args.learning_rate,
-                      lambda o: (replicate.TowerOptimizer(o), [])),
+        model_for(lambda o: (replicate.TowerOptimizer(o), [])),
         variable_strategy="replicated")
-  else:  # ps-sync
+  else:  # ps-sync, ps-async
     if is_training_task:
       _serve_ps_cluster_task(task, cluster, args.towers)
     config = tf.estimator.RunConfig(session_config=session_config, **kwargs)
@@ -200,26 +252,106 @@ def _train(args, cluster, task, ranks):
       return sync, [sync.make_session_run_hook(config.is_chief)]
 
     model_fn = replicate.replicate_model_fn(
-        _model_fn_for(hidden, args.learning_rate, wrap_sync),
+        model_for(wrap_sync if args.mode == "ps-sync" else (
+            lambda o: (replicate.TowerOptimizer(o), []))),
         variable_strategy="parameter_server")
   estimator = tf.estimator.Estimator(model_fn, config=config)
-  timer = _Timer(args.warmup)
-  input_fn = _input_fn_for(rank or 0, rows)
+  traced = {}
+  if args.model == "ctr" and task == ("chief", 0):  # mwms: the whole only
+    traced = {step: name for step, name in TRACED_STEPS.items()
+              if args.mode != "mwms" or name == "whole"}
+  timer = _Timer(args.warmup, traced)
+  if args.model == "ctr":
+    # MultiWorkerMirroredStrategy's all-gathers keep the shape of their
+    # first run (a quarter batch first fails the next step), so it runs the
+    # whole batch from its first step, and its quarter is not counted.
+    input_fn, touched = _ctr_input_fn_for(args, rank or 0, rows,
+                                          quarter_first=args.mode != "mwms")
+  else:
+    input_fn, touched = _input_fn_for(rank or 0, rows), None
+  max_steps = args.warmup + args.steps
+  if args.mode == "ps-async":
+    # Every task's step is a global step, and the tasks train on until the
+    # run is stopped, so they train through the whole of the chief's timing.
+    # The chief stops itself once it has timed `--steps` x tasks global
+    # steps (its own hook: the others' steps may reach any bound first).
+    max_steps = 10**9
+    timer.stop_after = args.steps * tasks
   tf.estimator.train_and_evaluate(
       estimator,
-      tf.estimator.TrainSpec(input_fn, max_steps=args.warmup + args.steps,
-                             hooks=[timer]),
+      tf.estimator.TrainSpec(input_fn, max_steps=max_steps, hooks=[timer]),
       tf.estimator.EvalSpec(input_fn, steps=1))
   if task == ("chief", 0):
     if timer.start is None or timer.last[1] <= timer.start[1]:
       raise RuntimeError("The chief timed no global step after the {} "
                          "warm-up steps.".format(args.warmup))
-    _report({"mode": args.mode, "tasks": tasks, "batch": args.batch,
-             "global_steps": timer.last[1] - timer.start[1],
-             "seconds": timer.last[0] - timer.start[0],
-             "local_steps": timer.local_steps,
-             "collectives": timer.collectives, "threads": _threads()})
+    record = {"mode": args.mode, "tasks": tasks, "batch": args.batch,
+              "global_steps": timer.last[1] - timer.start[1],
+              "seconds": timer.last[0] - timer.start[0],
+              "local_steps": timer.local_steps,
+              "collectives": timer.collectives, "threads": _threads()}
+    if args.model == "ctr":
+      record.update(model="ctr", bytes=timer.bytes, touched=touched,
+                    memory_mb=_resident_mb())
+    _report(record)
   return 0
+
+
+def _mlp_model_fn_for(args):
+  hidden = [int(units) for units in (args.hidden or "1024,1024").split(",")
+            if units]
+  return lambda wrap: _model_fn_for(hidden, args.learning_rate or 0.001, wrap)
+
+
+def _ctr_model_fn_for(args):
+  from benchmarks import ctr_model  # pylint: disable=import-outside-toplevel
+  hidden = [int(units) for units in (args.hidden or "256,128").split(",")
+            if units]
+  rows_a_table = ctr_model.table_rows(args.table_rows, args.fields)
+  return lambda wrap: ctr_model.model_fn_for(
+      args.fields, rows_a_table, args.dim, args.shards, hidden,
+      args.learning_rate or 0.05, wrap)
+
+
+def _ctr_input_fn_for(args, rank, rows, quarter_first=True):
+  """This task's fixed batch of `rows` rows: a quarter of it for the first
+  SMALL_STEPS local steps (if `quarter_first`), then all of it, repeated;
+  and the rows each looks up (ids over all fields, and how many
+  distinct)."""
+  from benchmarks import ctr_model  # pylint: disable=import-outside-toplevel
+  rows_a_table = ctr_model.table_rows(args.table_rows, args.fields)
+  features, labels = ctr_model.batch(rank, rows, args.fields, rows_a_table)
+  quarter = rows // 4
+  small = ({k: v[:quarter] for k, v in features.items()}, labels[:quarter])
+
+  def distinct(part):
+    return int(sum(len(np.unique(ids)) for ids in part.values()))
+
+  touched = {"quarter": {"rows": quarter, "ids": quarter * args.fields,
+                         "distinct": distinct(small[0])},
+             "whole": {"rows": rows, "ids": rows * args.fields,
+                       "distinct": distinct(features)}}
+
+  def input_fn():
+    whole = tf.data.Dataset.from_tensors((features, labels)).repeat()
+    if not quarter_first:
+      return whole
+    return tf.data.Dataset.from_tensors(small).repeat(SMALL_STEPS).concatenate(
+        whole)
+
+  return input_fn, touched
+
+
+def _resident_mb():
+  """This process's peak resident memory (Linux), in MB, or None."""
+  try:
+    with open("/proc/self/status") as status:
+      for line in status:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) / 1024.0
+  except OSError:
+    pass
+  return None
 
 
 _SERVERS = []

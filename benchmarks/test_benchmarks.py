@@ -12,11 +12,13 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.core.framework import step_stats_pb2
 
 from benchmarks import __main__ as main
-from benchmarks import (across_workers, allreduce_cost, cluster, configs,
-                        ctr_cost, harness, pipelines, plot, profile, readme,
-                        report, split_cost, step_cost_model)
+from benchmarks import (across_workers, across_workers_ctr, allreduce_cost,
+                        cluster, configs, ctr_cost, ctr_model, harness,
+                        pipelines, plot, profile, readme, report, split_cost,
+                        step_cost_model)
 from benchmarks.models import MODELS
 
 
@@ -928,3 +930,212 @@ def test_the_quick_runs_length_is_said_one_way_everywhere(capsys):
     docs = " ".join(text.read().split())
   assert docs.count(main.QUICK_TAKES) == 2  # the command list, the prose
   assert "few minutes" not in docs and "about 5 minutes" not in docs
+
+
+# --- across_workers --model ctr ---------------------------------------------
+
+
+def _node(name, label, shape=None, dtype=1, requested=0):
+  stats = step_stats_pb2.NodeExecStats(node_name=name, timeline_label=label)
+  description = stats.output.add().tensor_description
+  description.dtype = dtype
+  for size in shape or []:
+    description.shape.dim.add().size = size
+  description.allocation_description.requested_bytes = requested
+  return stats
+
+
+def test_step_bytes_counts_collectives_and_cross_task_transfers():
+  chief = "/job:chief/replica:0/task:0"
+  ps = "/job:ps/replica:0/task:0/device:CPU:0"
+  metadata = tf.compat.v1.RunMetadata()
+  device = metadata.step_stats.dev_stats.add(device=chief + "/device:CPU:0")
+  device.node_stats.extend([
+      # An all-gather in a function (named only by its label), a [6, 16]
+      # float32 output: 384 bytes; an all-reduce without a label, found by
+      # the graph's types, [10] float32: 40; an int64 [2] gather: 16.
+      _node("cond/CollectiveGatherV2",
+            "cond/CollectiveGatherV2 = CollectiveGatherV2(x, y)", [6, 16]),
+      _node("allreduce", "", [10]),
+      _node("lengths", "lengths = CollectiveGatherV2(n)", [2], dtype=9),
+      # Rows from the ps task: counted; from the chief's other device: not.
+      _node("RecvTensor", "[0.1MB] [7.2Gb/s] edge_1_rows from {} to "
+            "{}/device:CPU:0".format(ps, chief), requested=1000),
+      _node("RecvTensor", "[1KB] edge_2_x from {0}/device:CPU:1 to "
+            "{0}/device:CPU:0".format(chief), requested=5000),
+      # The ids sent to the ps task, int64 [3]: 24 bytes.
+      _node("ids", "ids = Unique(x)", [3], dtype=9),
+      _node("MatMul", "MatMul = MatMul(a, b)", [100, 100]),
+  ])
+  # The ps task's own record of receiving the ids: not the chief's.
+  metadata.step_stats.dev_stats.add(device=ps).node_stats.extend([
+      _node("RecvTensor", "[1KB] edge_3_ids from {}/device:CPU:0 to "
+            "{}".format(chief, ps), requested=24)])
+  graph = metadata.partition_graphs.add()
+  for name, inputs, sender, receiver in [
+      ("send_ids", ["ids", "^MatMul"], chief + "/device:CPU:0", ps),
+      ("send_local", ["MatMul"], chief + "/device:CPU:0",
+       chief + "/device:CPU:1"),
+      ("send_unknown", ["Const:1"], chief + "/device:CPU:0", ps),
+      ("send_from_ps", ["rows"], ps, chief + "/device:CPU:0")]:
+    node = graph.node.add(name=name, op="_Send", input=inputs)
+    node.attr["send_device"].s = sender.encode()
+    node.attr["recv_device"].s = receiver.encode()
+  counted = ctr_model.step_bytes(metadata, {"allreduce":
+                                            "CollectiveReduceV2"}, chief)
+  assert counted == {"collectives": 384 + 40 + 16, "collective ops": 3,
+                     "received": 1000, "sent": 24, "send/recv": 1024,
+                     "transfers": 2, "unsized": 1}
+
+
+def test_step_bytes_of_a_traced_step_of_a_tiny_graph():
+  graph = tf.Graph()
+  with graph.as_default():
+    values = tf.ones([3, 4], tf.float32)
+    summed = tf.raw_ops.CollectiveReduceV2(
+        input=values, group_size=1, group_key=1, instance_key=1,
+        ordering_token=[], merge_op="Add", final_op="Id")
+    gathered = tf.raw_ops.CollectiveGatherV2(
+        input=tf.ones([5], tf.int64), group_size=1, group_key=1,
+        instance_key=2, ordering_token=[])
+  metadata = tf.compat.v1.RunMetadata()
+  with tf.compat.v1.Session(graph=graph) as session:
+    session.run([summed, gathered], options=tf.compat.v1.RunOptions(
+        trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
+                run_metadata=metadata)
+  counted = ctr_model.step_bytes(
+      metadata, {op.name: op.type for op in graph.get_operations()},
+      "/job:localhost/replica:0/task:0")
+  # 12 float32 and 5 int64, counted once each; nothing crossed tasks.
+  assert counted == {"collectives": 48 + 40, "collective ops": 2,
+                     "received": 0, "sent": 0, "send/recv": 0,
+                     "transfers": 0, "unsized": 0}
+
+
+def test_ctr_batches_are_power_law_ids_in_the_table_and_repeat_per_rank():
+  assert ctr_model.table_rows(1048576, 26) == 40330  # 26 x 40,330 >= 1M
+  assert ctr_model.field_names(3) == ["C1", "C2", "C3"]
+  features, labels = ctr_model.batch(1, 512, 26, 40330)
+  again, _ = ctr_model.batch(1, 512, 26, 40330)
+  other, _ = ctr_model.batch(2, 512, 26, 40330)
+  assert list(features) == ctr_model.field_names(26)
+  assert labels.shape == (512, 1) and set(np.unique(labels)) <= {0.0, 1.0}
+  for name, ids in features.items():
+    assert ids.dtype == np.int64 and ids.shape == (512,)
+    assert 0 <= ids.min() and ids.max() < 40330
+    np.testing.assert_array_equal(ids, again[name])
+    assert len(np.unique(ids)) < 512  # hot rows repeat
+  assert any((features[n] != other[n]).any() for n in features)
+
+
+def _ctr_data():
+  def run(tasks, seconds, quarter, whole, memory=800.0):
+    return {"tasks": tasks, "global_steps": 100, "seconds": seconds,
+            "memory_mb": memory, "bytes": {
+                **({"quarter": {"collectives": quarter[0],
+                                "send/recv": quarter[1]}} if quarter else {}),
+                "whole": {"collectives": whole[0], "send/recv": whole[1]}},
+            "touched": {"quarter": {"rows": 192, "ids": 4992,
+                                    "distinct": 2716},
+                        "whole": {"rows": 768, "ids": 19968,
+                                  "distinct": 8759}}}
+
+  return {
+      "command": "python -m benchmarks.across_workers --model ctr",
+      "machine": "2 cores", "date": "2026-01-02", "batch": 1536,
+      "hidden": [256, 128], "towers": 2, "steps": 100, "warmup": 10,
+      "repeats": 1, "fields": 26, "table_rows": 1048576, "dim": 16,
+      "shards": 2,
+      "cells": [["replicate", 2], ["hybrid", 2], ["mwms", 2],
+                ["ps-async", 2], ["ps-sync", 2]],
+      "runs": {"replicate x2": [run(2, 8.0, (1_000_000, 0), (3_000_000, 0))],
+               "hybrid x2": [run(2, 4.0, (800_000, 200_000),
+                                 (3_000_000, 1_000_000), 500.0)],
+               "mwms x2": [run(2, 2.0, None, (2_000_000, 0))],
+               "ps-async x2": [run(2, 1.0, (0, 1_500_000), (0, 3_000_000))],
+               "ps-sync x2": [None]},
+      "failures": {"ps-sync x2": "chief exited with 1: ValueError: no"},
+  }
+
+
+def test_ctr_section_rates_bytes_and_round_trip():
+  data = _ctr_data()
+  data["runs"]["hybrid x2"][0]["bytes"]["whole"].update(
+      {"collective ops": 161, "received": 400_000, "sent": 600_000})
+  text = across_workers_ctr.section(data)
+  # 1536 x 100 / 8 s = 19,200; 800,000 + 200,000 quarter bytes.
+  assert ("| replicate | 2 | 0 | 4 | 384 | 19,200 | 80.0 | - | 1,000,000 | "
+          "3,000,000 | 3,000,000 (-) / - / - | 800 |") in text
+  assert ("| hybrid | 2 | 1 | 4 | 384 | 38,400 | 40.0 | 2.00 | 1,000,000 | "
+          "4,000,000 | 3,000,000 (161) / 400,000 / 600,000 | 500 |") in text
+  # MWMS: one device a task, no quarter step.
+  assert ("| mwms | 2 | 0 | 2 | 768 | 76,800 | 20.0 | 4.00 | - | "
+          "2,000,000 |") in text
+  # ps-async: a global step is one task's 768 rows.
+  assert "| ps-async | 2 | 1 | 4 | 384 | 76,800 | 10.0 | 4.00 |" in text
+  assert "| ps-sync | 2 | 1 | 4 | 384 | failed: chief exited with 1" in text
+  assert ("grow by: replicate: +2.00 MB (x 3.00) at 2 tasks; hybrid: +3.00 "
+          "MB (x 4.00) at 2 tasks; ps-async: +1.50 MB (x 2.00) at 2 "
+          "tasks.") in text
+  # 416 x 256 + 256 + 256 x 128 + 128 + 128 + 1 floats.
+  assert "dense layers' part (0.56 MB of gradients" in text
+  # ps-async is not synchronous; the fastest first, then the next.
+  assert ("Fastest synchronous approach (replicate, hybrid, mwms, ps-sync; "
+          "median examples/sec): 2 tasks: mwms (76,800, then hybrid "
+          "38,400).") in text
+  assert "2 tasks: 768 rows look up 19,968 ids (8,759 distinct)" in text
+  assert "40,330 x 16 (1,048,580 rows, 67.1 MB" in text
+  assert across_workers.read_data(text, across_workers_ctr.DATA) == data
+  data["runs"]["mwms x2"][0]["wall"] = 30.4
+  data["runs"]["hybrid x2"][0]["wall"] = 50.0
+  assert "; 1 repeat, the runs 80 s in all." in across_workers_ctr.section(
+      data)
+  assert across_workers.read_data(text) is None  # not the MLP's figures
+
+
+def test_the_ctr_section_sits_beside_the_mlp_section(tmp_path):
+  with open(readme.RESULTS) as results:
+    original = results.read()
+  mlp = across_workers.kept_section(original)
+  path = tmp_path / "RESULTS.md"
+  path.write_text(original)
+  across_workers_ctr.publish(str(path), _ctr_data())
+  text = path.read_text()
+  assert across_workers.kept_section(text).strip() == mlp.strip()
+  # Recording the MLP's section again keeps the blank line before this one.
+  again = across_workers.replace_section(text, mlp)
+  assert again == text and "-->\n\n" + across_workers_ctr.SECTION in again
+  assert across_workers.read_data(text) == across_workers.read_data(
+      original)
+  assert readme.parse(text) == readme.parse(original)
+  assert (tmp_path / "RESULTS_across_workers_ctr.png").exists()
+  assert across_workers.main(["--model", "ctr", "--redraw", "--record",
+                              str(path)]) == 0
+  assert path.read_text() == text
+
+
+def test_ctr_runs_have_their_own_defaults():
+  parser = across_workers.make_parser()
+  args = across_workers_ctr.with_defaults(
+      parser.parse_args(["--model", "ctr", "--steps", "30"]),
+      ["--model", "ctr", "--steps", "30"])
+  assert args.tasks == [2, 3] and args.steps == 30 and args.repeats == 1
+  assert args.approaches == ["replicate", "hybrid", "mwms", "ps-async",
+                             "ps-sync"]
+  assert args.batch % (4 * 2 * 2) == 0 and args.batch % (4 * 3 * 2) == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--approaches", "replicate,hybrid"], "argument --approaches: hybrid "
+     "run with --model ctr only"),
+    (["--model", "ctr", "--batch", "1040"], "argument --batch: with --model "
+     "ctr, a quarter of each task's rows must divide evenly over its towers "
+     "(4 x tasks x --towers 2); 1040 does not for --tasks 3"),
+    (["--model", "ctr", "--warmup", "5"], "argument --warmup: with --model "
+     "ctr, must be above 7"),
+])
+def test_across_workers_ctr_refuses_what_it_cannot_run(argv, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    across_workers.main(argv)
+  assert exit_info.value.code == 2
+  assert message in " ".join(capsys.readouterr().err.split())
