@@ -486,19 +486,20 @@ def section(data):
       "gradients; plain gradient descent) on the same global batch of {} "
       "rows, split evenly over 1 to {} local tasks, each task its own "
       "process, all on loopback gRPC: `replicate` (`start_server`, "
-      "`variable_strategy=\"replicated\"`, {} towers a task, no ps), "
+      "`variable_strategy=\"replicated\"`, {} a task, no ps), "
       "`mwms` (`MultiWorkerMirroredStrategy` through `RunConfig("
       "train_distribute=...)` under `disable_eager_execution()`: one "
       "replica a task, since on CPUs it uses no virtual devices) and "
       "`ps-sync` (1 ps task more, `SyncReplicasOptimizer` in "
-      "`TowerOptimizer`, `parameter_server`, {} towers a task). The chief "
+      "`TowerOptimizer`, `parameter_server`, {} a task). The chief "
       "times {} global steps after {} untimed ones: examples/sec = "
       "global batch x global steps / seconds, median (min-max) over the "
       "repeats; x 1 task and x replicate are ratios paired within a "
       "repeat. At 1 task nothing crosses processes except ps-sync's "
       "variables, which live on the ps task.".format(
           hidden, cost.parameters(mlp), cost.parameters(mlp) * 4 / 1e6,
-          batch, max(t for _, t in data["cells"]), towers, towers,
+          batch, max(t for _, t in data["cells"]), _towers(towers),
+          _towers(towers),
           data["steps"], data["warmup"]), "",
       "What 2 shared cores can show: every task, the ps task included, "
       "runs on the same 2 cores, so adding tasks adds no compute, only "
@@ -663,6 +664,10 @@ def _load(data):
     return ""
   return (" The machine's 1-minute load average was {:.1f} to {:.1f} around "
           "the runs (other jobs shared it).".format(min(loads), max(loads)))
+
+
+def _towers(count):
+  return "{} tower{}".format(count, "" if count == 1 else "s")
 
 
 def _threads_paragraph(data):
