@@ -74,8 +74,8 @@ def check_cluster(sync_all: bool, config, mode: str) -> Callable:
         "training tasks (chief and workers) and ps tasks, where each worker "
         "steps on its own: batch-norm moments can be combined over one "
         "task's towers only. Fix: {} (each tower normalizes with its own "
-        "rows), or a synchronous cluster (no ps tasks, "
-        "variable_strategy='replicated').".format(*(
+        "rows), or a synchronous cluster (variable_strategy='replicated' "
+        "and replicate.start_server, with or without ps tasks).".format(*(
             ("is synchronized by sync_batch_norm=True (the default)", tasks,
              "sync_batch_norm=False") if sync_all else
             ("is declared synchronized=True", tasks, "synchronized=False"))))

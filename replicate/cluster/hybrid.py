@@ -65,9 +65,9 @@ class PsPlacement:
     self._partitioning = 0  # depth of partitioned creations under way
 
   def device(self, op: tf.Operation):
+    del op  # a part's variable op: its place comes from the order alone
     if not self._partitioning:
       return None
-    del op
     task = self._parts % self._num_ps
     self._parts += 1
     return "/job:{}/task:{}/device:CPU:0".format(PS_JOB, task)

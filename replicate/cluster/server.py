@@ -101,8 +101,9 @@ def check_started(config) -> None:
   if (config.task_type, config.task_id) not in _servers:
     raise ValueError(
         "This RunConfig's cluster trains synchronously (chief and worker "
-        "tasks with variable_strategy='replicated'), which needs this task's server started by "
-        "replicate.start_server(run_config), with the group leader "
+        "tasks with variable_strategy='replicated'), which needs this "
+        "task's server started by replicate.start_server(run_config), with "
+        "the group leader "
         "TensorFlow's collectives need, before "
         "tf.estimator.train_and_evaluate. Call it once, with the "
         "Estimator's RunConfig.")
