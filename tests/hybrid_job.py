@@ -2,10 +2,11 @@
 
   python tests/hybrid_job.py MODEL_DIR MAX_STEPS BATCHES
       [--optimizer {adam,adagrad,sgd,ftrl}] [--towers N[,N...]]
-      [--shards S] [--canned] [--vocabulary V] [--dimension D]
+      [--shards S] [--canned] [--fields F] [--vocabulary V] [--dimension D]
       [--report-memory] [--partitioned-statistic] [--save-every N]
 
-A CTR model as its users write it: `FIELDS` categorical fields, each an
+A CTR model as its users write it: `FIELDS` categorical fields (or
+`--fields`), each an
 embedding table made by `get_variable(..., partitioner=
 fixed_size_partitioner(S))` and looked up with `embedding_lookup`
 (sparse gradients), a dense feature, a hidden layer and a logistic loss,
@@ -48,14 +49,14 @@ SEED = 7  # the graph's: the canned model's initializers have no seed
 OPTIMIZERS = sync_job.SPARSE_OPTIMIZERS  # sgd, adam, adagrad, ftrl
 
 
-def batch(rank, step, rows):
+def batch(rank, step, rows, fields=FIELDS):
   """Task `rank`'s batch `step`: ids mostly from 6 hot rows, so that rows
   repeat within and across tasks, a few anywhere; a dense feature; 0/1
   labels."""
   random = np.random.RandomState(1000 * rank + step)
-  hot = random.randint(0, 6, size=(rows, FIELDS))
-  far = random.randint(0, VOCABULARY, size=(rows, FIELDS))
-  ids = np.where(random.uniform(size=(rows, FIELDS)) < 0.7, hot, far)
+  hot = random.randint(0, 6, size=(rows, fields))
+  far = random.randint(0, VOCABULARY, size=(rows, fields))
+  ids = np.where(random.uniform(size=(rows, fields)) < 0.7, hot, far)
   x = random.normal(size=(rows, DENSE)).astype(np.float32)
   labels = random.randint(0, 2, size=(rows, 1)).astype(np.float32)
   return {"ids": ids.astype(np.int64), "x": x}, labels
@@ -65,7 +66,7 @@ def model_fn(features, labels, mode, params):
   """The model every task (and the one-device reference) builds."""
   partitioner = tf.compat.v1.fixed_size_partitioner(params["shards"])
   looked_up = []
-  for field in range(FIELDS):
+  for field in range(features["ids"].shape[1]):
     table = tf.compat.v1.get_variable(
         "table_{}".format(field),
         [params.get("vocabulary", VOCABULARY),
@@ -100,7 +101,8 @@ def canned_model_fn(features, labels, mode, params, config):
   """A canned wide & deep model's model_fn, its inputs partitioned."""
   columns = [tf.compat.v1.feature_column.embedding_column(
       tf.compat.v1.feature_column.categorical_column_with_identity(
-          "id_{}".format(f), VOCABULARY), DIMENSION) for f in range(FIELDS)]
+          "id_{}".format(f), VOCABULARY), DIMENSION)
+             for f in range(features["ids"].shape[1])]
   wide = [tf.compat.v1.feature_column.categorical_column_with_identity(
       "id_0", VOCABULARY)]
   estimator = tf.compat.v1.estimator.DNNLinearCombinedClassifier(
@@ -111,11 +113,12 @@ def canned_model_fn(features, labels, mode, params, config):
       input_layer_partitioner=tf.compat.v1.fixed_size_partitioner(
           params["shards"]),
       config=config)
-  split = {"id_{}".format(f): features["ids"][:, f] for f in range(FIELDS)}
+  split = {"id_{}".format(f): features["ids"][:, f]
+           for f in range(features["ids"].shape[1])}
   return estimator.model_fn(split, labels, mode, config)
 
 
-def input_fn_for(batches, model_dir):
+def input_fn_for(batches, model_dir, fields=FIELDS):
   """Task `rank`'s batches, then the end (from the checkpoint's step)."""
 
   def input_fn(rank):
@@ -124,11 +127,11 @@ def input_fn_for(batches, model_dir):
 
     def generate():
       for step, rows in enumerate(batches[rank][start:], start=start):
-        yield batch(rank, step, rows)
+        yield batch(rank, step, rows, fields)
 
     return tf.data.Dataset.from_generator(
         generate, output_signature=(
-            {"ids": tf.TensorSpec([None, FIELDS], tf.int64),
+            {"ids": tf.TensorSpec([None, fields], tf.int64),
              "x": tf.TensorSpec([None, DENSE], tf.float32)},
             tf.TensorSpec([None, 1], tf.float32)))
 
@@ -172,6 +175,8 @@ def main(argv):
                       help="parts of each table (fixed_size_partitioner)")
   parser.add_argument("--canned", action="store_true",
                       help="DNNLinearCombinedClassifier's model_fn")
+  parser.add_argument("--fields", type=int, default=FIELDS,
+                      help="categorical fields, a table each")
   parser.add_argument("--vocabulary", type=int, default=VOCABULARY,
                       help="rows of each table")
   parser.add_argument("--dimension", type=int, default=DIMENSION,
@@ -212,7 +217,7 @@ def main(argv):
   path = os.path.join(arguments.model_dir,
                       "values-{}-{}.npz".format(task["type"], task["index"]))
   input_fn = input_fn_for(sync_job.parse_batches(arguments.batches),
-                          arguments.model_dir)
+                          arguments.model_dir, arguments.fields)
   tf.estimator.train_and_evaluate(
       estimator,
       tf.estimator.TrainSpec(lambda: input_fn(rank),

@@ -63,21 +63,21 @@ def _run(model_dir, workers, max_steps, batches, *options, num_ps=1,
   return log
 
 
-def _concatenated(batches, steps, start=0):
+def _concatenated(batches, steps, start=0, fields=hybrid_job.FIELDS):
   """The one-device input: step s's batches of every task, chief first."""
   per_task = hybrid_job.sync_job.parse_batches(batches)
 
   def input_fn():
     def generate():
       for step in range(start, steps):
-        parts = [hybrid_job.batch(rank, step, rows[step])
+        parts = [hybrid_job.batch(rank, step, rows[step], fields)
                  for rank, rows in enumerate(per_task)]
         yield ({key: np.concatenate([p[0][key] for p in parts])
                 for key in ("ids", "x")},
                np.concatenate([p[1] for p in parts]))
 
     return tf.data.Dataset.from_generator(generate, output_signature=(
-        {"ids": tf.TensorSpec([None, hybrid_job.FIELDS], tf.int64),
+        {"ids": tf.TensorSpec([None, fields], tf.int64),
          "x": tf.TensorSpec([None, hybrid_job.DENSE], tf.float32)},
         tf.TensorSpec([None, 1], tf.float32)))
 
@@ -85,7 +85,7 @@ def _concatenated(batches, steps, start=0):
 
 
 def _one_machine(model_dir, batches, steps, optimizer="adam", towers=1,
-                 start=0, canned=False):
+                 start=0, canned=False, fields=hybrid_job.FIELDS):
   """The model on one device, unwrapped (or on one machine's `towers`,
   "replicated"), on the concatenated batches; the checkpoint's values."""
   model_fn = hybrid_job.canned_model_fn if canned else hybrid_job.model_fn
@@ -101,7 +101,8 @@ def _one_machine(model_dir, batches, steps, optimizer="adam", towers=1,
   estimator = tf.estimator.Estimator(
       model_fn, config=config,
       params={"optimizer": optimizer, "shards": 2, "wrap": wrap})
-  estimator.train(_concatenated(batches, steps, start), max_steps=steps)
+  estimator.train(_concatenated(batches, steps, start, fields),
+                  max_steps=steps)
   reader = tf.train.load_checkpoint(str(model_dir))
   return {name: reader.get_tensor(name)
           for name in reader.get_variable_to_shape_map()}
@@ -154,17 +155,19 @@ def _assert_every_task_like(model_dir, workers, expected):
                  every=job == "chief")
 
 
-@pytest.mark.parametrize("optimizer,workers,towers,num_ps", [
-    ("adam", 2, "1,2", 1), ("adagrad", 2, "2", 2), ("sgd", 2, "2,1", 1),
-    ("ftrl", 3, "1,2,1", 2)])
+@pytest.mark.parametrize("optimizer,workers,towers,num_ps,fields", [
+    ("adam", 2, "1,2", 1, 3), ("adagrad", 2, "2", 2, 26),
+    ("sgd", 2, "2,1", 1, 3), ("ftrl", 3, "1,2,1", 2, 3)])
 def test_tables_on_ps_train_as_one_device(tmp_path, optimizer, workers,
-                                          towers, num_ps):
+                                          towers, num_ps, fields):
   # Uneven batches, an empty one on a worker, a batch of 1 row, ids
-  # repeating within and across tasks.
+  # repeating within and across tasks; with Adagrad 26 fields (a CTR
+  # model's: 52 parts, their slices in the step's shared gathers).
   batches = ("5,2,4;3,6,0" if workers == 2 else "5,2,4;3,6,0;1,0,7")
   _run(tmp_path / "cluster", workers, 3, batches, "--optimizer", optimizer,
-       "--towers", towers, num_ps=num_ps)
-  expected = _one_machine(tmp_path / "reference", batches, 3, optimizer)
+       "--towers", towers, "--fields", str(fields), num_ps=num_ps)
+  expected = _one_machine(tmp_path / "reference", batches, 3, optimizer,
+                          fields=fields)
   assert expected["global_step"] == 3
   reader = tf.train.load_checkpoint(str(tmp_path / "cluster"))
   # Saved as one device saves them: each table whole, from its 2 parts.
