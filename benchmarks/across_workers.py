@@ -767,17 +767,24 @@ def _read(path):
 
 
 def _publish(path, data):
-  text = replace_section(_read(path), section(data))
+  publish_section(path, section(data), SECTION, "_across_workers.png",
+                  lambda plot_path: draw(plot_path, data),
+                  "the across-workers section")
+
+
+def publish_section(path, text, heading, plot_suffix, draw_plot, what):
+  """Writes `text` as `heading`'s section of `path`, and its plot beside
+  it (`<stem><plot_suffix>`, by `draw_plot(plot_path)`: False without
+  matplotlib); says which, naming the section `what`."""
+  whole = _read(path)
   with open(path, "w") as f:
-    f.write(text)
-  stem = os.path.splitext(path)[0]
-  plot_path = stem + "_across_workers.png"
-  if draw(plot_path, data):
-    print("Wrote the across-workers section of {} and {}.".format(
-        path, plot_path))
+    f.write(replace_section(whole, text, heading))
+  plot_path = os.path.splitext(path)[0] + plot_suffix
+  if draw_plot(plot_path):
+    print("Wrote {} of {} and {}.".format(what, path, plot_path))
   else:
-    print("Wrote the across-workers section of {}; no plot (matplotlib is "
-          "not installed).".format(path))
+    print("Wrote {} of {}; no plot (matplotlib is not installed).".format(
+        what, path))
 
 
 def draw(path, data):

@@ -358,15 +358,10 @@ def section(data):
 
 
 def publish(path, data):
-  text = aw.replace_section(aw._read(path), section(data), SECTION)  # pylint: disable=protected-access
-  with open(path, "w") as f:
-    f.write(text)
-  plot_path = os.path.splitext(path)[0] + "_across_workers_ctr.png"
-  if draw(plot_path, data):
-    print("Wrote the CTR section of {} and {}.".format(path, plot_path))
-  else:
-    print("Wrote the CTR section of {}; no plot (matplotlib is not "
-          "installed).".format(path))
+  aw.publish_section(path, section(data), SECTION,
+                     "_across_workers_ctr.png",
+                     lambda plot_path: draw(plot_path, data),
+                     "the CTR section")
 
 
 def draw(path, data):
