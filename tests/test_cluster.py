@@ -52,7 +52,8 @@ def _model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-def _build(config, is_under_estimator_setter=False, mode=TRAIN, **kwargs):
+def _build(config, is_under_estimator_setter=False, mode=TRAIN,
+           model_fn=None, **kwargs):
   """The TRAIN graph, optionally inside the replica_device_setter the
   Estimator puts around the model_fn in a ps cluster."""
   graph = tf.Graph()
@@ -64,7 +65,7 @@ def _build(config, is_under_estimator_setter=False, mode=TRAIN, **kwargs):
         merge_devices=True, cluster=config.cluster_spec)
     with graph.device(setter if is_under_estimator_setter else None):
       tf.compat.v1.train.get_or_create_global_step()
-      wrapped = replicate.replicate_model_fn(_model_fn, **kwargs)
+      wrapped = replicate.replicate_model_fn(model_fn or _model_fn, **kwargs)
       wrapped(tf.ones([6, 2]), tf.ones([6, 1]), mode, config=config)
   return graph
 
@@ -112,6 +113,26 @@ def test_without_ps_tasks_training_is_synchronous_and_needs_replicated(
   with pytest.raises(ValueError, match="no ps tasks, which trains "
                      "synchronously.*Pass variable_strategy='replicated'"):
     _build(config)
+
+
+def test_an_optimizers_own_variables_stay_on_the_ps_tasks(monkeypatch):
+  # Adam's beta powers, beside the first variable by name, as unwrapped
+  # (only "replicated" with ps tasks keeps them on each task).
+  def adam_model_fn(features, labels, mode):
+    hidden = tf.compat.v1.layers.dense(features, 3, name="hidden")
+    loss = tf.compat.v1.losses.mean_squared_error(
+        labels, tf.compat.v1.layers.dense(hidden, 1, name="out"))
+    train_op = replicate.TowerOptimizer(
+        tf.compat.v1.train.AdamOptimizer(0.1)).minimize(
+            loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  graph = _build(_config(monkeypatch), model_fn=adam_model_fn)
+  variables = {v.op.name: v.device
+               for v in graph.get_collection("variables")}
+  assert variables["beta1_power"] == variables["hidden/bias"] == (
+      "/job:ps/task:1/device:CPU:0")
+  assert variables["hidden/kernel/Adam"] == "/job:ps/task:0/device:CPU:0"
 
 
 def test_evaluation_on_the_chief_stays_on_local_devices(monkeypatch):

@@ -111,7 +111,11 @@ class TowerVariables:
   def made_by_update(self, name: str):
     """Where the update makes a variable named `name`: beside a ps-held
     variable, as `replicate.cluster.hybrid.made_by_update` says. Yields a
-    list that gets the variable made."""
+    list that gets the variable made. Only where towers have copies: in a
+    ps cluster trained "parameter_server" every variable lives on the ps
+    tasks, an optimizer's own too."""
+    if not self.is_replicated:
+      return contextlib.nullcontext([])
     return hybrid.made_by_update(self.graph, name, self._devices[0])
 
   def for_tower(self, index: int, variable):
