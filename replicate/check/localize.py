@@ -1,0 +1,153 @@
+"""Where a run differs: the first op, in graph order, whose value in a
+tower is not one device's.
+
+On how: both graphs (one device's, and the wrapped one) are built again in
+the mode that differs, restored from the same checkpoint and run once on
+the first batch, with the same random draws. Ops are matched by name
+(tower 0 has the `model_fn`'s own names, tower i the `tower_i/` prefix).
+A tensor whose first dimension is the batch's rows on one device and the
+shard's in the tower holds rows: tower i's must be one device's rows
+`[offset_i : offset_i + n_i]`; any other must be one device's whole value.
+Only the ops the differing value is computed from are looked at, so a
+value over the batch that the wrapper combines elsewhere (the loss's mean)
+is looked at only when that value differs.
+"""
+
+import os
+import re
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+import replicate
+from replicate import graph_walk
+from replicate.check import batches as batches_lib
+from replicate.check import compare
+from replicate.check import randoms
+from replicate.check import report as report_lib
+from replicate.check import runs
+from replicate.shard import declared
+
+# Frames of these are not the user's: TensorFlow's, Keras's, ours.
+_LIBRARY_PARTS = ("/tensorflow/", "/tensorflow_estimator/", "/keras/",
+                  "/tf_keras/", "/absl/", "<frozen ")
+_PACKAGE = os.path.dirname(os.path.abspath(replicate.__file__)) + os.sep
+_SKIPPED_TYPES = frozenset(["Const", "NoOp", "VarHandleOp", "VariableV2",
+                            "Placeholder", "PlaceholderWithDefault"])
+
+
+def source_line(op: tf.Operation) -> str:
+  """The user's line that created `op`: the last frame of its traceback
+  outside TensorFlow, Keras and replicate."""
+  frames = list(op.traceback or ())
+  for frame in reversed(frames):
+    filename = frame.filename
+    if filename.startswith(_PACKAGE) or any(
+        part in filename for part in _LIBRARY_PARTS):
+      continue
+    return "{}:{} in {}: {}".format(filename, frame.lineno, frame.name,
+                                    (frame.line or "").strip())
+  return ""
+
+
+def op_in_message(message: str, graph: tf.Graph) -> Optional[tf.Operation]:
+  """The first op a refusal's message names (quoted), found in `graph`."""
+  for name in re.findall(r"'([^'\s]+)'", message):
+    try:
+      return graph.get_operation_by_name(name)
+    except (KeyError, ValueError):
+      continue
+  return None
+
+
+def first_op(setup: runs.Setup, mode: str, batch, checkpoint: str,
+             draws, towers: int, strategy: str, what: str,
+             rtol: float, atol: float) -> Optional[report_lib.FirstOp]:
+  """The first op whose tower value is not one device's, on `batch`."""
+  one = runs.build(setup, mode, [batch])
+  wrapped = runs.build(setup, mode, [batch], towers, strategy)
+  with one.graph.as_default():
+    ordered = _candidates(one, mode, what)
+  one_values = _values(setup, one, checkpoint, draws, batch.rows, 1,
+                       {t.name: t for t in ordered})
+  names = {}
+  for tensor in ordered:
+    for tower in range(towers):
+      name = tensor.name if tower == 0 else "tower_{}/{}".format(
+          tower, tensor.name)
+      try:
+        names[(tensor.name, tower)] = wrapped.graph.get_tensor_by_name(name)
+      except (KeyError, ValueError):
+        continue
+  tower_values = _values(setup, wrapped, checkpoint, draws, batch.rows,
+                         towers, names)
+  sizes = batches_lib.shard_rows(batch.rows, towers)
+  starts = np.cumsum([0] + sizes[:-1])
+  for tensor in ordered:
+    for tower in range(towers):
+      if (tensor.name, tower) not in tower_values:
+        continue
+      expected = np.asarray(one_values[tensor.name])
+      actual = np.asarray(tower_values[(tensor.name, tower)])
+      rows = (expected.ndim and actual.ndim and towers > 1 and
+              expected.shape[0] == batch.rows and
+              actual.shape[0] == sizes[tower] and
+              expected.shape[1:] == actual.shape[1:])
+      if rows:
+        expected = expected[starts[tower]:starts[tower] + sizes[tower]]
+      off, _ = compare.difference(expected, actual, rtol, atol)
+      if off > 0:
+        return report_lib.FirstOp(
+            tensor.op.name, tensor.op.type, source_line(tensor.op), tower,
+            compare.summary(expected), compare.summary(actual),
+            declared=declared.is_declared(tensor.op),
+            note=("its rows for tower {} (rows {}:{})".format(
+                tower, starts[tower], starts[tower] + sizes[tower]) if rows
+                  else _BATCH_NOTE))
+  return None
+
+
+_BATCH_NOTE = (
+    "a value over the batch: in the tower it is computed from the tower's "
+    "rows only; the wrapper combines the towers' loss (by loss_reduction or "
+    "replicate.loss_denominator) and their metrics, and where it does not, "
+    "this is where the towers part from one device (fix: compute it on "
+    "replicate.all_rows(x), or state the loss's denominator)")
+
+
+def _candidates(built, mode, what):
+  """One device's tensors the differing value is computed from, in graph
+  order, that a session can fetch."""
+  spec = built.spec
+  if what.startswith("metric ") and what[len("metric "):] in (
+      spec.eval_metric_ops or {}):
+    targets = [spec.eval_metric_ops[what[len("metric "):]][1]]
+  elif what.startswith("prediction "):
+    targets = tf.nest.flatten(spec.predictions) if not isinstance(
+        spec.predictions, dict) else [spec.predictions[what[len(
+            "prediction "):]]]
+  else:
+    targets = [spec.loss]
+  behind = set(graph_walk.ops_behind(targets))
+  found = []
+  for op in built.graph.get_operations():
+    if (op not in behind or op.type in _SKIPPED_TYPES or
+        "while/" in op.name or "/cond/" in "/" + op.name):
+      continue
+    found.extend(t for t in op.outputs if built.graph.is_fetchable(t) and
+                 t.dtype not in (tf.resource, tf.variant))
+  del mode
+  return found
+
+
+def _values(setup, built, checkpoint, draws, rows, towers, fetches):
+  """`fetches`' values in one run of `built` on its batch, random ops fed."""
+  with built.graph.as_default():
+    creator = tf.compat.v1.train.ChiefSessionCreator(
+        scaffold=built.spec.scaffold,
+        checkpoint_filename_with_path=checkpoint,
+        config=setup.session_config)
+    with tf.compat.v1.train.MonitoredSession(session_creator=creator) as s:
+      feed = randoms.feeds(built.graph, draws, rows, towers) if draws else {}
+      return s.run(fetches, feed_dict=feed)
