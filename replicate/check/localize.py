@@ -13,6 +13,7 @@ value over the batch that the wrapper combines elsewhere (the loss's mean)
 is looked at only when that value differs.
 """
 
+import linecache
 import os
 import re
 from typing import Optional
@@ -46,8 +47,9 @@ def source_line(op: tf.Operation) -> str:
     if filename.startswith(_PACKAGE) or any(
         part in filename for part in _LIBRARY_PARTS):
       continue
+    code = frame.line or linecache.getline(filename, frame.lineno)
     return "{}:{} in {}: {}".format(filename, frame.lineno, frame.name,
-                                    (frame.line or "").strip())
+                                    code.strip())
   return ""
 
 
@@ -118,27 +120,58 @@ _BATCH_NOTE = (
 
 def _candidates(built, mode, what):
   """One device's tensors the differing value is computed from, in graph
-  order, that a session can fetch."""
+  order, that a session can fetch, and whose tower values must be one
+  device's (see `_compared`)."""
   spec = built.spec
   if what.startswith("metric ") and what[len("metric "):] in (
       spec.eval_metric_ops or {}):
     targets = [spec.eval_metric_ops[what[len("metric "):]][1]]
+  elif what.startswith("prediction ") and isinstance(spec.predictions, dict):
+    targets = [spec.predictions[what[len("prediction "):]]]
   elif what.startswith("prediction "):
-    targets = tf.nest.flatten(spec.predictions) if not isinstance(
-        spec.predictions, dict) else [spec.predictions[what[len(
-            "prediction "):]]]
+    targets = tf.nest.flatten(spec.predictions)
   else:
     targets = [spec.loss]
-  behind = set(graph_walk.ops_behind(targets))
+  # Control edges too: a metric's update op reads its totals after the
+  # assignments that add the batch's values.
+  behind = set(graph_walk.ops_behind(targets, follow_control=True))
+  ordered = [op for op in built.graph.get_operations() if op in behind]
   found = []
-  for op in built.graph.get_operations():
-    if (op not in behind or op.type in _SKIPPED_TYPES or
-        "while/" in op.name or "/cond/" in "/" + op.name):
+  for op in _compared(built.graph, ordered):
+    if (op.type in _SKIPPED_TYPES or "while/" in op.name or
+        "/cond/" in "/" + op.name):
       continue
     found.extend(t for t in op.outputs if built.graph.is_fetchable(t) and
                  t.dtype not in (tf.resource, tf.variant))
   del mode
   return found
+
+
+# Ops whose values are sizes, not rows' values.
+_SHAPE_TYPES = frozenset(["Shape", "ShapeN", "Size", "Rank"])
+# Ops that change state (a metric's totals): what is computed after them
+# in the same run is not compared.
+_WRITE_PARTS = ("Assign", "Scatter", "Apply")
+
+
+def _compared(graph, ordered):
+  """The ops of `ordered` whose tower values must be one device's: not
+  made from shapes only (a tower's batch has its own size: `tf.shape(x)[0]`
+  is n_i there), and not reading or computed from state a step changes (a
+  metric's local totals, or after an assignment)."""
+  local = {v.op.name for key in (tf.compat.v1.GraphKeys.LOCAL_VARIABLES,
+                                 tf.compat.v1.GraphKeys.METRIC_VARIABLES)
+           for v in graph.get_collection(key)}
+  sizes, state = set(), set()
+  for op in ordered:
+    inputs = [t.op for t in op.inputs]
+    if op.type in _SHAPE_TYPES or (inputs and all(
+        i in sizes or i.type == "Const" for i in inputs)):
+      sizes.add(op)
+    if (any(part in op.type for part in _WRITE_PARTS) or
+        any(i.name in local or i in state for i in inputs)):
+      state.add(op)
+  return [op for op in ordered if op not in sizes and op not in state]
 
 
 def _values(setup, built, checkpoint, draws, rows, towers, fetches):

@@ -28,6 +28,9 @@ class FirstOp:
   note: str = ""
 
   def lines(self) -> List[str]:
+    if not self.one_device and not self.in_tower:  # refused, or failed
+      return ["op {!r} ({}): {}".format(self.name, self.type, self.note),
+              "  created at " + (self.source or "(no source line)")]
     head = "first op that differs: {!r} ({}) in tower {}{}".format(
         self.name, self.type, self.tower,
         ", declared with replicate.rows_apart: the declaration does not "
@@ -110,9 +113,8 @@ class Report:
     for run in self.runs:
       lines.append("{:<{w}}  {:>8}  {}".format(
           run, self.compared.get(run, 0), self.run_result(run), w=width))
-    for difference in self.differences:
-      lines.append("")
-      lines.extend(difference.lines())
+    for run in self.runs:
+      lines.extend(self._run_lines(run))
     lines.extend([""] + self.notes if self.notes else [])
     lines.append("")
     lines.append("EXACT: every run equals one device." if self.exact else
@@ -120,6 +122,27 @@ class Report:
                      len(self.differences),
                      "" if len(self.differences) == 1 else "s"))
     return "\n".join(lines)
+
+  def _run_lines(self, run: str, shown: int = 6) -> List[str]:
+    """A run's differences: those with their first op in full, then one
+    line each, up to `shown`, then a count of the rest."""
+    found = [d for d in self.differences if d.run == run]
+    full = [d for d in found if d.first_op is not None or d.message]
+    brief = [d for d in found if d not in full]
+    lines = []
+    for difference in full:
+      lines.append("")
+      lines.extend(difference.lines())
+    if brief:
+      lines.append("")
+      lines.append("{}: also differ:".format(run))
+      lines.extend("  {}: {}".format(d.what, d.detail)
+                   for d in brief[:shown])
+      if len(brief) > shown:
+        lines.append("  ... and {} more ({})".format(
+            len(brief) - shown, ", ".join(d.what for d in brief[shown:])
+            [:300]))
+    return lines
 
   def to_json(self) -> str:
     found = dataclasses.asdict(self)
