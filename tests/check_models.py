@@ -76,9 +76,9 @@ def undeclared(features, labels, mode):
 
 def declared_wrong(features, labels, mode):
   hidden = tf.compat.v1.layers.dense(features["x"], 8, tf.nn.relu)
-  hidden = tf.compat.v1.py_func(_minus_first_row, [hidden], tf.float32,
-                                stateful=False)  # PLANTED: mixes rows
-  hidden.set_shape([None, 8])
+  mixed = tf.compat.v1.py_func(_minus_first_row, [hidden], tf.float32, False)
+  mixed.set_shape([None, 8])  # the line above is PLANTED: it mixes rows
+  hidden = mixed
   replicate.rows_apart(hidden)
   return _spec(mode, hidden, labels)
 
