@@ -138,6 +138,11 @@ def _check(model_fn, input_fn, towers, strategies, steps, params, config,
                   strategy, rtol, atol)
       report.differences.extend(found)
   report.seconds = clock.seconds
+  report.seconds["runs compared"] = clock.seconds["one device"] + sum(
+      clock.seconds[name] for name in report.runs)
+  report.seconds["total"] = sum(
+      value for part, value in clock.seconds.items()
+      if part not in ("runs compared",))
   return report
 
 
@@ -217,11 +222,18 @@ def _localize(setup, found, data, start, trained, draws, count, strategy,
         setup, mode, data[mode][0], checkpoint, draws[mode][0], count,
         strategy, what, rtol, atol)
     if difference.first_op is None:
-      difference.detail += (
-          "; on the first batch every op of the towers it is computed from "
-          "equals one device's: the towers' values are combined unlike one "
-          "device (the loss's reduction: loss_reduction or "
-          "replicate.loss_denominator), or it differs from a later step")
+      difference.detail += _NOTHING_FOUND
+
+
+# When every op the value is computed from equals one device's on the
+# first batch.
+_NOTHING_FOUND = (
+    "; on the first batch, every op of the towers it is computed from "
+    "equals one device's rows: the towers' values are combined unlike one "
+    "device (the loss's reduction: loss_reduction or "
+    "replicate.loss_denominator; the gradients), or it grows from rounding "
+    "(a variable whose gradient is about 0, e.g. an attention key's bias "
+    "under Adam, moves by rounding noise)")
 
 
 class _Clock:

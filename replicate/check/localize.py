@@ -92,22 +92,39 @@ def first_op(setup: runs.Setup, mode: str, batch, checkpoint: str,
         continue
       expected = np.asarray(one_values[tensor.name])
       actual = np.asarray(tower_values[(tensor.name, tower)])
-      rows = (expected.ndim and actual.ndim and towers > 1 and
-              expected.shape[0] == batch.rows and
-              actual.shape[0] == sizes[tower] and
-              expected.shape[1:] == actual.shape[1:])
-      if rows:
-        expected = expected[starts[tower]:starts[tower] + sizes[tower]]
+      span = _rows_span(expected, actual, batch.rows, sizes[tower],
+                        starts[tower]) if towers > 1 else None
+      if span is not None:
+        expected = expected[span[0]:span[1]]
+      elif expected.shape != actual.shape:
+        continue  # a size of the tower's batch (its n_i), not a value
+      rows = span is not None
       off, _ = compare.difference(expected, actual, rtol, atol)
       if off > 0:
         return report_lib.FirstOp(
             tensor.op.name, tensor.op.type, source_line(tensor.op), tower,
             compare.summary(expected), compare.summary(actual),
             declared=declared.is_declared(tensor.op),
-            note=("its rows for tower {} (rows {}:{})".format(
-                tower, starts[tower], starts[tower] + sizes[tower]) if rows
+            note=("its rows for tower {} (one device's rows {}:{} of the "
+                  "batch)".format(tower, starts[tower],
+                                  starts[tower] + sizes[tower]) if rows
                   else _BATCH_NOTE))
   return None
+
+
+def _rows_span(expected, actual, rows, tower_rows, start):
+  """Where tower's rows are in one device's value: (begin, end) along
+  dimension 0 when it holds k entries a row (k = 1 for [rows, ...]; k =
+  length for [rows * length, ...], a reshape that folds a sequence), else
+  None."""
+  if not expected.ndim or not actual.ndim or rows == tower_rows:
+    return None
+  if expected.shape[1:] != actual.shape[1:] or expected.shape[0] % rows:
+    return None
+  per_row = expected.shape[0] // rows
+  if actual.shape[0] != tower_rows * per_row:
+    return None
+  return start * per_row, (start + tower_rows) * per_row
 
 
 _BATCH_NOTE = (

@@ -116,6 +116,11 @@ class Report:
     for run in self.runs:
       lines.extend(self._run_lines(run))
     lines.extend([""] + self.notes if self.notes else [])
+    if self.seconds.get("runs compared"):
+      lines.append("time: {:.1f} s in all, {:.1f} s of it the runs compared "
+                   "({:.1f}x)".format(
+                       self.seconds["total"], self.seconds["runs compared"],
+                       self.seconds["total"] / self.seconds["runs compared"]))
     lines.append("")
     lines.append("EXACT: every run equals one device." if self.exact else
                  "NOT EXACT: {} difference{} (above).".format(
