@@ -25,6 +25,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "oracle"))
 
 import check_models  # noqa: E402
+from conftest import IS_TF1_BEHAVIOR  # noqa: E402
 import oracle_zoo  # noqa: E402
 
 MODELS = os.path.join(HERE, "check_models.py")
@@ -47,18 +48,21 @@ def _line_of(text):
 
 def test_a_zoo_model_is_exact_on_two_strategies():
   # The zoo's CNN: batch norm (synchronized across towers), momentum.
+  # TensorFlow 1 behaviour makes ref variables, which "replicated" refuses
+  # to copy: "round_robin" there.
+  other = "round_robin" if IS_TF1_BEHAVIOR else "replicated"
   features, labels = oracle_zoo._image_data(1, 0)
 
   def input_fn():
     return tf.data.Dataset.from_tensor_slices((features, labels)).batch(3)
 
   report = replicate.check(oracle_zoo.cnn_model_fn, input_fn, steps=2,
-                           strategies=["parameter_server", "replicated"])
+                           strategies=["parameter_server", other])
   assert report.exact, str(report)
-  assert report.runs == ["2 towers, parameter_server", "2 towers, replicated"]
+  assert report.runs == ["2 towers, parameter_server", "2 towers, " + other]
   # Variables with their slots and the global step, losses, metrics,
   # prediction keys: all compared.
-  assert report.compared["2 towers, replicated"] >= 15
+  assert report.compared["2 towers, " + other] >= 15
   assert "EXACT" in str(report)
 
 
@@ -83,6 +87,12 @@ def test_without_feeding_draws_dropout_would_differ():
 
 def test_a_per_tower_max_fed_to_a_metric_is_found_with_its_line():
   report = _check(check_models.max_metric, modes=("eval",))
+  if IS_TF1_BEHAVIOR:
+    # With TensorFlow 1 behaviour the wrapper feeds this metric the whole
+    # batch's values (ref-variable metrics), and is exact: so says the
+    # check (an Estimator's evaluate agrees: 0.68662 both).
+    assert report.exact, str(report)
+    return
   assert not report.exact
   [difference] = report.differences
   assert difference.what == "metric scaled"
