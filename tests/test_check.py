@@ -227,3 +227,36 @@ def test_a_bad_module_path_is_a_usage_error():
   result = _cli("no_such_module:model_fn", "check_models:input_fn")
   assert result.returncode == 2
   assert "cannot import 'no_such_module'" in result.stderr
+
+
+def test_params_and_an_eval_input_fn_reach_the_model_and_its_metrics():
+  # The zoo's BERT: params, its own AdamWeightDecay and tf.gradients; an
+  # evaluation input of its own rows (the first 4 of 7, in one batch).
+  ids = oracle_zoo._token_data(11, 8)
+  labels = np.array([0, 1, 1, 0, 1, 0, 0], np.int64)[:len(ids)]
+
+  def input_fn(params):
+    assert params["learning_rate"] == 0.1
+    return tf.data.Dataset.from_tensor_slices(
+        ({"input_ids": ids}, labels)).batch(3)
+
+  def eval_input_fn():
+    return tf.data.Dataset.from_tensor_slices(
+        ({"input_ids": ids[:4]}, labels[:4])).batch(4)
+
+  report = replicate.check(
+      oracle_zoo.bert_model_fn, input_fn, eval_input_fn=eval_input_fn,
+      steps=2, towers=(3,), params={"learning_rate": 0.1,
+                                    "num_train_steps": 10**6,
+                                    "num_warmup_steps": 0})
+  assert report.exact, str(report)
+  assert report.rows == [3, 3]
+  assert report.compared["3 towers, parameter_server"] >= 20
+
+
+def test_replicate_check_is_callable_as_the_module_and_the_name():
+  import replicate.check as module  # pylint: disable=import-outside-toplevel
+  assert callable(module)
+  assert callable(replicate.check)
+  with pytest.raises(ValueError, match="steps=0"):
+    module(check_models.plain, check_models.input_fn, steps=0)
