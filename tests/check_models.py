@@ -107,3 +107,11 @@ def wrong_denominator(features, labels, mode):
     return tf.reduce_sum(per_row) / count
   hidden = tf.compat.v1.layers.dense(features["x"], 8, tf.nn.relu)
   return _spec(mode, hidden, labels, loss=loss)
+
+
+def fixed_batch(features, labels, mode):
+  hidden = tf.compat.v1.layers.dense(features["x"], 8, tf.nn.relu)
+  rows = tf.debugging.assert_equal(tf.shape(hidden)[0], BATCH)  # PLANTED
+  with tf.control_dependencies([rows]):
+    hidden = tf.identity(hidden)
+  return _spec(mode, hidden, labels)

@@ -125,6 +125,17 @@ def test_a_wrongly_stated_loss_denominator_is_found_at_the_loss():
              for d in report.differences)
 
 
+def test_a_failure_in_the_session_names_the_op_and_its_line():
+  report = _check(check_models.fixed_batch, modes=("train",))
+  [failure] = report.differences
+  assert failure.what == "failed when run (train)"
+  assert "assertion failed" in failure.message
+  assert failure.first_op.type == "Assert"
+  assert _line_of("assert_equal(tf.shape(hidden)[0], BATCH)") in (
+      failure.first_op.source)
+  assert report.run_result("2 towers, parameter_server") == "failed"
+
+
 def test_a_right_rows_apart_declaration_is_trusted_and_verified():
   report = _check(check_models.declared_right)
   assert report.exact, str(report)

@@ -8,6 +8,7 @@ strategy fed those draws (`runs`, `randoms`); compare every value
 (`localize`); a `report.Report` of it all.
 """
 
+import re
 import shutil
 import tempfile
 import time
@@ -159,18 +160,22 @@ def _one_run(setup, data, modes, count, strategy, start, trained,
                         draws=draws[mode])
     except runs.Refused as refused:
       op = localize.op_in_message(str(refused.error), refused.graph)
+      kind = "refused" if refused.by_replicate else "failed"
       return [report_lib.Difference(
-          name, "refused when built ({})".format(mode),
+          name, "{} when built ({})".format(kind, mode),
           message=str(refused.error),
-          first_op=None if op is None else report_lib.FirstOp(
-              op.name, op.type, localize.source_line(op), 0, "", "",
-              note="refused by the rule"))], 0
+          first_op=report_lib.FirstOp(
+              op.name if op else "", op.type if op else "",
+              localize.source_line(op) if op else
+              localize.source_of_error(refused.error), 0, "", "",
+              note="refused by replicate" if refused.by_replicate else
+              "where it failed"))], 0
     except tf.errors.OpError as error:
       op = error.op
       return [report_lib.Difference(
           name, "failed when run ({})".format(mode),
           message="{}: {}".format(type(error).__name__,
-                                  error.message.splitlines()[0]),
+                                  _what_failed(error.message)),
           first_op=None if op is None else report_lib.FirstOp(
               op.name, op.type, localize.source_line(op), 0, "", "",
               note="the op that failed"))], 0
@@ -195,6 +200,15 @@ def _one_run(setup, data, modes, count, strategy, start, trained,
   found += [report_lib.Difference(name, what, "(missing)", compare.summary(
       values[what]), "not in the one-device run") for what in extra]
   return found, len(set(one_device) & set(values))
+
+
+def _what_failed(message: str) -> str:
+  """The line of a session's error that says what failed (not the Python
+  stack TensorFlow prints before it)."""
+  lines = [line.strip() for line in message.splitlines() if line.strip()]
+  found = [line for line in lines if re.match(
+      r"(\(\d+\) )?[A-Z_]+: ", line)]  # "(0) INVALID_ARGUMENT: ..."
+  return (found[0] if found else lines[-1] if lines else "")[:500]
 
 
 def _order(what):

@@ -16,6 +16,7 @@ is looked at only when that value differs.
 import linecache
 import os
 import re
+import traceback
 from typing import Optional
 
 import numpy as np
@@ -53,9 +54,22 @@ def source_line(op: tf.Operation) -> str:
   return ""
 
 
+def source_of_error(error: BaseException) -> str:
+  """The user's line an error was raised from (as `source_line`)."""
+  for frame in reversed(traceback.extract_tb(error.__traceback__)):
+    if frame.filename.startswith(_PACKAGE) or any(
+        part in frame.filename for part in _LIBRARY_PARTS):
+      continue
+    code = frame.line or linecache.getline(frame.filename, frame.lineno)
+    return "{}:{} in {}: {}".format(frame.filename, frame.lineno, frame.name,
+                                    code.strip())
+  return ""
+
+
 def op_in_message(message: str, graph: tf.Graph) -> Optional[tf.Operation]:
   """The first op a refusal's message names (quoted), found in `graph`."""
-  for name in re.findall(r"'([^'\s]+)'", message):
+  for name in re.findall(r"'([^'\s]+)'|\{\{node ([^}]+)\}\}", message):
+    name = name[0] or name[1]
     try:
       return graph.get_operation_by_name(name)
     except (KeyError, ValueError):

@@ -29,7 +29,9 @@ class FirstOp:
 
   def lines(self) -> List[str]:
     if not self.one_device and not self.in_tower:  # refused, or failed
-      return ["op {!r} ({}): {}".format(self.name, self.type, self.note),
+      return ["{}: {}".format(
+          "op {!r} ({})".format(self.name, self.type) if self.name else
+          "raised", self.note),
               "  created at " + (self.source or "(no source line)")]
     head = "first op that differs: {!r} ({}) in tower {}{}".format(
         self.name, self.type, self.tower,
@@ -90,8 +92,10 @@ class Report:
     found = [d for d in self.differences if d.run == run]
     if not found:
       return "exact"
-    if any(d.message for d in found):
+    if any(d.what.startswith("refused") for d in found):
       return "refused"
+    if any(d.message for d in found):
+      return "failed"
     return "{} differ".format(len(found))
 
   def __str__(self) -> str:

@@ -13,6 +13,7 @@ they compare does not carry a training difference.
 
 import dataclasses
 import os
+import traceback
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -45,12 +46,18 @@ class Built:
 
 
 class Refused(Exception):
-  """Building the wrapped `model_fn` raised: `error`, in `graph`."""
+  """Building the wrapped `model_fn` raised: `error`, in `graph`;
+  `by_replicate`: raised by replicate (a refusal, with its fix), not by
+  TensorFlow or the user's code."""
 
   def __init__(self, error, graph):
     super().__init__(str(error))
     self.error = error
     self.graph = graph
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frames = traceback.extract_tb(error.__traceback__)
+    self.by_replicate = bool(frames) and frames[-1].filename.startswith(
+        package + os.sep)
 
 
 def build(setup: Setup, mode: str, batches, towers: int = 1,
