@@ -190,6 +190,14 @@ def _one_run(setup, data, modes, count, strategy, start, trained,
                  "replicate writes tower 0's summaries (its shard's rows), "
                  "by design; not counted".format(name, ", ".join(summaries)))
   off = [entry for entry in off if not entry[2].startswith("summary ")]
+  unmatched = sorted({what.rsplit(" step ", 1)[0][len("summary "):]
+                      for what in missing + extra
+                      if what.startswith("summary ")})
+  if unmatched:
+    notes.append("{}: the scalar summaries {} are written by one run only; "
+                 "not counted".format(name, ", ".join(unmatched)))
+  missing = [what for what in missing if not what.startswith("summary ")]
+  extra = [what for what in extra if not what.startswith("summary ")]
   found = [report_lib.Difference(
       name, what, compare.summary(one_device[what]),
       compare.summary(values[what]), detail) for _, detail, what in

@@ -100,6 +100,13 @@ def first_op(setup: runs.Setup, mode: str, batch, checkpoint: str,
                          towers, names)
   sizes = batches_lib.shard_rows(batch.rows, towers)
   starts = np.cumsum([0] + sizes[:-1])
+  # Differences in order: (tensor, tower, holds rows, one device's, the
+  # tower's). An op holding rows that differs is the clear sign; a value
+  # over the batch may differ and be combined by the wrapper elsewhere
+  # (the loss's sum, a batch norm's moments), so it is named first only
+  # when it is what such an op is computed from, or when no op holding
+  # rows differs.
+  found = []
   for tensor in ordered:
     for tower in range(towers):
       if (tensor.name, tower) not in tower_values:
@@ -112,18 +119,33 @@ def first_op(setup: runs.Setup, mode: str, batch, checkpoint: str,
         expected = expected[span[0]:span[1]]
       elif expected.shape != actual.shape:
         continue  # a size of the tower's batch (its n_i), not a value
-      rows = span is not None
-      off, _ = compare.difference(expected, actual, rtol, atol)
-      if off > 0:
-        return report_lib.FirstOp(
-            tensor.op.name, tensor.op.type, source_line(tensor.op), tower,
-            compare.summary(expected), compare.summary(actual),
-            declared=declared.is_declared(tensor.op),
-            note=("its rows for tower {} (one device's rows {}:{} of the "
-                  "batch)".format(tower, starts[tower],
-                                  starts[tower] + sizes[tower]) if rows
-                  else _BATCH_NOTE))
+      if compare.difference(expected, actual, rtol, atol)[0] > 0:
+        found.append((tensor, tower, span is not None, expected, actual))
+  with_rows = [entry for entry in found if entry[2]]
+  over_batch = {(entry[0].name, entry[1]): entry for entry in found
+                if not entry[2]}
+  if with_rows:
+    tensor, tower = with_rows[0][:2]
+    for source in tensor.op.inputs:
+      if (source.name, tower) in over_batch:
+        return _first_op(over_batch[(source.name, tower)], sizes, starts,
+                         "; the op holding rows it feeds, {!r}, differs "
+                         "then".format(tensor.op.name))
+    return _first_op(with_rows[0], sizes, starts)
+  if found:
+    return _first_op(found[0], sizes, starts, _NO_ROWS_DIFFER)
   return None
+
+
+def _first_op(entry, sizes, starts, more=""):
+  tensor, tower, rows, expected, actual = entry
+  return report_lib.FirstOp(
+      tensor.op.name, tensor.op.type, source_line(tensor.op), tower,
+      compare.summary(expected), compare.summary(actual),
+      declared=declared.is_declared(tensor.op),
+      note=("its rows for tower {} (one device's rows {}:{} of the "
+            "batch)".format(tower, starts[tower], starts[tower] + sizes[tower])
+            if rows else _BATCH_NOTE) + more)
 
 
 def _rows_span(expected, actual, rows, tower_rows, start):
@@ -141,6 +163,11 @@ def _rows_span(expected, actual, rows, tower_rows, start):
   return start * per_row, (start + tower_rows) * per_row
 
 
+_NO_ROWS_DIFFER = (
+    "; no op holding rows differs: if the wrapper combines this value, the "
+    "difference may be rounding grown by the optimizer (a variable whose "
+    "gradient is about 0, such as a bias before a batch norm or an "
+    "attention key's bias, moves by rounding noise alone under Adam)")
 _BATCH_NOTE = (
     "a value over the batch: in the tower it is computed from the tower's "
     "rows only; the wrapper combines the towers' loss (by loss_reduction or "

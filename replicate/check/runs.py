@@ -220,10 +220,17 @@ def _targets(spec, mode):
 
 
 def _scalar_summaries(graph) -> Dict[str, tf.Tensor]:
-  """The value of each v1 scalar summary, by the summary's name."""
-  return {t.op.name: t.op.inputs[1] for t in
-          graph.get_collection(tf.compat.v1.GraphKeys.SUMMARIES)
-          if isinstance(t, tf.Tensor) and t.op.type == "ScalarSummary"}
+  """The value of each v1 scalar summary, by its tag (its op's name when
+  the tag is not a constant): op names may be uniquified differently in a
+  wrapped graph, tags are what TensorBoard shows."""
+  found = {}
+  for summary in graph.get_collection(tf.compat.v1.GraphKeys.SUMMARIES):
+    if isinstance(summary, tf.Tensor) and summary.op.type == "ScalarSummary":
+      tag = tf.get_static_value(summary.op.inputs[0])
+      tag = tag.decode() if isinstance(tag, bytes) else (
+          summary.op.name if tag is None else str(tag))
+      found[tag] = summary.op.inputs[1]
+  return found
 
 
 def _concatenated(batches: List[Any]) -> Dict[str, np.ndarray]:
