@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from replicate import _tf
+from replicate import model_fn as model_fn_lib
 from replicate.check import batches as batches_lib
 from replicate.check import randoms
 
@@ -63,7 +64,6 @@ class Refused(Exception):
 def build(setup: Setup, mode: str, batches, towers: int = 1,
           strategy: Optional[str] = None) -> Built:
   """The graph of one run: the model_fn on the batches' pipeline."""
-  from replicate import model_fn as model_fn_lib  # pylint: disable=import-outside-toplevel
   graph = tf.Graph()
   with graph.as_default():
     tf.compat.v1.set_random_seed(0)
