@@ -214,9 +214,17 @@ def _what_failed(message: str) -> str:
   """The line of a session's error that says what failed (not the Python
   stack TensorFlow prints before it)."""
   lines = [line.strip() for line in message.splitlines() if line.strip()]
-  found = [line for line in lines if re.match(
+  said = [line for line in lines if not line.startswith(_BOILERPLATE) and
+          not line.endswith("(most recent call last):")]
+  coded = [line for line in said if re.match(
       r"(\(\d+\) )?[A-Z_]+: ", line)]  # "(0) INVALID_ARGUMENT: ..."
-  return (found[0] if found else lines[-1] if lines else "")[:500]
+  return (coded or said or lines or [""])[0][:500]
+
+
+# Lines of a session's error that are its stack, not what failed.
+_BOILERPLATE = ("Graph execution error", "Detected at node", "File ",
+                "Traceback", "[[", "Original stack trace", "Node:",
+                "0 successful", "0 derived", "Errors may have")
 
 
 def _order(what):
