@@ -43,6 +43,8 @@ _PUBLIC = {
     "start_server": "replicate.cluster.server",
     "all_rows": "replicate.towers.all_rows",
     "row_offset": "replicate.towers.all_rows",
+    "rows_apart": "replicate.shard.declared",
+    "check": "replicate.check",
 }
 
 __all__ = list(_PUBLIC) + ["__version__"]

@@ -98,7 +98,8 @@ FLOORS = (
     ("towers",),  # step 2: building the model_fn once per tower
     ("state",),  # step 5: other state changes
     ("outputs",),  # step 6: the EstimatorSpec
-    ("model_fn", "arguments", "canned", "launch", ""),  # the wrapping, the API
+    ("model_fn", "arguments", "canned", "launch", "check",
+     ""),  # the wrapping, the API, the check against one device
 )
 
 

@@ -33,6 +33,7 @@ from typing import Iterable, Optional
 import tensorflow as tf
 
 from replicate import graph_walk
+from replicate.shard import declared
 from replicate.shard import row_ops
 from replicate.shard import row_rules
 from replicate.shard import rows as rows_lib
@@ -77,6 +78,8 @@ def check(context, spec: tf.estimator.EstimatorSpec,
   rules = row_rules.ROW_COMBINING
   known, library = len(row_ops.KEEPS_ROWS_APART) + len(rules), None
   for op in graph_walk.ops_behind(_outputs_of(spec), within=within):
+    if declared.is_declared(op):
+      continue  # the user declared it keeps rows apart (replicate.check)
     rule = rules.get(op.type)
     if rule is not None:
       why = rule(finder, op)
@@ -104,7 +107,9 @@ _COMBINES = (
     "give it the whole batch's rows with replicate.all_rows(tensor), and "
     "index rows of the batch with replicate.row_offset(), e.g. sim = "
     "tf.matmul(a, replicate.all_rows(b), transpose_b=True); labels = "
-    "tf.range(tf.shape(a)[0]) + replicate.row_offset().")
+    "tf.range(tf.shape(a)[0]) + replicate.row_offset(). If it does keep "
+    "rows apart, declare it: replicate.rows_apart(tensor), and verify with "
+    "replicate.check.")
 _UNKNOWN = (
     "The {} op {} is on the path from the tower's rows to the loss, a "
     "metric or a prediction, and replicate cannot tell whether it keeps the "
@@ -113,7 +118,9 @@ _UNKNOWN = (
     "would apply it to its own shard's rows only: if it combines rows, "
     "silently unlike one device. Fix: compute it on the whole batch and take "
     "the tower's rows back, e.g. y = my_op(replicate.all_rows(x))"
-    "[replicate.row_offset():][:tf.shape(x)[0]].")
+    "[replicate.row_offset():][:tf.shape(x)[0]]; or, if it keeps rows "
+    "apart, declare it: replicate.rows_apart(tensor) or "
+    "replicate.rows_apart('OpType'), and verify with replicate.check.")
 
 
 def _data_inputs(op):

@@ -47,6 +47,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from replicate.check import compare
 import oracle_pairwise
 import oracle_pipelines as pipelines
 from oracle_zoo import ROWS, ZOO
@@ -265,18 +266,16 @@ def assert_equal(expected: dict, actual: dict, what: str) -> None:
   """Every key of `expected` in `actual`, equal to TOLERANCE; one-line error.
 
   The error leads with the worst entry: its name and the largest difference.
+  The comparison is the library's (`replicate.check.compare`), the one
+  `replicate.check` makes for users.
   """
-  common = sorted(set(expected) & set(actual))
-  missing = sorted(set(expected) - set(actual))
-  extra = sorted(set(actual) - set(expected))
-  off = sorted((_difference(expected[name], actual[name]) + (name,)
-                for name in common), reverse=True)
-  off = [entry for entry in off if entry[0] > 0]
+  off, missing, extra = compare.differing(expected, actual, rtol=TOLERANCE,
+                                          atol=TOLERANCE)
   problems = []
   if off:
     _, detail, name = off[0]
     problems.append("{} of {} {} differ; worst {!r}: {}".format(
-        len(off), len(common), what, name, detail))
+        len(off), len(set(expected) & set(actual)), what, name, detail))
     if len(off) > 1:
       problems.append("also " + ", ".join(repr(e[2]) for e in off[1:6]) +
                       (" ..." if len(off) > 6 else ""))
@@ -420,33 +419,6 @@ def _run(estimator, model, cell, model_dir, workspace) -> dict:
             for key in predictions[0]}
   result["number of rows"] = np.array(len(predictions))
   return result
-
-
-def _difference(expected, actual):
-  """(how far off, a description), how far off is 0 when equal."""
-  expected, actual = np.asarray(expected), np.asarray(actual)
-  if expected.shape != actual.shape:
-    return float("inf"), "shape {} instead of {}".format(actual.shape,
-                                                         expected.shape)
-  if expected.dtype.kind in "biufc" and actual.dtype.kind in "biufc":
-    expected = expected.astype(np.float64)
-    actual = actual.astype(np.float64)
-    both_nan = np.isnan(expected) & np.isnan(actual)
-    difference = np.where(both_nan, 0.0, np.abs(actual - expected))
-    difference = np.where(np.isnan(difference), np.inf, difference)
-    excess = difference - TOLERANCE * (1 + np.abs(expected))
-    if expected.size == 0 or not (excess > 0).any():
-      return 0, ""
-    worst = int(np.argmax(difference))
-    return float(difference.flat[worst]), (
-        "largest difference {:.3g} (expected {:.6g}, got {:.6g}{})".format(
-            difference.flat[worst], expected.flat[worst], actual.flat[worst],
-            "" if expected.size == 1 else " at index {}".format(
-                np.unravel_index(worst, expected.shape))))
-  if np.array_equal(expected.astype(str), actual.astype(str)):
-    return 0, ""
-  return float("inf"), "expected {}, got {}".format(
-      expected.ravel()[:4].tolist(), actual.ravel()[:4].tolist())
 
 
 def _holds(condition: str, cell: Cell) -> bool:

@@ -1,0 +1,73 @@
+"""Random ops, compared fairly: each tower is fed one device's draw.
+
+On why: a tower draws its own numbers (its dropout mask, its samples), so
+a model with dropout would never equal one device. Graph mode lets a
+session feed any tensor: one device's run records what each random op on
+the path to the spec's outputs drew at each step, and tower i's copy of
+the op (`tower_i/<name>`, tower 0 under the op's own name) is fed the
+rows of that draw for its shard (its first dimension is the batch's), or
+the whole draw (a value for the batch, e.g. a sampler's classes).
+"""
+
+from typing import Dict, List
+
+import numpy as np
+import tensorflow as tf
+
+from replicate import graph_walk
+from replicate.check import batches as batches_lib
+
+# Op types that draw at random but are not "Random..." by name.
+_OTHER_RANDOM_TYPES = frozenset([
+    "Multinomial", "TruncatedNormal", "ParameterizedTruncatedNormal",
+    "StatelessMultinomial", "StatelessTruncatedNormal",
+    "StatelessTruncatedNormalV2",
+])
+# Random, but they reorder the rows: the rows rule refuses them.
+_NOT_FED = frozenset(["RandomShuffle", "RandomShuffleQueueV2"])
+
+
+def is_random(op: tf.Operation) -> bool:
+  if op.type in _NOT_FED:
+    return False
+  return ("Random" in op.type or "Sampler" in op.type or
+          op.type in _OTHER_RANDOM_TYPES)
+
+
+def find(graph: tf.Graph, targets) -> List[tf.Operation]:
+  """The random ops `targets` are computed from, in graph order, whose
+  outputs can be fed."""
+  behind = set(graph_walk.ops_behind(
+      [t for t in targets if isinstance(t, (tf.Tensor, tf.Operation))],
+      follow_control=True))
+  return [op for op in graph.get_operations()
+          if op in behind and is_random(op) and op.outputs and
+          all(graph.is_feedable(t) for t in op.outputs)]
+
+
+def fetches(ops: List[tf.Operation]) -> Dict[str, List[tf.Tensor]]:
+  """What to fetch to record one device's draws: {op name: its outputs}."""
+  return {op.name: list(op.outputs) for op in ops}
+
+
+def feeds(graph: tf.Graph, draws: Dict[str, List[np.ndarray]], rows: int,
+          towers: int) -> Dict[str, np.ndarray]:
+  """Tower i's copy of each recorded op, fed the draw's rows for tower i
+  (or the whole draw, when its first dimension is not the batch's rows);
+  by tensor name, as a session's feed_dict takes them."""
+  sizes = batches_lib.shard_rows(rows, towers)
+  starts = np.cumsum([0] + sizes[:-1])
+  found = {}
+  for name, values in draws.items():
+    for tower in range(towers):
+      try:
+        op = graph.get_operation_by_name(
+            name if tower == 0 else "tower_{}/{}".format(tower, name))
+      except KeyError:
+        continue
+      for tensor, value in zip(op.outputs, values):
+        value = np.asarray(value)
+        if towers > 1 and value.ndim and value.shape[0] == rows:
+          value = value[starts[tower]:starts[tower] + sizes[tower]]
+        found[tensor.name] = value
+  return found
