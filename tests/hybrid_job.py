@@ -202,8 +202,10 @@ def main(argv):
       experimental_max_worker_delay_secs=0,
       session_config=tf.compat.v1.ConfigProto(
           device_count={"CPU": sync_job._of_task(arguments.towers, rank)}))
-  if replicate.start_server(config) is None:
+  if task["type"] == "ps":
     print("hybrid_job: ps {}".format(os.getpid()), flush=True)
+  # On a ps task it serves, and never returns to train_and_evaluate.
+  replicate.start_server(config)
   estimator = tf.estimator.Estimator(
       replicate.replicate_model_fn(
           canned_model_fn if arguments.canned else model_fn,

@@ -17,6 +17,7 @@ Slow (a cluster per test): run by `make test-multiworker`.
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -30,6 +31,7 @@ from replicate import launch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import hybrid_job  # noqa: E402  pylint: disable=wrong-import-position
+import test_docs  # noqa: E402  pylint: disable=wrong-import-position
 from test_sync_multiworker import Lines  # noqa: E402  pylint: disable=wrong-import-position
 from test_sync_multiworker import MARGIN  # noqa: E402  pylint: disable=wrong-import-position
 from test_sync_multiworker import TIMEOUT  # noqa: E402  pylint: disable=wrong-import-position
@@ -313,3 +315,43 @@ def test_a_dead_or_frozen_ps_ends_every_task_in_bounded_time(fault,
     assert code != 0, text[-3000:]
     assert any(message in text for message in messages), text[-3000:]
   assert elapsed < TIMEOUT + MARGIN, (elapsed, log.text()[-3000:])
+
+
+def _docs_program(recipe_constants):
+  """docs/multi-worker.md's hybrid program, as its text says to make it:
+  the first section's program with the recipe's `model_fn` and
+  `input_fn` (and their constants replaced by `recipe_constants`)."""
+  path = test_docs.REPOSITORY / "docs" / "multi-worker.md"
+  [program, recipe] = [code for language, code in test_docs.blocks(path)
+                       if language == "python"]
+  constants = "FIELDS, ROWS, WIDTH = 26, 1000000, 16"
+  assert constants in recipe
+  imports = program[:program.index("def model_fn(")]
+  end = program[program.index("config = tf.estimator.RunConfig("):]
+  assert end.rstrip().endswith("estimator.train(input_fn, max_steps=8)")
+  return "{}{}\n\n{}".format(
+      imports, recipe.replace(constants, recipe_constants), end)
+
+
+def test_the_docs_program_runs_as_written_on_ps_tasks(tmp_path):
+  # The program ends with estimator.train, which TensorFlow refuses on a ps
+  # task: start_server serves there and never returns to it. Tiny tables.
+  (tmp_path / "train.py").write_text(
+      _docs_program("FIELDS, ROWS, WIDTH = 3, 40, 4"))
+  started = time.monotonic()
+  done = subprocess.run(
+      [sys.executable, "-m", "replicate.launch", "--ps", "2", "--workers",
+       "2", "--", sys.executable, "train.py"], cwd=tmp_path,
+      capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, PYTHONPATH=str(test_docs.REPOSITORY),
+               TF_CPP_MIN_LOG_LEVEL="2"))
+  print("the docs' program on 2 tasks and 2 ps: {:.1f} s".format(
+      time.monotonic() - started))
+  assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+  # Before, each ps task's train failed at once ("Train has been called
+  # wrong configuration"), and the launcher stops every task at a failure.
+  assert "[launch] ps:" not in done.stdout, done.stdout[-4000:]
+  reader = tf.train.load_checkpoint(str(tmp_path / "model"))
+  assert reader.get_tensor("global_step") == 8
+  # Each table saved whole, from its 4 parts on the 2 ps tasks.
+  assert reader.get_variable_to_shape_map()["table_2"] == [40, 4]
