@@ -30,6 +30,7 @@ from replicate.gradients import aggregation
 from replicate.communication import allreduce
 from replicate.cluster import hybrid
 from replicate.cluster import ps_cluster
+from replicate.cluster import ps_watch
 from replicate.cluster import server
 from replicate.cluster import sync_cluster
 from replicate.call import devices as devices_lib
@@ -171,6 +172,21 @@ class HybridCluster(SyncCluster):
     with tf.device(self.cross_task.device):
       return [(hybrid.duplicates_summed(grad) if hybrid.on_ps(variable)
                else grad, variable) for grad, variable in summed]
+
+  def for_session(self, spec: tf.estimator.EstimatorSpec, config,
+                  mode: str) -> tf.estimator.EstimatorSpec:
+    """As `SyncCluster`'s, and in TRAIN with variables on the ps tasks, a
+    hook that ends this task in seconds when one of them dies
+    (`replicate.cluster.ps_watch`)."""
+    spec = super().for_session(spec, config, mode)
+    if (mode != tf.estimator.ModeKeys.TRAIN or
+        not hybrid.ps_held(tf.compat.v1.global_variables())):
+      return spec
+    watch = ps_watch.PsWatchHook(self.cross_task.group.name(), {
+        "ps:{}".format(index): config.cluster_spec.task_address("ps", index)
+        for index in config.cluster_spec.task_indices("ps")})
+    self.cross_task.on_stop.append(watch.disarm)  # an input's end
+    return spec._replace(training_hooks=list(spec.training_hooks) + [watch])
 
   def tower_scope(self, index: int):
     """Where tower `index` is built: tower 0 places what it partitions."""
