@@ -65,7 +65,7 @@ def stop_processes(processes: Sequence[subprocess.Popen],
 
 
 # A Python exception's last traceback line (`ValueError: ...`,
-# `tensorflow.python.framework.errors_impl.UnavailableError: ...`), or
+# `...errors_impl.UnavailableError: ...`, as TensorFlow's are named), or
 # replicate's own message on stderr (the watchdog's).
 _EXCEPTION_LINE = re.compile(
     r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b|replicate: )")
