@@ -87,10 +87,10 @@ def _concatenated(batches, steps, start=0, fields=hybrid_job.FIELDS):
 
 
 def _one_machine(model_dir, batches, steps, optimizer="adam", towers=1,
-                 start=0, canned=False, fields=hybrid_job.FIELDS):
+                 start=0, model="ctr", fields=hybrid_job.FIELDS):
   """The model on one device, unwrapped (or on one machine's `towers`,
   "replicated"), on the concatenated batches; the checkpoint's values."""
-  model_fn = hybrid_job.canned_model_fn if canned else hybrid_job.model_fn
+  model_fn = hybrid_job.MODEL_FNS[model]
   wrap = lambda optimizer: optimizer  # noqa: E731
   config = tf.estimator.RunConfig(model_dir=str(model_dir),
                                   tf_random_seed=hybrid_job.SEED)
@@ -144,9 +144,11 @@ def _joined(values):
   return joined
 
 
-def _assert_every_task_like(model_dir, workers, expected):
+def _assert_every_task_like(model_dir, workers, expected, ps_saved=True):
   """The chief's values and checkpoint hold every variable, as one
-  device's; a worker's what it reads (no slots of the ps tables)."""
+  device's; a worker's what it reads (no slots of the ps tables).
+  `ps_saved=False`: the tasks' values leave out the ps tasks' variables
+  (`--report-memory`); the checkpoint still has them all."""
   reader = tf.train.load_checkpoint(str(model_dir))
   _assert_like({name: reader.get_tensor(name)
                 for name in reader.get_variable_to_shape_map()}, expected,
@@ -154,7 +156,7 @@ def _assert_every_task_like(model_dir, workers, expected):
   for job, index in _tasks(workers):
     values = _joined(_task_values(model_dir, job, index))
     _assert_like(values, expected, "{}:{}".format(job, index),
-                 every=job == "chief")
+                 every=job == "chief" and ps_saved)
 
 
 @pytest.mark.parametrize("optimizer,workers,towers,num_ps,fields", [
@@ -262,7 +264,7 @@ def test_a_canned_wide_and_deep_with_partitioned_inputs(tmp_path):
   _run(tmp_path / "cluster", 2, 3, batches, "--canned", "--optimizer",
        "adagrad")
   expected = _one_machine(tmp_path / "reference", batches, 3, "adagrad",
-                          canned=True)
+                          model="canned")
   # The embeddings were partitioned (parts in the task's values), and are
   # compared whole.
   parts = [name for name in _task_values(tmp_path / "cluster", "chief", 0)
@@ -270,6 +272,42 @@ def test_a_canned_wide_and_deep_with_partitioned_inputs(tmp_path):
   assert any("id_0_embedding/embedding_weights/part_1" in p for p in parts), (
       parts)
   _assert_every_task_like(tmp_path / "cluster", 2, expected)
+
+
+def test_a_canned_dnn_keeps_its_hidden_layers_off_the_ps(tmp_path):
+  # DNNClassifier (TF 1 canned): TensorFlow partitions its `dnn` scope by
+  # the number of ps tasks, so its hidden layers and logits are partitioned
+  # variables too; they are read whole, so they are replicated (a copy on
+  # every tower, all-reduced), and only the embeddings, looked up by rows,
+  # live on the ps tasks. Saved as one device saves them; exact.
+  batches = "5,2,4;3,6,1"
+  # SGD: TensorFlow's own checkpoint of a DNNClassifier's Adagrad slots
+  # of partitioned inputs does not read back on one device ("Does not have
+  # sufficient slices for ... embedding_weights/t_0/Adagrad").
+  log = _run(tmp_path / "cluster", 2, 3, batches, "--canned-dnn",
+             "--optimizer", "sgd", "--report-memory", num_ps=2)
+  placed = _placements(log, "chief:0")
+  dense = {name: device for name, device in placed.items()
+           if name.startswith(("dnn/hiddenlayer_", "dnn/logits/"))}
+  assert "dnn/hiddenlayer_0/kernel/part_0" in dense, placed
+  assert all("/job:chief/" in device for device in dense.values()), dense
+  # Tower 1's copies of them, as of any dense variable.
+  assert "tower_1/dnn/hiddenlayer_1/kernel/part_0" in placed, placed
+  tables = {name: device for name, device in placed.items()
+            if "embedding_weights/part_" in name}
+  assert len(tables) == 2 * hybrid_job.FIELDS, tables
+  assert all("/job:ps/" in device for device in tables.values()), tables
+  assert not any(name.startswith("tower_1/") and "embedding_weights" in name
+                 for name in placed)
+  # One INFO line a call says where each went.
+  [line] = [line for line in log.of("chief:0").splitlines()
+            if "replicate: with ps tasks, on the ps tasks" in line]
+  assert ("dnn/input_from_feature_columns/input_layer/id_0_embedding/"
+          "embedding_weights (2 parts)") in line.split("replicated")[0]
+  assert "dnn/hiddenlayer_0/kernel (1 part)" in line.split("replicated")[1]
+  expected = _one_machine(tmp_path / "reference", batches, 3, "sgd",
+                          model="canned-dnn")
+  _assert_every_task_like(tmp_path / "cluster", 2, expected, ps_saved=False)
 
 
 def test_a_partitioned_variable_every_task_would_write_is_refused(tmp_path):
