@@ -30,6 +30,7 @@ from replicate.gradients import aggregation
 from replicate.communication import allreduce
 from replicate.cluster import hybrid
 from replicate.cluster import ps_cluster
+from replicate.cluster import ps_placement
 from replicate.cluster import ps_watch
 from replicate.cluster import server
 from replicate.cluster import sync_cluster
@@ -157,7 +158,7 @@ class HybridCluster(SyncCluster):
 
   def __init__(self, cross_task, compact: bool, num_ps: int):
     super().__init__(cross_task, compact)
-    self._placement = hybrid.PsPlacement(num_ps)
+    self._placement = ps_placement.PsPlacement(num_ps)
 
   def variable_device(self, op: tf.Operation) -> Optional[str]:
     return self._placement.device(op)

@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from replicate.call import name_counters
 from replicate.cluster import hybrid
+from replicate.cluster import ps_placement
 from replicate.variables import tower_local
 
 
@@ -110,7 +111,7 @@ class TowerVariables:
     them (`replicate.cluster.hybrid.settle_placements`)."""
     if not self.is_replicated:
       return False
-    hybrid.settle_placements(self.graph, self._devices[0])
+    ps_placement.settle_placements(self.graph, self._devices[0])
     return hybrid.on_ps(variable)
 
   def made_by_update(self, name: str):
@@ -121,7 +122,7 @@ class TowerVariables:
     tasks, an optimizer's own too."""
     if not self.is_replicated:
       return contextlib.nullcontext([])
-    hybrid.settle_placements(self.graph, self._devices[0])
+    ps_placement.settle_placements(self.graph, self._devices[0])
     return hybrid.made_by_update(self.graph, name, self._devices[0])
 
   def for_tower(self, index: int, variable):
