@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from replicate.gradients import aggregation
 from replicate.communication import allreduce
+from replicate.cluster import empty_batch
 from replicate.cluster import hybrid
 from replicate.cluster import ps_cluster
 from replicate.cluster import ps_placement
@@ -189,11 +190,17 @@ class HybridCluster(SyncCluster):
     self.cross_task.on_stop.append(watch.disarm)  # an input's end
     return spec._replace(training_hooks=list(spec.training_hooks) + [watch])
 
+  @contextlib.contextmanager
   def tower_scope(self, index: int):
-    """Where tower `index` is built: tower 0 places what it partitions."""
-    if index:
-      return contextlib.nullcontext()
-    return self._placement.in_scope()
+    """Where tower `index` is built: tower 0 places what it partitions;
+    every tower may be built from an empty batch
+    (`replicate.cluster.empty_batch`)."""
+    graph = tf.compat.v1.get_default_graph()
+    before = len(graph.get_operations())
+    with (self._placement.in_scope() if index == 0 else
+          contextlib.nullcontext()):
+      yield
+    empty_batch.guard_sparse_reshapes(graph.get_operations()[before:])
 
 
 def _is_sync_training(config, mode: str) -> bool:
