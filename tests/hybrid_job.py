@@ -22,6 +22,8 @@ s starts at batch s. Each training task writes every global variable's
 value it can read when it stops, to `MODEL_DIR/values-<job>-<index>.npz`,
 and prints `hybrid_job: started`, `hybrid_job: step <global step>` and
 `hybrid_job: done`; a ps task prints `hybrid_job: ps <pid>` and serves.
+With `REPLICATE_TF1_BEHAVIOR=1` in its environment, every task runs
+under TensorFlow 1 behaviour, with resource variables.
 `--report-memory`: each training task also prints where each variable
 lives (`hybrid_job: placed <name> <device>`, its copies included) and, at
 the end, its peak resident memory (`hybrid_job: resident MB <n>`).
@@ -192,6 +194,13 @@ class _Report(sync_job.Report):
 
 
 def main(argv):
+  if os.environ.get("REPLICATE_TF1_BEHAVIOR") == "1":
+    # TensorFlow 1 behaviour, as a model written for TF 1 runs; resource
+    # variables, which "replicated" needs (it refuses to copy a ref
+    # variable, saying so), as on one machine.
+    tf.compat.v1.disable_v2_behavior()
+    if "--ref-variables" not in argv:  # TF 1's default: refused
+      tf.compat.v1.enable_resource_variables()
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.INFO)
   parser = argparse.ArgumentParser()
   parser.add_argument("model_dir")
@@ -216,6 +225,9 @@ def main(argv):
                       help="the chief's checkpoints, every this many steps")
   parser.add_argument("--partitioned-statistic", action="store_true",
                       help="a partitioned variable that is not trainable")
+  parser.add_argument("--ref-variables", action="store_true",
+                      help="with REPLICATE_TF1_BEHAVIOR=1: TF 1's ref "
+                      "variables, not resource variables")
   parser.add_argument("--report-memory", action="store_true",
                       help="print placements and peak resident memory")
   arguments = parser.parse_args(argv)

@@ -43,21 +43,21 @@ def _tasks(workers):
 
 
 def _cluster(model_dir, workers, max_steps, batches, log, num_ps=1,
-             *options, timeout=TIMEOUT):
+             *options, timeout=TIMEOUT, env=None):
   command = [sys.executable, os.path.join(HERE, "hybrid_job.py"),
              str(model_dir), str(max_steps), batches] + list(options)
   return launch.LocalCluster(
       command, num_ps=num_ps, num_workers=workers, log=log,
-      env={"REPLICATE_SYNC_TIMEOUT_SECS": str(timeout),
-           "TF_CPP_MIN_LOG_LEVEL": "1"})
+      env=dict({"REPLICATE_SYNC_TIMEOUT_SECS": str(timeout),
+                "TF_CPP_MIN_LOG_LEVEL": "1"}, **(env or {})))
 
 
 def _run(model_dir, workers, max_steps, batches, *options, num_ps=1,
-         timeout=TIMEOUT):
+         timeout=TIMEOUT, env=None):
   """Runs the job to its end; every training task's exit code, the log."""
   log = Lines()
   with _cluster(model_dir, workers, max_steps, batches, log, num_ps,
-                *options, timeout=timeout) as cluster:
+                *options, timeout=timeout, env=env) as cluster:
     codes = {"{}:{}".format(*task): cluster.wait(*task, timeout=240)
              for task in _tasks(workers)}
   assert codes == {"{}:{}".format(*t): 0 for t in _tasks(workers)}, (
@@ -310,6 +310,31 @@ def test_a_canned_dnn_keeps_its_hidden_layers_off_the_ps(tmp_path):
   expected = _one_machine(tmp_path / "reference", batches, 3, "sgd",
                           model="canned-dnn")
   _assert_every_task_like(tmp_path / "cluster", 2, expected, ps_saved=False)
+
+
+def test_under_tf1_behavior_with_resource_variables(tmp_path):
+  # Every task under TensorFlow 1 behaviour (v1 control flow, Dimension
+  # shapes) with resource variables, as "replicated" needs on one machine
+  # too: exact, an empty batch included.
+  batches = "5,2,4;3,0,1"
+  _run(tmp_path / "cluster", 2, 3, batches, "--optimizer", "adagrad",
+       env={"REPLICATE_TF1_BEHAVIOR": "1"})
+  expected = _one_machine(tmp_path / "reference", batches, 3, "adagrad")
+  _assert_every_task_like(tmp_path / "cluster", 2, expected)
+
+
+def test_under_tf1_behavior_ref_variables_are_refused_with_the_fix(
+    tmp_path):
+  log = Lines()
+  with _cluster(tmp_path / "cluster", 2, 3, "4,4;4,4", log, 1,
+                "--ref-variables",
+                env={"REPLICATE_TF1_BEHAVIOR": "1"}) as cluster:
+    codes = [cluster.wait(*task, timeout=240) for task in _tasks(2)]
+  assert codes == [1, 1], log.text()[-3000:]
+  for task in ("chief:0", "worker:0"):
+    assert ("Tower 1 needs its own copy of 'hidden/kernel', which is a ref "
+            "variable (use_resource=False)" in log.of(task)), (
+                log.of(task)[-3000:])
 
 
 def test_a_partitioned_variable_every_task_would_write_is_refused(tmp_path):
