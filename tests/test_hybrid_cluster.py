@@ -46,10 +46,14 @@ def _cluster(model_dir, workers, max_steps, batches, log, num_ps=1,
              *options, timeout=TIMEOUT, env=None):
   command = [sys.executable, os.path.join(HERE, "hybrid_job.py"),
              str(model_dir), str(max_steps), batches] + list(options)
+  # The tasks import this tree's replicate, not an installed one.
+  path = os.pathsep.join(filter(None, [str(test_docs.REPOSITORY),
+                                       os.environ.get("PYTHONPATH")]))
   return launch.LocalCluster(
       command, num_ps=num_ps, num_workers=workers, log=log,
       env=dict({"REPLICATE_SYNC_TIMEOUT_SECS": str(timeout),
-                "TF_CPP_MIN_LOG_LEVEL": "1"}, **(env or {})))
+                "TF_CPP_MIN_LOG_LEVEL": "1", "PYTHONPATH": path},
+               **(env or {})))
 
 
 def _run(model_dir, workers, max_steps, batches, *options, num_ps=1,
