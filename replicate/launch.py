@@ -5,11 +5,14 @@ same command with its own `TF_CONFIG`, which is what the Estimator's
 `RunConfig` reads to know its cluster and its part in it. Without `--ps`,
 the cluster is the chief and workers only, which train in lockstep when the
 program calls `replicate.start_server` (a synchronous cluster); with
-`--ps N`, N ps tasks hold the variables and the workers train on their own
-(asynchronously, by default):
+`--ps N`, N ps tasks hold the embeddings of a synchronous cluster
+(`variable_strategy="replicated"`), or, with `--asynchronous`, the
+variables of the Estimator's ps training, each worker on its own:
 ```
 python -m replicate.launch --workers 2 -- python train.py --steps 100
-python -m replicate.launch --ps 1 --workers 2 -- python train.py --steps 100
+python -m replicate.launch --ps 2 --workers 2 -- python train.py --steps 100
+python -m replicate.launch --ps 1 --workers 2 --asynchronous -- \
+    python train.py --steps 100
 ```
 or from Python:
 ```python
@@ -29,16 +32,26 @@ Tasks get `PYTHONUNBUFFERED=1` (unless set already) so lines show as printed.
 
 On stopping: when the chief exits, the workers and the evaluator get `grace`
 seconds to exit on their own, then everything left is stopped; the ps tasks
-never exit by themselves (they serve until killed). A task is stopped with
+never exit by themselves (they serve until stopped: on a real cluster, the
+cluster manager stops them when the chief is done). A task is stopped with
 SIGTERM to its process group (its children too), then SIGKILL a few seconds
-later. A worker that fails is reported. With ps tasks, training goes on
-without it, as asynchronous training allows. Without, a synchronous cluster
-cannot: the other tasks exit with an error on their own, within
-`REPLICATE_SYNC_TIMEOUT_SECS` (120 s by default), the chief among them, which
-ends the launcher. Ctrl-C or SIGTERM to the launcher stops all.
-The launcher exits with the chief's exit code (128 + N if the chief died of
-signal N; 130 on Ctrl-C, 143 on SIGTERM). Logging, stopping and signals at
-the level of processes are `replicate.cluster.processes`; this module is the cluster.
+later. Ctrl-C or SIGTERM to the launcher stops all.
+
+On failures: by default the cluster is synchronous (every training task
+waits for the others at every step, with or without ps tasks), so the first
+task that fails (exits non-zero, or is killed) ends it: the launcher prints
+which task failed, how, and its last error line, stops every other task at
+once, and exits with that task's code. With `asynchronous=True`
+(`--asynchronous`, for ps training the Estimator's way, where each worker
+steps on its own), a worker that fails is reported and the others go on
+without it; the chief's exit still ends the run, and a ps task's failure
+stops every task (nobody here restarts it, and the workers cannot step
+without it). An evaluator is outside the cluster: its failure is reported,
+and training goes on.
+The launcher exits with the chief's exit code, or the failed task's (128 + N
+if it died of signal N; 130 on Ctrl-C, 143 on SIGTERM). Logging, stopping
+and signals at the level of processes are `replicate.cluster.processes`;
+this module is the cluster.
 """
 
 import argparse
@@ -69,8 +82,11 @@ class LocalCluster:
   """Runs `command` once per task of a local cluster, each with its TF_CONFIG.
 
   `num_workers` counts the chief. With `num_ps=0` (the default) the cluster
-  is the chief and workers only: synchronous, for a `command` that calls
-  `replicate.start_server`. `env` is merged over `os.environ` for every
+  is the chief and workers only; with ps tasks, the `command` trains
+  synchronously too (`replicate.start_server` and
+  `variable_strategy="replicated"`) unless `asynchronous` says it trains
+  the Estimator's way, each worker on its own: that decides whether a
+  failed worker ends the run (see the module's docstring). `env` is merged over `os.environ` for every
   task. `log` (default `sys.stdout`) receives every task's prefixed lines.
   Entering the `with` block starts the tasks; leaving it stops them.
   """
@@ -78,7 +94,7 @@ class LocalCluster:
   def __init__(self, command: Sequence[str], num_ps: int = 0,
                num_workers: int = 2, evaluator: bool = False,
                env: Optional[Dict[str, str]] = None,
-               log: Optional[TextIO] = None):
+               log: Optional[TextIO] = None, asynchronous: bool = False):
     if isinstance(command, str) or not command:
       raise ValueError(
           "command must be a non-empty list of strings, such as "
@@ -89,6 +105,12 @@ class LocalCluster:
     if num_ps < 0:
       raise ValueError("num_ps must be 0 or more. Received: {!r}.".format(
           num_ps))
+    if asynchronous and not num_ps:
+      raise ValueError(
+          "asynchronous=True is training on ps tasks, each worker on its "
+          "own, so it needs num_ps of at least 1; a cluster of the chief and "
+          "workers only is synchronous. Pass num_ps, or drop asynchronous.")
+    self._asynchronous = asynchronous
     self._command = list(command)
     self._env = dict(env or {})
     self._log = processes.Log(log if log is not None else sys.stdout)
@@ -99,6 +121,7 @@ class LocalCluster:
       self._tasks.append(("evaluator", 0))
     self._processes: Dict[Task, subprocess.Popen] = {}
     self._readers: Dict[Task, threading.Thread] = {}
+    self._tails: Dict[Task, processes.Tail] = {}
 
   def __enter__(self) -> "LocalCluster":
     try:
@@ -184,18 +207,31 @@ class LocalCluster:
   def wait_for_chief(self, grace: float = 30.0) -> int:
     """Waits for the chief, gives the others `grace` s, stops the rest.
 
-    Returns the chief's exit code. Other tasks that fail are reported.
+    Returns the chief's exit code. A task that fails first is reported
+    (with its last error line); in a synchronous cluster (the default), or
+    for a ps task, its failure stops every task at once and its code is
+    returned instead.
     """
-    reported = {("chief", 0)}
+    reported = set()
     while True:
+      failed = self._report_failures(reported)
+      if failed is not None:
+        self.stop()
+        return self.process(*failed).returncode
       try:
         chief_code = self.wait("chief", 0, timeout=_POLL_SECONDS)
         break
       except TimeoutError:
-        self._report_failures(reported)
+        pass
+    if chief_code and not self._asynchronous:
+      # A chief that fails ends a synchronous cluster as any task does.
+      self._report_failures(reported)
+      self.stop()
+      return chief_code
     self._log.line("launch", "chief:0 {}; waiting up to {} s for the workers "
                    "and evaluator.".format(processes.describe(chief_code),
                                            grace))
+    reported.add(("chief", 0))
     deadline = time.monotonic() + grace
     for task in self._tasks:
       if task[0] in ("worker", "evaluator"):
@@ -229,33 +265,49 @@ class LocalCluster:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True)
     self._processes[task] = process
+    self._tails[task] = processes.Tail()
     reader = threading.Thread(target=processes.stream_lines, daemon=True,
                               args=(process.stdout, "{}:{}".format(*task),
-                                    self._log))
+                                    self._log, self._tails[task]))
     reader.start()
     self._readers[task] = reader
 
-  def _report_failures(self, reported):
-    # Without ps, a training task is one of a synchronous cluster's lockstep
-    # (the evaluator is outside the cluster, so training never waits on it).
-    synchronous = "ps" not in self._cluster
+  def _report_failures(self, reported) -> Optional[Task]:
+    """Reports each task that failed since; the first whose failure ends
+    the run (see the module's docstring), or None."""
+    ending = None
     for task, process in self._processes.items():
-      if task not in reported and process.poll() not in (None, 0):
-        reported.add(task)
-        outcome = ("the synchronous cluster (no ps tasks) cannot go on "
-                   "without it; the other tasks will exit"
-                   if synchronous and task[0] != "evaluator"
-                   else "the others go on without it")
-        self._log.line("launch", "{}:{} {}; {}.".format(
-            *task, processes.describe(process.returncode), outcome))
+      if task in reported or process.poll() in (None, 0):
+        continue
+      reported.add(task)
+      # Its last lines are read before they are described.
+      self._readers[task].join(timeout=1.0)
+      ends = (task[0] == "ps" or not (
+          task[0] == "evaluator" or
+          (self._asynchronous and task[0] == "worker")))
+      if ends:
+        outcome = ("stopping every task: {} cannot go on without it".format(
+            "training" if task[0] == "ps" and self._asynchronous else
+            "the synchronous cluster"))
+      else:
+        outcome = ("the others go on without it" if task[0] == "evaluator"
+                   else "the others go on without it (asynchronous)")
+      self._log.line("launch", "{}:{} {} ({}); {}.".format(
+          task[0], task[1], processes.describe(process.returncode),
+          self._tails[task].last_error(), outcome))
+      if ends and ending is None:
+        ending = task
+    return ending
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """Runs the command line; returns the chief's exit code (130 on Ctrl-C)."""
+  """Runs the command line; returns the chief's exit code, or the code of
+  the task whose failure ended the run (130 on Ctrl-C)."""
   arguments = _parse_arguments(argv)
   cluster = LocalCluster(arguments.command, num_ps=arguments.ps,
                          num_workers=arguments.workers,
-                         evaluator=arguments.evaluator)
+                         evaluator=arguments.evaluator,
+                         asynchronous=arguments.asynchronous)
   with processes.signals_raise_interrupted():
     try:
       with cluster:
@@ -293,13 +345,20 @@ def _parse_arguments(argv):
       prog="python -m replicate.launch",
       description="Run one command as every task of a local TF cluster.")
   parser.add_argument("--ps", metavar="N", type=_at_least(0, int), default=0,
-                      help="parameter-server tasks; with none, the chief "
-                      "and workers make a synchronous cluster, for a "
-                      "command that calls replicate.start_server "
+                      help="parameter-server tasks; the cluster is "
+                      "synchronous (a command that calls "
+                      "replicate.start_server) unless --asynchronous "
                       "(default: %(default)s)")
   parser.add_argument("--workers", metavar="N", type=_at_least(1, int),
                       default=2, help="training workers, the chief included "
                       "(default: %(default)s)")
+  parser.add_argument("--asynchronous", action="store_true",
+                      help="with --ps: the workers train asynchronously "
+                      "(the Estimator's ps training, variable_strategy="
+                      "'parameter_server'), so a failed worker is reported "
+                      "and the others go on; without it the cluster is "
+                      "synchronous and the first task that fails stops "
+                      "every task (default: synchronous)")
   parser.add_argument("--evaluator", action="store_true",
                       help="also run one evaluator task (default: no "
                       "evaluator)")
@@ -311,6 +370,9 @@ def _parse_arguments(argv):
                       help="the command every task runs, after '--' "
                       "(required)")
   arguments = parser.parse_args(argv)
+  if arguments.asynchronous and not arguments.ps:
+    parser.error("argument --asynchronous: needs --ps; a cluster of the "
+                 "chief and workers only is synchronous")
   if not arguments.command:
     parser.error("argument command: missing. Put the command every task runs "
                  "after '--', e.g. -- python train.py")

@@ -2,7 +2,7 @@
 
   python tests/hybrid_job.py MODEL_DIR MAX_STEPS BATCHES
       [--optimizer {adam,adagrad,sgd,ftrl}] [--towers N[,N...]]
-      [--shards S] [--canned] [--fields F] [--vocabulary V] [--dimension D]
+      [--shards S] [--canned | --canned-dnn] [--fields F] [--vocabulary V] [--dimension D]
       [--report-memory] [--partitioned-statistic] [--save-every N]
 
 A CTR model as its users write it: `FIELDS` categorical fields (or
@@ -11,7 +11,9 @@ embedding table made by `get_variable(..., partitioner=
 fixed_size_partitioner(S))` and looked up with `embedding_lookup`
 (sparse gradients), a dense feature, a hidden layer and a logistic loss,
 trained by one optimizer. `--canned`: `tf.compat.v1.estimator.
-DNNLinearCombinedClassifier`'s model_fn with `input_layer_partitioner`.
+DNNLinearCombinedClassifier`'s model_fn with `input_layer_partitioner`;
+`--canned-dnn`: `DNNClassifier`'s, whose hidden layers TensorFlow
+partitions too (read whole: replicated).
 The tables live on the ps tasks, everything else on every task's towers.
 
 `BATCHES` as in `tests/sync_job.py`: per task in rank order, the rows of
@@ -20,6 +22,8 @@ s starts at batch s. Each training task writes every global variable's
 value it can read when it stops, to `MODEL_DIR/values-<job>-<index>.npz`,
 and prints `hybrid_job: started`, `hybrid_job: step <global step>` and
 `hybrid_job: done`; a ps task prints `hybrid_job: ps <pid>` and serves.
+With `REPLICATE_TF1_BEHAVIOR=1` in its environment, every task runs
+under TensorFlow 1 behaviour, with resource variables.
 `--report-memory`: each training task also prints where each variable
 lives (`hybrid_job: placed <name> <device>`, its copies included) and, at
 the end, its peak resident memory (`hybrid_job: resident MB <n>`).
@@ -75,6 +79,17 @@ def model_fn(features, labels, mode, params):
         partitioner=partitioner)
     looked_up.append(tf.compat.v1.nn.embedding_lookup(
         table, features["ids"][:, field], partition_strategy="div"))
+  if params.get("partitioned_statistic"):
+    # A moving mean of the dense feature, partitioned and looked up by
+    # rows: on the ps tasks, where every task would update it (refused).
+    mean = tf.compat.v1.get_variable(
+        "feature_mean", [8, DENSE], trainable=False, partitioner=partitioner,
+        initializer=tf.compat.v1.zeros_initializer())
+    tf.compat.v1.add_to_collection(
+        tf.compat.v1.GraphKeys.UPDATE_OPS, tf.compat.v1.assign_add(
+            mean, tf.zeros([8, DENSE]) + tf.reduce_mean(features["x"], 0)))
+    looked_up.append(tf.compat.v1.nn.embedding_lookup(
+        mean, features["ids"][:, 0] % 8, partition_strategy="div"))
   inputs = tf.concat(looked_up + [features["x"]], axis=1)
   hidden = tf.compat.v1.layers.dense(
       inputs, 8, activation=tf.nn.tanh, name="hidden",
@@ -83,14 +98,6 @@ def model_fn(features, labels, mode, params):
       hidden, 1, name="logits",
       kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
   loss = tf.compat.v1.losses.sigmoid_cross_entropy(labels, logits)
-  if params.get("partitioned_statistic"):
-    # A moving mean of the dense feature, partitioned: refused on ps.
-    mean = tf.compat.v1.get_variable(
-        "feature_mean", [8, DENSE], trainable=False, partitioner=partitioner,
-        initializer=tf.compat.v1.zeros_initializer())
-    tf.compat.v1.add_to_collection(
-        tf.compat.v1.GraphKeys.UPDATE_OPS, tf.compat.v1.assign_add(
-            mean, tf.zeros([8, DENSE]) + tf.reduce_mean(features["x"], 0)))
   optimizer = params["wrap"](OPTIMIZERS[params["optimizer"]]())
   train_op = optimizer.minimize(
       loss, tf.compat.v1.train.get_or_create_global_step())
@@ -116,6 +123,30 @@ def canned_model_fn(features, labels, mode, params, config):
   split = {"id_{}".format(f): features["ids"][:, f]
            for f in range(features["ids"].shape[1])}
   return estimator.model_fn(split, labels, mode, config)
+
+
+def canned_dnn_model_fn(features, labels, mode, params, config):
+  """A canned DNN's model_fn (TF 1's DNNClassifier): its embeddings
+  partitioned by `input_layer_partitioner` and looked up by rows, its
+  hidden layers partitioned by TensorFlow's own `dnn` partitioner (as
+  many parts as ps tasks, at most) and read whole."""
+  columns = [tf.compat.v1.feature_column.embedding_column(
+      tf.compat.v1.feature_column.categorical_column_with_identity(
+          "id_{}".format(f), VOCABULARY), DIMENSION)
+             for f in range(features["ids"].shape[1])]
+  estimator = tf.compat.v1.estimator.DNNClassifier(
+      hidden_units=[8, 4], feature_columns=columns,
+      optimizer=params["wrap"](OPTIMIZERS[params["optimizer"]]()),
+      input_layer_partitioner=tf.compat.v1.fixed_size_partitioner(
+          params["shards"]),
+      config=config)
+  split = {"id_{}".format(f): features["ids"][:, f]
+           for f in range(features["ids"].shape[1])}
+  return estimator.model_fn(split, labels, mode, config)
+
+
+MODEL_FNS = {"ctr": model_fn, "canned": canned_model_fn,
+             "canned-dnn": canned_dnn_model_fn}
 
 
 def input_fn_for(batches, model_dir, fields=FIELDS):
@@ -163,6 +194,13 @@ class _Report(sync_job.Report):
 
 
 def main(argv):
+  if os.environ.get("REPLICATE_TF1_BEHAVIOR") == "1":
+    # TensorFlow 1 behaviour, as a model written for TF 1 runs; resource
+    # variables, which "replicated" needs (it refuses to copy a ref
+    # variable, saying so), as on one machine.
+    tf.compat.v1.disable_v2_behavior()
+    if "--ref-variables" not in argv:  # TF 1's default: refused
+      tf.compat.v1.enable_resource_variables()
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.INFO)
   parser = argparse.ArgumentParser()
   parser.add_argument("model_dir")
@@ -175,6 +213,8 @@ def main(argv):
                       help="parts of each table (fixed_size_partitioner)")
   parser.add_argument("--canned", action="store_true",
                       help="DNNLinearCombinedClassifier's model_fn")
+  parser.add_argument("--canned-dnn", action="store_true",
+                      help="DNNClassifier's model_fn")
   parser.add_argument("--fields", type=int, default=FIELDS,
                       help="categorical fields, a table each")
   parser.add_argument("--vocabulary", type=int, default=VOCABULARY,
@@ -185,6 +225,9 @@ def main(argv):
                       help="the chief's checkpoints, every this many steps")
   parser.add_argument("--partitioned-statistic", action="store_true",
                       help="a partitioned variable that is not trainable")
+  parser.add_argument("--ref-variables", action="store_true",
+                      help="with REPLICATE_TF1_BEHAVIOR=1: TF 1's ref "
+                      "variables, not resource variables")
   parser.add_argument("--report-memory", action="store_true",
                       help="print placements and peak resident memory")
   arguments = parser.parse_args(argv)
@@ -202,11 +245,14 @@ def main(argv):
       experimental_max_worker_delay_secs=0,
       session_config=tf.compat.v1.ConfigProto(
           device_count={"CPU": sync_job._of_task(arguments.towers, rank)}))
-  if replicate.start_server(config) is None:
+  if task["type"] == "ps":
     print("hybrid_job: ps {}".format(os.getpid()), flush=True)
+  # On a ps task it serves, and never returns to train_and_evaluate.
+  replicate.start_server(config)
   estimator = tf.estimator.Estimator(
       replicate.replicate_model_fn(
-          canned_model_fn if arguments.canned else model_fn,
+          MODEL_FNS["canned" if arguments.canned else "canned-dnn" if
+                    arguments.canned_dnn else "ctr"],
           variable_strategy="replicated"),
       config=config,
       params={"optimizer": arguments.optimizer, "shards": arguments.shards,

@@ -17,7 +17,7 @@ from replicate.launch import LocalCluster
 from conftest import RecordingLog
 
 # Prints its TF_CONFIG, a line on stderr, then does what BEHAVIOUR_<TYPE>
-# says: "exit N", "sleep" (waits for a signal: the default for ps, as a ps
+# says: "exit N" (N > 0: after an error line and another), "sleep" (waits for a signal: the default for ps, as a ps
 # serves forever), "ignore-term" (waits through SIGTERM) or "spawn" (waits
 # with a child).
 CHILD = r"""
@@ -29,7 +29,11 @@ print("stderr of", kind, file=sys.stderr)
 behaviour = os.environ.get("BEHAVIOUR_" + kind.upper(),
                            "sleep" if kind == "ps" else "exit 0")
 if behaviour.startswith("exit"):
-  sys.exit(int(behaviour.split()[1]))
+  code = int(behaviour.split()[1])
+  if code:  # as a failing program: an error line, then a line after it
+    print("ValueError: {} failed".format(kind), file=sys.stderr)
+    print("closing", file=sys.stderr)
+  sys.exit(code)
 if behaviour == "ignore-term":
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if behaviour == "spawn":
@@ -140,9 +144,12 @@ def test_no_worker_or_ps_job_when_there_are_none():
 
 def test_main_returns_the_chief_exit_code_and_stops_the_ps(capsys,
                                                            monkeypatch):
+  # Asynchronous: the chief's exit, even a failed one, leaves the workers
+  # their grace.
   monkeypatch.setenv("BEHAVIOUR_CHIEF", "exit 3")
   code = run_in_thread(lambda: launch.main(
-      ["--ps", "1", "--workers", "2", "--grace", "5", "--"] + COMMAND))
+      ["--ps", "1", "--workers", "2", "--asynchronous", "--grace", "5",
+       "--"] + COMMAND))
   output = capsys.readouterr().out.splitlines()
 
   assert code == 3
@@ -163,40 +170,110 @@ def test_main_returns_the_chief_exit_code_and_stops_the_ps(capsys,
     os.kill(ps_pid, 0)  # stopped and reaped by the launcher
 
 
-def test_failed_worker_is_reported_and_training_goes_on(capsys, monkeypatch):
-  # With a ps task: asynchronous training goes on without the worker.
+def test_failed_worker_of_asynchronous_training_is_reported_and_it_goes_on(
+    capsys, monkeypatch):
+  # --asynchronous (ps training the Estimator's way): the others go on.
   monkeypatch.setenv("BEHAVIOUR_WORKER", "exit 5")
   code = run_in_thread(lambda: launch.main(
-      ["--ps", "1", "--workers", "3", "--"] + COMMAND))
+      ["--ps", "1", "--workers", "3", "--asynchronous", "--"] + COMMAND))
   output = capsys.readouterr().out.splitlines()
 
   assert code == 0
   for index in (0, 1):
-    assert ("[launch] worker:{} exited with code 5; the others go on without "
-            "it.".format(index)) in output
+    assert ("[launch] worker:{} exited with code 5 (its last error line: "
+            "ValueError: worker failed); the others go on without it "
+            "(asynchronous).".format(index)) in output
 
 
-def test_failed_worker_of_a_synchronous_cluster_is_reported_as_its_end(
-    capsys, monkeypatch):
-  # No ps: the cluster trains in lockstep, so a failed worker ends it; the
-  # evaluator is outside the cluster, so its failure does not.
-  monkeypatch.setenv("BEHAVIOUR_WORKER", "exit 5")
+@pytest.mark.parametrize("num_ps", [0, 2])
+def test_the_first_failure_stops_a_synchronous_cluster_at_once(
+    capsys, num_ps):
+  # Synchronous (the default, with or without ps tasks): worker:1 fails
+  # while the chief, worker:0 and the ps tasks run on (they would wait for
+  # it until their timeout). The launcher stops them at once, says who
+  # failed, how and why, and exits with its code. The evaluator, outside
+  # the cluster, is stopped too.
+  env = {"BEHAVIOUR_CHIEF": "sleep", "BEHAVIOUR_WORKER": "sleep",
+         "BEHAVIOUR_EVALUATOR": "sleep"}
+  log = RecordingLog()
+  with LocalCluster(COMMAND, num_ps=num_ps, num_workers=3, evaluator=True,
+                    env=env, log=log) as cluster:
+    for task in ("chief:0", "worker:0", "evaluator:0") + tuple(
+        "ps:{}".format(i) for i in range(num_ps)):
+      log.wait_for_prefix("[{}] ready".format(task))
+    log.wait_for_prefix("[worker:1] ready")
+    cluster.kill("worker", 1, signal.SIGUSR1)  # dies of it
+    code = run_in_thread(lambda: cluster.wait_for_chief(grace=60))
+    stopped = [cluster.wait(*task, timeout=0) for task in
+               [("chief", 0), ("worker", 0), ("evaluator", 0)] +
+               [("ps", i) for i in range(num_ps)]]
+
+  assert code == -signal.SIGUSR1
+  assert stopped == [-signal.SIGTERM] * (3 + num_ps)
+  reports = [line for line in log.lines() if line.startswith("[launch]")]
+  assert reports[1:] == [
+      "[launch] worker:1 was killed by SIGUSR1 (no error line; its last "
+      "line: ready {}); stopping every task: the synchronous cluster cannot "
+      "go on without it.".format(cluster.process("worker", 1).pid)]
+
+
+@pytest.mark.parametrize("failed, asynchronous", [
+    ("chief", False), ("ps", False), ("ps", True)])
+def test_main_exits_with_the_failed_task_code_and_its_error(
+    capsys, monkeypatch, failed, asynchronous):
+  # A failed chief (synchronous) or ps task (either way) stops every task
+  # at once, without the workers' grace, and the launcher exits with its
+  # code, naming its last error line (not the line printed after it).
+  for task in ("chief", "worker", "ps"):
+    monkeypatch.setenv("BEHAVIOUR_" + task.upper(),
+                       "exit 7" if task == failed else "sleep")
+  code = run_in_thread(lambda: launch.main(
+      ["--ps", "1", "--workers", "2", "--grace", "600"] +
+      (["--asynchronous"] if asynchronous else []) + ["--"] + COMMAND))
+  output = capsys.readouterr().out.splitlines()
+
+  assert code == 7
+  reports = [line for line in output if line.startswith("[launch]")]
+  assert reports[1:] == [
+      "[launch] {}:0 exited with code 7 (its last error line: ValueError: "
+      "{} failed); stopping every task: {} cannot go on without it.".format(
+          failed, failed, "training" if asynchronous else
+          "the synchronous cluster")]
+
+
+def test_a_failed_evaluator_is_reported_and_training_goes_on(capsys,
+                                                              monkeypatch):
   monkeypatch.setenv("BEHAVIOUR_EVALUATOR", "exit 6")
   code = run_in_thread(lambda: launch.main(
       ["--workers", "3", "--evaluator", "--"] + COMMAND))
   output = capsys.readouterr().out.splitlines()
 
   assert code == 0
-  reports = sorted(line for line in output
-                   if line.startswith("[launch]") and " exited " in line
-                   and not line.startswith("[launch] chief:0"))
-  assert reports == [
-      "[launch] evaluator:0 exited with code 6; the others go on without "
-      "it.",
-      "[launch] worker:0 exited with code 5; the synchronous cluster (no ps "
-      "tasks) cannot go on without it; the other tasks will exit.",
-      "[launch] worker:1 exited with code 5; the synchronous cluster (no ps "
-      "tasks) cannot go on without it; the other tasks will exit."]
+  assert ("[launch] evaluator:0 exited with code 6 (its last error line: "
+          "ValueError: evaluator failed); the others go on without it."
+          in output)
+
+
+def test_the_last_error_line_is_the_exception_or_replicate_message():
+  tail = launch.processes.Tail()
+  assert tail.last_error() == "it printed nothing"
+  for line in ["INFO:tensorflow:step 3", "  ", "Traceback (most recent "
+               "call last):", '  File "x.py", line 1',
+               "tensorflow.python.framework.errors_impl.UnavailableError: "
+               "From /job:ps/replica:0/task:0:", "Socket closed",
+               "W0000 an error somewhere after it"]:
+    tail.add(line)
+  assert tail.last_error() == (
+      "its last error line: tensorflow.python.framework.errors_impl."
+      "UnavailableError: From /job:ps/replica:0/task:0:")
+  tail.add("replicate: task chief:0 has been running a step for over 8 s")
+  assert tail.last_error() == ("its last error line: replicate: task "
+                               "chief:0 has been running a step for over 8 s")
+  weak = launch.processes.Tail()
+  weak.add("E0000 grpc error: connection refused")
+  weak.add("done")
+  assert weak.last_error() == ("its last error line: E0000 grpc error: "
+                               "connection refused")
 
 
 def test_default_cluster_has_no_ps(capsys):
@@ -292,6 +369,7 @@ def test_wait_timeout_names_the_task():
     ({"command": []}, "non-empty list of strings"),
     ({"num_workers": 0}, "at least 1. Received: 0"),
     ({"num_ps": -1}, "0 or more. Received: -1"),
+    ({"asynchronous": True}, "needs num_ps of at least 1"),
 ])
 def test_bad_constructor_arguments_are_refused(arguments, message):
   with pytest.raises(ValueError, match=message):
@@ -324,6 +402,8 @@ def test_unknown_or_unstarted_task_is_refused():
      "argument --grace: must be a number of at least 0; received 'nan'"),
     (["--ps", "1", "--"], "argument command: missing"),
     (["--workers", "2"], "argument command: missing"),
+    (["--asynchronous", "--", "python"],
+     "argument --asynchronous: needs --ps"),
 ])
 def test_bad_command_lines_exit_2_naming_the_argument(argv, message, capsys):
   with pytest.raises(SystemExit) as exit_info:
@@ -339,9 +419,15 @@ def test_every_argument_has_help_and_its_default(capsys):
     launch.main(["--help"])
   assert exit_info.value.code == 0
   help_text = " ".join(capsys.readouterr().out.split())
-  for expected in ("--ps N parameter-server tasks; with none, the chief and "
-                   "workers make a synchronous cluster, for a command that "
-                   "calls replicate.start_server (default: 0)",
+  for expected in ("--ps N parameter-server tasks; the cluster is "
+                   "synchronous (a command that calls replicate.start_server) "
+                   "unless --asynchronous (default: 0)",
+                   "--asynchronous with --ps: the workers train "
+                   "asynchronously (the Estimator's ps training, "
+                   "variable_strategy='parameter_server'), so a failed worker "
+                   "is reported and the others go on; without it the cluster "
+                   "is synchronous and the first task that fails stops every "
+                   "task (default: synchronous)",
                    "--workers N training workers, the chief included "
                    "(default: 2)",
                    "--evaluator also run one evaluator task (default: no "
@@ -361,8 +447,8 @@ def launcher(*arguments, env=None):
 
 
 def test_command_line_end_to_end():
-  process = launcher("--ps", "1", "--workers", "2", "--", *COMMAND,
-                     env={"BEHAVIOUR_CHIEF": "exit 4"})
+  process = launcher("--ps", "1", "--workers", "2", "--asynchronous", "--",
+                     *COMMAND, env={"BEHAVIOUR_CHIEF": "exit 4"})
   output, _ = process.communicate(timeout=TIMEOUT)
 
   assert process.returncode == 4

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 import replicate
 from replicate import graph_walk
+from replicate.cluster import server as server_lib
 from replicate.cluster import sync_cluster
 from replicate.cluster import sync_input
 from replicate.communication import allreduce
@@ -80,16 +81,25 @@ def test_start_server_is_none_without_a_cluster_or_for_an_evaluator(
   assert replicate.start_server(_run_config()) is None
 
 
-def test_start_server_is_none_on_a_ps_task_and_refuses_other_arguments(
+def test_start_server_serves_on_a_ps_task_and_refuses_other_arguments(
     monkeypatch):
   with pytest.raises(ValueError, match=r"tf.estimator.RunConfig. Received: "
                      r"\{'cluster'"):
     replicate.start_server({"cluster": {}})
-  # A ps task's server is the Estimator's: it takes no part in the
-  # collectives.
-  _set_tf_config(monkeypatch, "ps", 0, cluster=dict(CLUSTER,
-                                                    ps=["127.0.0.1:1"]))
-  assert replicate.start_server(_run_config()) is None
+  # A ps task serves and never returns to the program's training (a real
+  # one: tests/test_hybrid_cluster.py runs the docs' program on ps tasks).
+  served = []
+
+  def serve(config):
+    served.append((config.task_type, config.task_id))
+    raise SystemExit(0)
+
+  monkeypatch.setattr(server_lib, "serve", serve)
+  _set_tf_config(monkeypatch, "ps", 1, cluster=dict(
+      CLUSTER, ps=["127.0.0.1:1", "127.0.0.1:2"]))
+  with pytest.raises(SystemExit):
+    replicate.start_server(_run_config())
+  assert served == [("ps", 1)]
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "soon", "nan"])

@@ -15,6 +15,13 @@ together):
 - `sync_session`: the start of every session (guard, model check,
   broadcast from the chief) and the watchdog.
 
+With ps tasks and `"replicated"` (embeddings on the ps tasks):
+- `hybrid`: the step's update of the ps tasks, and the state kept per task;
+- `ps_placement`: which partitioned variables go to the ps tasks;
+- `ps_watch`: a dead ps task ends every training task in seconds;
+- `empty_batch`: a tower built from an empty batch (feature columns'
+  `SparseReshape` to a shape with -1).
+
 Clusters with parameter servers:
 - `ps_cluster`: this worker's towers, where it sums, its hooks and Saver.
 - `session_hooks`: around the cluster's sessions (shutdown, restarts).

@@ -5,9 +5,10 @@ On the cluster: a `TF_CONFIG` cluster with `ps` tasks, trained with
 lockstep as a cluster without ps does (`replicate.cluster.sync_cluster`),
 except for the variables the `model_fn` partitions
 (`get_variable(..., partitioner=...)`, or a `variable_scope`'s
-partitioner, as the canned estimators' `input_layer_partitioner`): those
-live once, sharded over the ps tasks (the parts in turn, in creation order,
-as `replica_device_setter` places them). No task holds a copy of them: a
+partitioner, as the canned estimators' `input_layer_partitioner`) and
+looks up by rows (`replicate.cluster.ps_placement`): those live once,
+sharded over the ps tasks (the parts in turn, in creation order, as
+`replica_device_setter` places them). No task holds a copy of them: a
 tower's lookups read only its rows from the ps tasks.
 
 On the step: every task sums the gradients of a ps-held variable over its
@@ -51,55 +52,6 @@ def on_ps(variable_or_op) -> bool:
   return tf.DeviceSpec.from_string(op.device or "").job == PS_JOB
 
 
-class PsPlacement:
-  """Places the parts of the variables tower 0 partitions on the ps tasks.
-
-  `getter` is a `variable_scope` custom getter that marks a partitioned
-  variable's creation; `device(op)` gives its parts' ops the ps tasks in
-  turn, and every other variable None (the tower's device).
-  """
-
-  def __init__(self, num_ps: int):
-    self._num_ps = num_ps
-    self._parts = 0  # parts placed so far, in creation order
-    self._partitioning = 0  # depth of partitioned creations under way
-
-  def device(self, op: tf.Operation):
-    del op  # a part's variable op: its place comes from the order alone
-    if not self._partitioning:
-      return None
-    task = self._parts % self._num_ps
-    self._parts += 1
-    return "/job:{}/task:{}/device:CPU:0".format(PS_JOB, task)
-
-  def getter(self, getter, name, *args, **kwargs):
-    if kwargs.get("partitioner") is None:
-      return getter(name, *args, **kwargs)
-    self._partitioning += 1
-    try:
-      return getter(name, *args, **kwargs)
-    finally:
-      self._partitioning -= 1
-
-  @contextlib.contextmanager
-  def in_scope(self):
-    """While tower 0 is built: the getter on the current variable scope
-    (inherited by the scopes the model_fn opens)."""
-    scope = tf.compat.v1.get_variable_scope()
-    outer = scope.custom_getter
-    if outer is None:
-      getter = self.getter
-    else:
-      def getter(getter, name, *args, **kwargs):  # TF passes by keyword
-        return self.getter(lambda *a, **k: outer(getter, *a, **k),
-                           name, *args, **kwargs)
-    scope.set_custom_getter(getter)
-    try:
-      yield
-    finally:
-      scope.set_custom_getter(outer)
-
-
 def move_global_step(graph: tf.Graph, device: str) -> None:
   """The Estimator's global step, made on a ps task, to `device`: each task
   counts its own (the ops made with it are colocated with it and follow)."""
@@ -111,10 +63,12 @@ def move_global_step(graph: tf.Graph, device: str) -> None:
 def ps_neighbour(colocated: Iterable, name: str):
   """The ps-held variable's op among `colocated` (what a variable named
   `name` is made colocated with), and whether `name` is a slot of it
-  (`<its name>/...`); (None, False) when there is none."""
+  (`<its name>/...`, under the variable scope the update is built in: a
+  canned DNN's `dnn/` makes `dnn/<its name>/Adagrad`); (None, False) when
+  there is none."""
   for op in colocated:  # ops, or a variable's device-only stand-in
     if on_ps(op):
-      return op, name.startswith(op.name.split(":")[0] + "/")
+      return op, "/{}/".format(op.name.split(":")[0]) in "/" + name
   return None, False
 
 

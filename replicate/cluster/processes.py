@@ -3,6 +3,12 @@
 On logs: each task's stdout and stderr are read line by line by a thread of
 their own and written whole, with the task's prefix, to one shared stream.
 
+On what failed: each task's reader also keeps its last line and its last
+error line (a Python exception's `SomeError: ...`, replicate's own
+`replicate: ...`, else a line that says "error"), which the launcher
+prints when the task fails, so that the cause is on the line that says
+who failed, not somewhere above among every task's output.
+
 On stopping: a task runs in its own session, so a signal to its process
 group reaches its children too. Stopping is SIGTERM to every group, then
 SIGKILL to those still running when the time is up. A process is signalled
@@ -15,11 +21,12 @@ while it stops them is ignored.
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import threading
 import time
-from typing import IO, Iterator, Sequence, TextIO
+from typing import IO, Iterator, Optional, Sequence, TextIO
 
 
 class Log:
@@ -57,11 +64,51 @@ def stop_processes(processes: Sequence[subprocess.Popen],
       process.wait()
 
 
-def stream_lines(pipe: IO[bytes], name: str, log: Log) -> None:
-  """Logs every line of `pipe` as `[name] ...` until it closes."""
+# A Python exception's last traceback line (`ValueError: ...`,
+# `...errors_impl.UnavailableError: ...`, as TensorFlow's are named), or
+# replicate's own message on stderr (the watchdog's).
+_EXCEPTION_LINE = re.compile(
+    r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b|replicate: )")
+_ERROR_WORD = re.compile(r"error", re.IGNORECASE)
+
+
+class Tail:
+  """What a task printed last: its last line and its last error line."""
+
+  def __init__(self):
+    self._last = None
+    self._exception = None  # a traceback's end, or replicate's message
+    self._error = None  # any line that says "error"
+
+  def add(self, line: str) -> None:
+    line = line.strip()
+    if not line:
+      return
+    self._last = line
+    if _EXCEPTION_LINE.match(line):
+      self._exception = line
+    elif _ERROR_WORD.search(line):
+      self._error = line
+
+  def last_error(self) -> str:
+    """Its last error line, described; else its last line."""
+    if self._exception or self._error:
+      return "its last error line: {}".format(self._exception or self._error)
+    if self._last:
+      return "no error line; its last line: {}".format(self._last)
+    return "it printed nothing"
+
+
+def stream_lines(pipe: IO[bytes], name: str, log: Log,
+                 tail: Optional[Tail] = None) -> None:
+  """Logs every line of `pipe` as `[name] ...` until it closes (and keeps
+  the last ones in `tail`)."""
   with pipe:
     for raw in iter(pipe.readline, b""):
-      log.line(name, raw.decode("utf-8", "replace").rstrip("\r\n"))
+      line = raw.decode("utf-8", "replace").rstrip("\r\n")
+      log.line(name, line)
+      if tail is not None:
+        tail.add(line)
 
 
 def describe(returncode: int) -> str:

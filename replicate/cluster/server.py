@@ -1,4 +1,5 @@
-"""`replicate.start_server`: this task's server for a synchronous cluster.
+"""`replicate.start_server`: this task's server for a synchronous cluster
+(and a ps task's, which serves until it is stopped).
 
 On why: TensorFlow's collectives across processes need every task's server
 to name the group leader (`experimental.collective_group_leader`, the
@@ -17,7 +18,7 @@ import json
 import os
 import socket
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, NoReturn, Optional, Tuple
 
 import tensorflow as tf
 
@@ -42,11 +43,15 @@ def start_server(run_config) -> Optional[tf.distribute.Server]:
       `session_config` is the server's too (`device_count` gives a CPU-only
       task its virtual CPU devices, one tower each).
 
+  On a `ps` task it starts the task's server and serves until the process
+  is stopped (`serve`): it does not return, so the rest of the program,
+  which would train (`estimator.train` refuses to run on a ps task), never
+  runs there, whichever way it ends.
+
   Returns:
     The running server, or None for a process with nothing to serve: no
-    cluster (`TF_CONFIG` unset), an `evaluator` task, which evaluates
-    checkpoints in a local session, or a `ps` task, whose server
-    `train_and_evaluate` starts (it takes no part in the collectives).
+    cluster (`TF_CONFIG` unset), or an `evaluator` task, which evaluates
+    checkpoints in a local session.
 
   Raises:
     ValueError: `run_config` is not a `RunConfig`, or its task is not one
@@ -63,9 +68,7 @@ def start_server(run_config) -> Optional[tf.distribute.Server]:
   if not spec or not spec.jobs or run_config.task_type == "evaluator":
     return None
   if run_config.task_type == "ps":
-    # Its server is the Estimator's (train_and_evaluate starts it): a ps
-    # task takes no part in the collectives.
-    return None
+    serve(run_config)  # does not return
   tasks = sync_cluster.training_tasks(spec)
   task = (run_config.task_type, run_config.task_id)
   if task not in tasks:
@@ -94,6 +97,33 @@ def start_server(run_config) -> Optional[tf.distribute.Server]:
       "(%d tasks, leader %s:%d, timeout %g s).", task[0], task[1],
       len(tasks), tasks[0][0], tasks[0][1], sync_cluster.timeout_seconds())
   return server
+
+
+def serve(run_config) -> NoReturn:
+  """A ps task's server, serving until the process is stopped.
+
+  A ps task takes no part in the collectives; its variables are the
+  training tasks' to create, initialise and update. It ends when it is
+  stopped: by `python -m replicate.launch` once the chief is done, on a
+  real cluster by the cluster manager (a Kubernetes TFJob's success policy
+  counts the chief, or the workers, never the ps tasks).
+  """
+  spec = run_config.cluster_spec
+  config = tf.compat.v1.ConfigProto()
+  if run_config.session_config is not None:
+    config.CopyFrom(run_config.session_config)
+  del config.device_filters[:]  # it serves every training task
+  server = tf.distribute.Server(
+      spec, job_name="ps", task_index=run_config.task_id, config=config,
+      protocol=run_config.protocol or "grpc", start=True)
+  tf.compat.v1.logging.info(
+      "replicate: ps:%d serves at %s until it is stopped (the launcher, or "
+      "the cluster manager, stops it when the training tasks are done).",
+      run_config.task_id, spec.task_address("ps", run_config.task_id))
+  server.join()
+  # join() returns only if the server is stopped from within, which
+  # nothing here does; the program's training must not run on a ps task.
+  raise SystemExit(0)
 
 
 def check_started(config) -> None:

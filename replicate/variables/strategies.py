@@ -28,8 +28,11 @@ import tensorflow as tf
 
 from replicate.gradients import aggregation
 from replicate.communication import allreduce
+from replicate.cluster import empty_batch
 from replicate.cluster import hybrid
 from replicate.cluster import ps_cluster
+from replicate.cluster import ps_placement
+from replicate.cluster import ps_watch
 from replicate.cluster import server
 from replicate.cluster import sync_cluster
 from replicate.call import devices as devices_lib
@@ -156,7 +159,7 @@ class HybridCluster(SyncCluster):
 
   def __init__(self, cross_task, compact: bool, num_ps: int):
     super().__init__(cross_task, compact)
-    self._placement = hybrid.PsPlacement(num_ps)
+    self._placement = ps_placement.PsPlacement(num_ps)
 
   def variable_device(self, op: tf.Operation) -> Optional[str]:
     return self._placement.device(op)
@@ -172,11 +175,32 @@ class HybridCluster(SyncCluster):
       return [(hybrid.duplicates_summed(grad) if hybrid.on_ps(variable)
                else grad, variable) for grad, variable in summed]
 
+  def for_session(self, spec: tf.estimator.EstimatorSpec, config,
+                  mode: str) -> tf.estimator.EstimatorSpec:
+    """As `SyncCluster`'s, and in TRAIN with variables on the ps tasks, a
+    hook that ends this task in seconds when one of them dies
+    (`replicate.cluster.ps_watch`)."""
+    spec = super().for_session(spec, config, mode)
+    if (mode != tf.estimator.ModeKeys.TRAIN or
+        not hybrid.ps_held(tf.compat.v1.global_variables())):
+      return spec
+    watch = ps_watch.PsWatchHook(self.cross_task.group.name(), {
+        "ps:{}".format(index): config.cluster_spec.task_address("ps", index)
+        for index in config.cluster_spec.task_indices("ps")})
+    self.cross_task.on_stop.append(watch.disarm)  # an input's end
+    return spec._replace(training_hooks=list(spec.training_hooks) + [watch])
+
+  @contextlib.contextmanager
   def tower_scope(self, index: int):
-    """Where tower `index` is built: tower 0 places what it partitions."""
-    if index:
-      return contextlib.nullcontext()
-    return self._placement.in_scope()
+    """Where tower `index` is built: tower 0 places what it partitions;
+    every tower may be built from an empty batch
+    (`replicate.cluster.empty_batch`)."""
+    graph = tf.compat.v1.get_default_graph()
+    before = len(graph.get_operations())
+    with (self._placement.in_scope() if index == 0 else
+          contextlib.nullcontext()):
+      yield
+    empty_batch.guard_sparse_reshapes(graph.get_operations()[before:])
 
 
 def _is_sync_training(config, mode: str) -> bool:

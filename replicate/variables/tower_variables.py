@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from replicate.call import name_counters
 from replicate.cluster import hybrid
+from replicate.cluster import ps_placement
 from replicate.variables import tower_local
 
 
@@ -48,7 +49,6 @@ class TowerVariables:
     self.local_reduce = None  # set inside tower_local_scope
     self._devices = devices
     self._tower0 = set()  # refs of the variables tower 0 created
-    self._on_ps = set()  # refs of those that live on a ps task
     self._reduce_of = {}  # tower 0 variable ref -> "sum" or "mean"
     self._copies = [dict() for _ in devices]  # tower 0 variable ref -> copy
     self._tower0_of = {}  # copy ref -> tower 0's variable
@@ -77,9 +77,6 @@ class TowerVariables:
   def note_tower0_variable(self, variable, trainable: bool):
     """Records a variable tower 0 created (tower-local if in the scope)."""
     self._tower0.add(variable.ref())
-    if self.is_replicated and hybrid.on_ps(variable):
-      hybrid.check_updated_once(variable, trainable)
-      self._on_ps.add(variable.ref())
     if self.local_reduce is None:
       return
     name = variable.op.name
@@ -106,7 +103,16 @@ class TowerVariables:
   def updates(self, variable) -> bool:
     """Whether this task's update applies to `variable` (a ps-held one is
     updated by the first task alone)."""
-    return self.updates_shared or variable.ref() not in self._on_ps
+    return self.updates_shared or not self._on_ps(variable)
+
+  def _on_ps(self, variable) -> bool:
+    """Whether `variable` lives on a ps task: asked once tower 0 is built,
+    when the partitioned variables have been placed by how tower 0 reads
+    them (`replicate.cluster.hybrid.settle_placements`)."""
+    if not self.is_replicated:
+      return False
+    ps_placement.settle_placements(self.graph, self._devices[0])
+    return hybrid.on_ps(variable)
 
   def made_by_update(self, name: str):
     """Where the update makes a variable named `name`: beside a ps-held
@@ -116,6 +122,7 @@ class TowerVariables:
     tasks, an optimizer's own too."""
     if not self.is_replicated:
       return contextlib.nullcontext([])
+    ps_placement.settle_placements(self.graph, self._devices[0])
     return hybrid.made_by_update(self.graph, name, self._devices[0])
 
   def for_tower(self, index: int, variable):
@@ -150,7 +157,7 @@ class TowerVariables:
     reduce = self._reduce_of.get(variable.ref())
     if reduce is None and not (self.is_replicated and variable.trainable and
                                variable.ref() in self._tower0 and
-                               variable.ref() not in self._on_ps):
+                               not self._on_ps(variable)):
       return variable
     copies = self._copies[index]
     if variable.ref() not in copies:
