@@ -1,7 +1,7 @@
 """Rows that meet, failing closed: an op type the rule does not know.
 
 An op on the path from tower 0's rows to the loss, a metric or a prediction
-whose type is neither known to keep rows apart (`replicate.shard.row_ops`)
+whose type is neither known to keep rows apart (`replicate.graph.row_ops`)
 nor has a rule of its own (`replicate.shard.rows_meet`) is refused at graph
 build, naming its type and name, with the fix: compute it on
 `replicate.all_rows(x)` and take the tower's rows back with
@@ -21,7 +21,7 @@ import tensorflow as tf
 
 import replicate
 from conftest import IS_TF1_BEHAVIOR, PREDICT, TRAIN, cpus, session_config
-from replicate.shard import row_ops, row_rules
+from replicate.graph import row_ops, row_rules
 
 ROWS = 7
 STEPS = 2

@@ -1,0 +1,105 @@
+"""The row analysis at index ops: real idioms as their authors write them.
+
+`replicate.graph.row_layout` follows, for each tensor a tower computes,
+which axis carries its rows and whether an integer tensor's values are the
+tower's own row positions; `replicate.graph.index_rules` lets an index op
+pass exactly when it maps each row to itself. Each idiom here was refused
+on 6b12641 (or, for the reversal, let through), and each one that passes
+is compared with the unwrapped model_fn on one device: canned linear and
+wide & deep estimators with crossed columns (tensorflow/models' census
+example), TF-Ranking's groupwise score scatter, the Transformer's pad
+remover, confusion-matrix metrics under TF 1 behaviour.
+"""
+
+import shutil
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from conftest import PREDICT, TRAIN, cpus, session_config
+
+Reduction = tf.compat.v1.losses.Reduction
+fc = tf.feature_column
+ModeKeys = tf.estimator.ModeKeys
+
+ROWS = 7
+_rng = np.random.RandomState(3)
+EDUCATION = np.array([[e] for e in "abcabca"]).astype(bytes)
+JOB = np.array([[j] for j in "xyyxzzx"]).astype(bytes)
+AGE = _rng.rand(ROWS, 1).astype(np.float32)
+LABEL = np.array([0, 1, 1, 0, 1, 0, 0], np.int64)
+
+
+# ---------------------------------------------------------------------------
+# Crossed columns in canned estimators (census wide & deep).
+
+
+def _census_columns():
+  education = fc.categorical_column_with_vocabulary_list("education",
+                                                         [b"a", b"b", b"c"])
+  job = fc.categorical_column_with_hash_bucket("job", 5)
+  crossed = fc.crossed_column(["education", "job"], hash_bucket_size=7)
+  return education, job, crossed, fc.numeric_column("age")
+
+
+def _census(kind, family, model_dir):
+  education, job, crossed, age = _census_columns()
+  v2 = family == "v2"
+  module = tf.estimator if v2 else tf.compat.v1.estimator
+  optimizer = replicate.TowerOptimizer(
+      (lambda: tf.keras.optimizers.legacy.Ftrl(0.1)) if v2 else
+      (lambda: tf.compat.v1.train.FtrlOptimizer(0.1)))
+  deep = replicate.TowerOptimizer(
+      (lambda: tf.keras.optimizers.legacy.Adagrad(0.1)) if v2 else
+      (lambda: tf.compat.v1.train.AdagradOptimizer(0.1)))
+  if kind == "linear":
+    return module.LinearClassifier([education, job, crossed, age],
+                                   optimizer=optimizer, model_dir=model_dir)
+  if kind == "wide_deep":
+    return module.DNNLinearCombinedClassifier(
+        linear_feature_columns=[education, job, crossed],
+        linear_optimizer=optimizer,
+        dnn_feature_columns=[age, fc.indicator_column(education)],
+        dnn_hidden_units=[3], dnn_optimizer=deep, model_dir=model_dir)
+  return module.DNNClassifier([3], [age, fc.embedding_column(crossed, 2)],
+                              optimizer=deep, model_dir=model_dir)
+
+
+def _census_input():
+  return tf.data.Dataset.from_tensor_slices((
+      {"education": EDUCATION, "job": JOB, "age": AGE}, LABEL)).batch(4)
+
+
+def _census_outcome(estimator):
+  estimator.train(_census_input)
+  metrics = estimator.evaluate(_census_input)
+  predictions = np.array([p["probabilities"] for p in estimator.predict(
+      lambda: _census_input().map(lambda x, y: x))])
+  return metrics, predictions
+
+
+# The wide & deep forms, v1 and TF 2, are the zoo's (oracle_zoo_rows.py).
+@pytest.mark.parametrize("kind, family, towers", [
+    ("linear", "v1", 2), ("dnn_embedded_cross", "v2", 3)])
+def test_crossed_columns_in_canned_estimators_are_exact(kind, family, towers,
+                                                        tmp_path):
+  start, unwrapped, wrapped = (str(tmp_path / name) for name in
+                               ("start", "unwrapped", "wrapped"))
+  _census(kind, family, start).train(_census_input, steps=1)
+  shutil.copytree(start, unwrapped)
+  shutil.copytree(start, wrapped)
+  expected = _census_outcome(_census(kind, family, unwrapped))
+  canned = _census(kind, family, wrapped)
+  reduction = Reduction.SUM if family == "v1" else (
+      Reduction.SUM_BY_NONZERO_WEIGHTS)
+  actual = _census_outcome(tf.estimator.Estimator(
+      replicate.replicate_model_fn(canned.model_fn, loss_reduction=reduction),
+      model_dir=wrapped,
+      config=tf.estimator.RunConfig(session_config=session_config(towers))))
+  assert actual[0]["global_step"] == expected[0]["global_step"] == 3
+  for key in ("loss", "average_loss", "accuracy", "auc"):
+    np.testing.assert_allclose(actual[0][key], expected[0][key], rtol=1e-5,
+                               err_msg=key)
+  np.testing.assert_allclose(actual[1], expected[1], rtol=1e-5, atol=1e-6)
