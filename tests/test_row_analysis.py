@@ -11,14 +11,17 @@ example), TF-Ranking's groupwise score scatter, the Transformer's pad
 remover, confusion-matrix metrics under TF 1 behaviour.
 """
 
+import os
 import shutil
+import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import harness
 import replicate
-from conftest import PREDICT, TRAIN, cpus, session_config
+from conftest import session_config
 
 Reduction = tf.compat.v1.losses.Reduction
 fc = tf.feature_column
@@ -103,3 +106,39 @@ def test_crossed_columns_in_canned_estimators_are_exact(kind, family, towers,
     np.testing.assert_allclose(actual[0][key], expected[0][key], rtol=1e-5,
                                err_msg=key)
   np.testing.assert_allclose(actual[1], expected[1], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# TF-Ranking's groupwise scatter and the Transformer's pad remover (the
+# zoo's models, tests/oracle/oracle_zoo_rows.py), trained on batches of 7
+# rows (4 + 3, 3 + 2 + 2): every variable and loss as on one device.
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "oracle"))
+import oracle_zoo_rows as zoo_rows  # noqa: E402  pylint: disable=C0413
+
+IDIOMS = {"ranking": (zoo_rows.ranking_model_fn, zoo_rows.ranking_data()),
+          "pad_remover": (zoo_rows.pad_remover_model_fn,
+                          zoo_rows.pad_remover_data())}
+
+
+@pytest.mark.parametrize("name, towers", [
+    ("ranking", 2), ("ranking", 3), ("pad_remover", 2), ("pad_remover", 3)])
+def test_index_idioms_that_keep_rows_apart_train_exactly(name, towers):
+  model_fn, (features, labels) = IDIOMS[name]
+  batch = dict(features, y=labels)
+  graphs = []
+  expected, actual = harness.train_both(
+      model_fn, towers, [batch, batch],
+      after_fetches=lambda graph: graphs.append(graph) or {})
+  assert len(expected.steps) == len(actual.steps) == 2
+  np.testing.assert_allclose(actual.per_step("loss"),
+                             expected.per_step("loss"), rtol=1e-5)
+  for variable, value in expected.variables.items():
+    np.testing.assert_allclose(actual.variables[variable], value, rtol=1e-5,
+                               atol=1e-6, err_msg=variable)
+  # Per tower: each tower scatters its own rows (no all_rows gather).
+  scatters = [op.name for op in graphs[1].get_operations()
+              if op.type == "ScatterNd"]
+  assert any(n.startswith("tower_{}/".format(towers - 1)) for n in scatters)
+  assert not [op for op in graphs[1].get_operations()
+              if "all_rows" in op.name.lower()]

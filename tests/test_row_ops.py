@@ -186,6 +186,9 @@ OFF_THE_PATH = {
     "sparse_rows_times_weights": lambda h: h + tf.sparse.sparse_dense_matmul(
         tf.sparse.from_dense(tf.cast(h > 0, tf.float32)), tf.ones([4, 4])),
     "reverse_within_rows": lambda h: tf.reverse(h, axis=[-1]),
+    # TF-Ranking's item order: a range of the list's size, not the rows'.
+    "reverse_of_a_range_of_another_axis": lambda h: h * tf.reverse(
+        tf.cast(tf.range(tf.shape(h)[1]), tf.float32), [0]),
 }
 
 
@@ -221,16 +224,22 @@ def test_linear_algebra_over_the_batch_axis_is_refused(name):
       _build(_model_fn(combine), towers=2, mode=PREDICT)
 
 
+def _gather_reversed(h):
+  return tf.gather(h, tf.range(tf.shape(h)[0] - 1, -1, -1))
+
+
 @pytest.mark.parametrize("op, axis", [("roll", 0), ("reverse", 0),
-                                      ("roll", -2)])
+                                      ("roll", -2), ("gather", 0)])
 def test_moving_rows_along_the_batch_axis_is_refused(op, axis):
   move = {"roll": lambda h: tf.roll(h, 1, axis=axis),
-          "reverse": lambda h: tf.reverse(h, axis=[axis])}[op]
-  op_type = {"roll": "Roll", "reverse": "ReverseV2"}[op]
+          "reverse": lambda h: tf.reverse(h, axis=[axis]),
+          "gather": _gather_reversed}[op]
+  op_type = {"roll": "Roll", "reverse": "ReverseV2", "gather": "GatherV2"}[op]
   with tf.Graph().as_default():
     tf.compat.v1.train.get_or_create_global_step()
     with pytest.raises(ValueError, match=r"The {} op '[^']+' combines "
-                       r"different rows.*batch axis".format(op_type)):
+                       r"different rows.*(batch axis|not each row's own "
+                       r"position)".format(op_type)):
       _build(_model_fn(lambda h: h * move(h)), towers=2)
 
 

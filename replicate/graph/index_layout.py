@@ -96,7 +96,13 @@ def _gather_nd(op, inputs):
   if params.axis < depth:
     if (positions_for(params, indices, params.axis) and
         indices.axis < index_rank - 1):
-      return [indices.moved(indices.axis)]
+      moved = indices.moved(indices.axis)
+      if params.component is not None and (
+          rank_of(op.inputs[0]) or 0) - 1 >= depth:
+        # Whole index tuples taken: their row part stays their row.
+        moved = moved._replace(ids=params.ids, component=params.component,
+                               pos_of=params.pos_of)
+      return [moved]
     return [UNKNOWN_ROWS]
   if indices.kind == NONE:
     return [params.moved(index_rank - 1 + params.axis - depth)]

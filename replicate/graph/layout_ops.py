@@ -25,14 +25,14 @@ _IDENTITY = frozenset("""Identity Snapshot StopGradient PreventGradient
 
 
 # Per entry: strings and lookups of feature columns too (a table's handle,
-# without rows, broadcasts).
+# without rows, broadcasts), a bias added along the last axis.
 _ELEMENTWISE = (row_ops.FAMILIES["elementwise"][1] |
                 row_ops.FAMILIES["activations"][1] | frozenset("""
     AsString StringJoin Substr StringLower StringUpper StringStrip
     StringLength StringToNumber StringToHashBucket StringToHashBucketFast
     StringToHashBucketStrong RegexReplace RegexFullMatch StaticRegexReplace
     StaticRegexFullMatch Bucketize LookupTableFind LookupTableFindV2
-    Softmax LogSoftmax""".split()))
+    Softmax LogSoftmax BiasAdd BiasAddV1""".split()))
 
 
 _PER_EXAMPLE = (row_ops.FAMILIES["layers per example"][1] |

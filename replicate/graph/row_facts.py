@@ -10,6 +10,7 @@ ALIGNED, BLOCKED, SELECTED, NONE, UNKNOWN = (
     "aligned", "blocked", "selected", "none", "unknown")
 ROW, BPOS, STARTS, SPOS = "row", "bpos", "starts", "spos"
 ROWS, ROWS_K, SELECTED_COUNT, OTHER = "rows", "rows*k", "selected", "other"
+ROWS_PLUS = "rows+c"  # the rows' count moved by a number (`n - 1`)
 CARRIES = (ALIGNED, BLOCKED, SELECTED)
 
 

@@ -6,8 +6,9 @@ transposes, expand / squeeze, stack / concat, slices."""
 import numpy as np
 
 from replicate.graph.row_facts import (
-    ALIGNED, BLOCKED, BPOS, NONE, NO_ROWS, OTHER, ROW, ROWS, ROWS_K, SELECTED,
-    SELECTED_COUNT, UNKNOWN, UNKNOWN_ROWS, Fact, dims_of, rank_of, static)
+    ALIGNED, BLOCKED, BPOS, NONE, NO_ROWS, OTHER, ROW, ROWS, ROWS_K,
+    ROWS_PLUS, SELECTED, SELECTED_COUNT, UNKNOWN, UNKNOWN_ROWS, Fact, dims_of,
+    rank_of, static)
 
 
 COUNT_ARITHMETIC = frozenset(["Mul", "Add", "AddV2", "Sub", "Maximum"])
@@ -29,7 +30,9 @@ def count_arithmetic(op, inputs):
       SELECTED_COUNT not in (a, b)):
     other = b if a in counts else a
     return Fact(dims=(a if other == 1 else b if a == 1 else ROWS_K,))
-  return Fact(dims=(None,) if counts else (OTHER,))
+  if (counts or ROWS_PLUS in (a, b)) and op.type != "Mul":
+    return Fact(dims=(ROWS_PLUS,))  # `n - 1`: a reversal's start
+  return Fact(dims=(None,) if counts or ROWS_PLUS in (a, b) else (OTHER,))
 
 
 def _shape(op, inputs):
@@ -82,14 +85,18 @@ def _range(op, inputs):
   count (`tf.range(n - 1, -1, -1)`) runs along them, not at them."""
   start, limit, delta = (dims_of(f, t) for f, t in zip(inputs, op.inputs))
   limit = limit and limit[0]
-  if limit not in (ROWS, ROWS_K) and not any(
-      f.kind != NONE or (f.dims and set(f.dims) & {ROWS, ROWS_K})
+  if limit not in (ROWS, ROWS_K, ROWS_PLUS) and not any(
+      f.kind != NONE or (f.dims and set(f.dims) & {ROWS, ROWS_K, ROWS_PLUS})
       for f in (inputs[0], inputs[2])):
-    return [NO_ROWS]
+    return [NO_ROWS]  # `tf.range(list_size)`: not along the rows
   kind = ALIGNED if limit == ROWS else BLOCKED
   if start == (0,) and delta == (1,):
     return [Fact(kind, 0, ids=ROW if limit == ROWS else BPOS)]
-  return [Fact(kind, 0) if limit in (ROWS, ROWS_K) else UNKNOWN_ROWS]
+  if limit in (ROWS, ROWS_K) or ROWS_PLUS in (limit, start and start[0]):
+    # As long as the rows, but not each row's own position (reversed,
+    # shifted): a gather by it moves rows to other rows.
+    return [Fact(ALIGNED if ROWS_K not in (limit,) else BLOCKED, 0)]
+  return [UNKNOWN_ROWS]
 
 
 def _pack(op, inputs):
@@ -247,7 +254,23 @@ def _prod(op, inputs):
   return [Fact(dims=(_product(inputs[0].dims),))]
 
 
+def _unpack(op, inputs):
+  """`tf.unstack(tf.shape(x))`: each entry; of rows, along another axis."""
+  fact, axis = inputs[0], op.get_attr("axis")
+  rank = rank_of(op.inputs[0])
+  if fact.dims is not None and rank == 1:
+    return [Fact(dims=(d,)) for d in fact.dims][:len(op.outputs)] or None
+  if not fact.carries or rank is None:
+    return [fact if fact.kind == NONE else UNKNOWN_ROWS] * len(op.outputs)
+  axis %= rank
+  if axis == fact.axis:
+    return [UNKNOWN_ROWS] * len(op.outputs)  # one row each
+  moved = fact.axis - (axis < fact.axis)
+  return [fact.moved(moved) for _ in op.outputs]
+
+
 TRANSFER = {
+    "Unpack": _unpack,
     **dict.fromkeys(["Shape", "ShapeN"], _shape),
     "Size": _size,
     "Range": _range,

@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from replicate import graph_walk
 from replicate.graph import index_rules
+from replicate.graph import row_facts
 from replicate.graph import row_layout
 from replicate.graph import row_ops
 from replicate.graph import row_rules
@@ -206,6 +207,8 @@ class _Finder:
     if not is_shard and (tensor.op not in self._within or
                          not self.rows.depend([tensor])):
       return False
+    if not is_shard and self.layout.fact(tensor).kind == row_facts.NONE:
+      return False  # made from the rows' count only (`tf.range(list_size)`)
     if tensor.shape.rank == 0:
       return False
     first = tensor.shape[0]
