@@ -122,14 +122,18 @@ IDIOMS = {"ranking": (zoo_rows.ranking_model_fn, zoo_rows.ranking_data()),
                           zoo_rows.pad_remover_data())}
 
 
-@pytest.mark.parametrize("name, towers", [
-    ("ranking", 2), ("ranking", 3), ("pad_remover", 2), ("pad_remover", 3)])
-def test_index_idioms_that_keep_rows_apart_train_exactly(name, towers):
+@pytest.mark.parametrize("name, towers, static", [
+    ("ranking", 2, False), ("ranking", 3, True), ("pad_remover", 2, True),
+    ("pad_remover", 3, False)])
+def test_index_idioms_that_keep_rows_apart_train_exactly(name, towers,
+                                                         static):
+  """`static`: batches of known size, where TensorFlow folds `tf.shape(x)`
+  to constants (the same decision as for unknown sizes)."""
   model_fn, (features, labels) = IDIOMS[name]
   batch = dict(features, y=labels)
   graphs = []
   expected, actual = harness.train_both(
-      model_fn, towers, [batch, batch],
+      model_fn, towers, [batch, batch], static=static,
       after_fetches=lambda graph: graphs.append(graph) or {})
   assert len(expected.steps) == len(actual.steps) == 2
   np.testing.assert_allclose(actual.per_step("loss"),

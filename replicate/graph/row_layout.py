@@ -128,19 +128,24 @@ def _constant_fact(tensor: tf.Tensor, static_rows) -> Fact:
   """A constant (or a value without rows): its entries as known numbers.
 
   A shape TensorFlow folded to a constant (`tf.shape(x)` of a static
-  shape) keeps the name `Shape`: an entry equal to the static row count is
-  taken for the rows (it may be another axis of the same size: the
-  analysis then takes it for the rows, which refuses rather than passes).
+  shape) keeps the name `Shape` but not `x`: its first entry, if equal to
+  the static row count, is taken for the rows (rows lead the tensors a
+  model takes shapes of; `tf.shape(x)[1]` of the same size is a number).
   """
-  if not tensor.dtype.is_integer or tensor.shape.rank not in (0, 1):
+  shape_like = tensor.dtype.is_integer and tensor.shape.rank in (0, 1)
+  if not shape_like and tensor.op.type != "Const":
     return NO_ROWS
   value = tf.get_static_value(tensor)
   if value is None:
-    return Fact(dims=None)
+    return NO_ROWS
+  if not shape_like:  # `tf.ones_like(x)` folded: x * it is x
+    value = np.asarray(value)
+    return Fact(ones=bool(value.size and value.dtype.kind in "biuf" and
+                          np.all(value == 1)))
   values = np.ravel(value).tolist()
   folded = (tensor.op.type == "Const" and
             tensor.op.name.split("/")[-1].split("_")[0] in ("Shape", "Size"))
-  dims = tuple(ROWS if folded and v == static_rows else int(v)
-               for v in values)
+  dims = tuple(ROWS if folded and i == 0 and v == static_rows else int(v)
+               for i, v in enumerate(values))
   ones = bool(values) and all(v == 1 for v in values)
   return Fact(dims=dims, ones=ones)
