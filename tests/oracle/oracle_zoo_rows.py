@@ -444,7 +444,7 @@ CANNED = [
                        "job": _fixed([1], tf.string), "age": _fixed([1]),
                        "label": _fixed([], tf.int64)},
          serving_keys=("education", "job", "age"),
-         only={"pipeline": ("batch",), "towers": ("2", "3"),
+         only={"pipeline": ("batch",), "towers": MANY_TOWERS,
                "strategy": ("parameter_server", "replicated")})
     for family in ("v1", "v2")]
 
