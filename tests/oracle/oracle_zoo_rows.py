@@ -396,8 +396,10 @@ def pad_remover_data():
 # tensorflow/models' census wide & deep: canned estimators (compat.v1 and
 # TF 2) with crossed columns, in the linear part and embedded in the DNN's.
 
-_CENSUS = {"education": np.array([[e] for e in "abcabca"]).astype(bytes),
-           "job": np.array([[j] for j in "xyyxzzx"]).astype(bytes),
+_CENSUS = {"education": np.array([[e] for e in "abcabca"]).astype(
+               bytes).astype(object),
+           "job": np.array([[j] for j in "xyyxzzx"]).astype(bytes).astype(
+               object),
            "age": np.linspace(-1.0, 1.0, ROWS, dtype=np.float32)[:, None]}
 _CENSUS_LABELS = np.array([0, 1, 1, 0, 1, 0, 0], np.int64)
 
