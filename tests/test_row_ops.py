@@ -186,6 +186,10 @@ OFF_THE_PATH = {
     "sparse_rows_times_weights": lambda h: h + tf.sparse.sparse_dense_matmul(
         tf.sparse.from_dense(tf.cast(h > 0, tf.float32)), tf.ones([4, 4])),
     "reverse_within_rows": lambda h: tf.reverse(h, axis=[-1]),
+    # A ragged reduction: segment ids are each value's own row.
+    "ragged_mean_within_rows": lambda h: h * tf.reduce_mean(
+        tf.RaggedTensor.from_tensor(h, lengths=tf.cast(
+            tf.abs(h[:, 0]) * 2, tf.int64) % 3 + 1), axis=1)[:, None],
     # TF-Ranking's item order: a range of the list's size, not the rows'.
     "reverse_of_a_range_of_another_axis": lambda h: h * tf.reverse(
         tf.cast(tf.range(tf.shape(h)[1]), tf.float32), [0]),

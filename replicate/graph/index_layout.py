@@ -151,7 +151,19 @@ def _num_segments(op, fact_index, inputs):
   return dims[0] if dims else OTHER
 
 
+def ragged_row_ids(tensor) -> bool:
+  """A `RaggedTensor`'s `value_rowids()` (its row partition's bookkeeping,
+  named so by TensorFlow): each value's own row. The analysis does not
+  follow how a row partition computes them (cumulative sums, searches),
+  so it takes TensorFlow's name scopes for it, as the rule did before."""
+  name = tensor.op.name
+  return tensor.dtype.is_integer and ("RowPartition" in name or
+                                      "Ragged" in name)
+
+
 def _unsorted_segment(op, inputs):
+  if ragged_row_ids(op.inputs[1]):  # a ragged reduction over each row
+    return [Fact(ALIGNED, 0)]
   return [_segment_output(op, inputs[0], inputs[1],
                           _num_segments(op, 2, inputs))]
 

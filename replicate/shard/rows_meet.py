@@ -90,14 +90,18 @@ def refusal(context, spec: tf.estimator.EstimatorSpec,
                    row_layout.RowLayout(shard, within, rows.depend,
                                         static_rows))
   towers = context.layout.num_towers
-  metrics_only = _metrics_only(spec, within)
+  metrics_only = None  # found when a sum over rows asks (one walk more)
   rules = row_rules.ROW_COMBINING
   known, library = len(row_ops.KEEPS_ROWS_APART) + len(rules), None
   for op in graph_walk.ops_behind(_outputs_of(spec), within=within):
     rule = rules.get(op.type)
     if rule is not None:
       why = rule(finder, op)
-      if why and not (op in metrics_only and index_rules.sums_rows(why)):
+      if why and index_rules.sums_rows(why):
+        if metrics_only is None:
+          metrics_only = _metrics_only(spec, within)
+        why = None if op in metrics_only else why
+      if why:
         fix = _INDEX_FIX if op.type in index_rules.RULES else _FIX
         return _COMBINES.format(op.type, op.name, why, towers) + fix
     elif not row_ops.keeps_rows_apart(op.type) and rows.depend([op]):
