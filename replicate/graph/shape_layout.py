@@ -207,6 +207,19 @@ def _reshape(op, inputs):
   return facts
 
 
+def _static_reshape(fact, tensor, dims):
+  """Known sizes (a batch of known size, `[3, 5, w]` to `[15, w]`): the
+  rows lead both, the new first size a multiple of the rows'."""
+  rows = tensor.shape.as_list()[0] if fact.axis == 0 else None
+  first = dims[0] if dims else None
+  if (fact.kind not in (ALIGNED, BLOCKED) or not isinstance(rows, int) or
+      not isinstance(first, int) or rows <= 0 or first % rows):
+    return UNKNOWN_ROWS
+  if first == rows:
+    return fact._replace(axis=0, dims=None, ones=False)
+  return fact._replace(kind=BLOCKED, axis=0, dims=None, ones=False)
+
+
 def _reshaped(op, inputs):
   """Rows to and from `[rows * k, ...]` blocks: the new shape's entry that
   counts the rows (`tf.shape(x)[0] * length`), or a leading -1."""
@@ -225,8 +238,10 @@ def _reshaped(op, inputs):
     if (kind == SELECTED) != (fact.kind == SELECTED):
       return [UNKNOWN_ROWS]
     return [fact._replace(kind=kind, axis=counts[0], dims=None, ones=False)]
-  if counts or -1 not in dims:
+  if counts:
     return [UNKNOWN_ROWS]
+  if -1 not in dims:
+    return [_static_reshape(fact, tensor, dims)]
   where = dims.index(-1)
   if any(d != 1 for d in dims[:where]):
     return [UNKNOWN_ROWS]
