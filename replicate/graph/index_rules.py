@@ -1,9 +1,9 @@
 """Index ops keep rows apart exactly when they map each row to itself.
 
-`transfer(op, inputs)` gives the row facts (`replicate.graph.row_facts`) of
-an index op's outputs from its inputs'; `reason(layout, op)` says why the
-op combines rows, or None where each output row is made from the same
-input row only:
+`replicate.graph.index_layout` gives the row facts of an index op's
+outputs from its inputs'; `reason(layout, op)` here says why the op
+combines rows, or None where each output row is made from the same input
+row only:
 - a gather (`Gather`, `GatherV2`, `GatherNd`, a `SparseSegment*`'s data)
   along the rows' axis passes when its indices are each entry's own row
   position (`tf.range(rows)`, `tf.where(mask)` of a row mask, a sparse
@@ -20,8 +20,9 @@ input row only:
   ops of feature columns (`SparseCross*`, `SparseReshape`,
   `SparseFillEmptyRows`, ...) select or label entries: their outputs carry
   the rows' labels on.
-A tensor whose rows' axis is UNKNOWN is taken as possibly along the gather
-or scatter axis.
+A tensor whose rows' axis is UNKNOWN is taken as possibly along a gather's
+axis 0 (or an axis not known) and a scatter's, unless the indices are each
+entry's own row position.
 """
 
 from typing import Optional
