@@ -61,12 +61,6 @@ def _census(kind, family, model_dir):
   if kind == "linear":
     return module.LinearClassifier([education, job, crossed, age],
                                    optimizer=optimizer, model_dir=model_dir)
-  if kind == "wide_deep":
-    return module.DNNLinearCombinedClassifier(
-        linear_feature_columns=[education, job, crossed],
-        linear_optimizer=optimizer,
-        dnn_feature_columns=[age, fc.indicator_column(education)],
-        dnn_hidden_units=[3], dnn_optimizer=deep, model_dir=model_dir)
   return module.DNNClassifier([3], [age, fc.embedding_column(crossed, 2)],
                               optimizer=deep, model_dir=model_dir)
 
