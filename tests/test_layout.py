@@ -87,7 +87,8 @@ def test_no_module_imports_itself_back():
 # floors below, never one above. The bottom holds what every step uses (the
 # call's bookkeeping, the strategy Protocol); the top runs the steps.
 FLOORS = (
-    ("_tf", "graph_walk", "_identity"),  # TensorFlow's private parts, walks
+    # TensorFlow's private parts, walks, what op types mean (graph/).
+    ("_tf", "graph_walk", "_identity", "graph"),
     ("call",),  # one call's context, layout, progress, devices, names
     ("shard",),  # step 1: the batch split, the rule of rows
     ("communication",),  # all-reduce, collectives

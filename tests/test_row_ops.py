@@ -1,7 +1,7 @@
 """Rows that meet, failing closed: an op type the rule does not know.
 
 An op on the path from tower 0's rows to the loss, a metric or a prediction
-whose type is neither known to keep rows apart (`replicate.shard.row_ops`)
+whose type is neither known to keep rows apart (`replicate.graph.row_ops`)
 nor has a rule of its own (`replicate.shard.rows_meet`) is refused at graph
 build, naming its type and name, with the fix: compute it on
 `replicate.all_rows(x)` and take the tower's rows back with
@@ -21,7 +21,7 @@ import tensorflow as tf
 
 import replicate
 from conftest import IS_TF1_BEHAVIOR, PREDICT, TRAIN, cpus, session_config
-from replicate.shard import row_ops, row_rules
+from replicate.graph import row_ops, row_rules
 
 ROWS = 7
 STEPS = 2
@@ -186,6 +186,13 @@ OFF_THE_PATH = {
     "sparse_rows_times_weights": lambda h: h + tf.sparse.sparse_dense_matmul(
         tf.sparse.from_dense(tf.cast(h > 0, tf.float32)), tf.ones([4, 4])),
     "reverse_within_rows": lambda h: tf.reverse(h, axis=[-1]),
+    # A ragged reduction: segment ids are each value's own row.
+    "ragged_mean_within_rows": lambda h: h * tf.reduce_mean(
+        tf.RaggedTensor.from_tensor(h, lengths=tf.cast(
+            tf.abs(h[:, 0]) * 2, tf.int64) % 3 + 1), axis=1)[:, None],
+    # TF-Ranking's item order: a range of the list's size, not the rows'.
+    "reverse_of_a_range_of_another_axis": lambda h: h * tf.reverse(
+        tf.cast(tf.range(tf.shape(h)[1]), tf.float32), [0]),
 }
 
 
@@ -221,16 +228,22 @@ def test_linear_algebra_over_the_batch_axis_is_refused(name):
       _build(_model_fn(combine), towers=2, mode=PREDICT)
 
 
+def _gather_reversed(h):
+  return tf.gather(h, tf.range(tf.shape(h)[0] - 1, -1, -1))
+
+
 @pytest.mark.parametrize("op, axis", [("roll", 0), ("reverse", 0),
-                                      ("roll", -2)])
+                                      ("roll", -2), ("gather", 0)])
 def test_moving_rows_along_the_batch_axis_is_refused(op, axis):
   move = {"roll": lambda h: tf.roll(h, 1, axis=axis),
-          "reverse": lambda h: tf.reverse(h, axis=[axis])}[op]
-  op_type = {"roll": "Roll", "reverse": "ReverseV2"}[op]
+          "reverse": lambda h: tf.reverse(h, axis=[axis]),
+          "gather": _gather_reversed}[op]
+  op_type = {"roll": "Roll", "reverse": "ReverseV2", "gather": "GatherV2"}[op]
   with tf.Graph().as_default():
     tf.compat.v1.train.get_or_create_global_step()
     with pytest.raises(ValueError, match=r"The {} op '[^']+' combines "
-                       r"different rows.*batch axis".format(op_type)):
+                       r"different rows.*(batch axis|not each row's own "
+                       r"position)".format(op_type)):
       _build(_model_fn(lambda h: h * move(h)), towers=2)
 
 

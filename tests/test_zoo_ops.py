@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "oracle"))
 import oracle_harness as harness  # noqa: E402
 import oracle_pipelines  # noqa: E402
 from oracle_zoo import ROWS, ZOO  # noqa: E402
-from replicate.shard import row_ops, row_rules, rows_meet
+from replicate.graph import row_ops, row_rules
+from replicate.shard import rows_meet
 
 _MODES = {"train": tf.estimator.ModeKeys.TRAIN,
           "eval": tf.estimator.ModeKeys.EVAL,

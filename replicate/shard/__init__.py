@@ -7,7 +7,7 @@
 - `rows_meet`: ops that combine different rows of the batch (in-batch
   negatives, top_k over the batch, ...), and op types it does not know,
   refused with `replicate.all_rows`.
-- `row_ops`: the op types known to keep rows apart, by family.
-- `row_rules`: the op types that combine rows in some patterns, each with
-  its rule.
+
+The op tables it reads (`row_ops`, `row_rules`) and the row analysis
+(`row_layout`, `index_rules`) are in `replicate.graph`, the ground floor.
 """

@@ -11,10 +11,10 @@ and the fix, `replicate.all_rows(tensor)` (with `replicate.row_offset()`),
 which gives every tower the whole batch's rows.
 
 On failing closed: every op type on that path must be known: either it
-has a rule in `replicate.shard.row_rules` (refused in the patterns that
+has a rule in `replicate.graph.row_rules` (refused in the patterns that
 combine rows, passed otherwise, e.g. attention's batched matmuls within a
 row; linear algebra on each row's own matrices), or
-`replicate.shard.row_ops` knows it keeps rows apart (its docstring says how
+`replicate.graph.row_ops` knows it keeps rows apart (its docstring says how
 that list was chosen). Any other type (a `py_func`, a custom op) is refused,
 naming it, with the same fix: compute it on `all_rows(x)` and take the
 tower's rows back. The functions that a TF 2 `tf.cond`, `tf.while_loop` or
@@ -33,9 +33,12 @@ from typing import Iterable, Optional
 import tensorflow as tf
 
 from replicate import graph_walk
+from replicate.graph import index_rules
+from replicate.graph import row_facts
+from replicate.graph import row_layout
+from replicate.graph import row_ops
+from replicate.graph import row_rules
 from replicate.shard import declared
-from replicate.shard import row_ops
-from replicate.shard import row_rules
 from replicate.shard import rows as rows_lib
 
 # Ops whose outputs are random draws or positions, not the rows' values.
@@ -53,14 +56,24 @@ _POSITION_OP_TYPES = frozenset(["Shape", "ShapeN", "Size", "Rank", "Where",
 def check(context, spec: tf.estimator.EstimatorSpec,
           whole_batch: Iterable[tf.Operation] = ()) -> None:
   """Refuses an op of tower 0 on the path from its rows to `spec`'s loss,
-  predictions or metrics that combines rows, or whose type is unknown.
+  predictions or metrics that combines rows, or whose type is unknown
+  (`refusal` says why).
 
   `whole_batch`: ops whose values are the whole batch's (a
   `TPUEstimatorSpec`'s stand-ins for its `eval_metrics` tensors), where the
   walk from the rows stops, as at `all_rows`'s and at replicate's own ops.
   """
+  message = refusal(context, spec, whole_batch)
+  if message:
+    raise ValueError(message)
+
+
+def refusal(context, spec: tf.estimator.EstimatorSpec,
+            whole_batch: Iterable[tf.Operation] = ()) -> Optional[str]:
+  """The message refusing the first op on the path that combines rows or
+  is unknown, or None: the decision, apart from raising it."""
   if not context.layout.combines:
-    return
+    return None
   tower = context.layout.towers[0]
   # Values replicate made the whole batch's: all_rows's, a TPUEstimatorSpec's
   # stand-ins, and every op it built itself (a batch-norm site's moments
@@ -70,11 +83,15 @@ def check(context, spec: tf.estimator.EstimatorSpec,
   tower_ops = [op for op in context.progress.tower_ops[0]
                if op not in stops and op.type not in _SAMPLER_OP_TYPES]
   within = frozenset(tower_ops)
-  rows = rows_lib.TowerRows((tower.features, tower.labels), within,
-                            inputs_of=_data_inputs)
-  finder = _Finder(rows, within, (tower.features, tower.labels),
-                   _static_rows(context.layout.shards.sizes),
-                   frozenset(context.progress.tower_ops[0]))
+  shard = (tower.features, tower.labels)
+  rows = rows_lib.TowerRows(shard, within, inputs_of=_data_inputs)
+  static_rows = _static_rows(context.layout.shards.sizes)
+  finder = _Finder(rows, within, shard, static_rows,
+                   frozenset(context.progress.tower_ops[0]),
+                   row_layout.RowLayout(shard, within, rows.depend,
+                                        static_rows))
+  towers = context.layout.num_towers
+  metrics_only = None  # found when a sum over rows asks (one walk more)
   rules = row_rules.ROW_COMBINING
   known, library = len(row_ops.KEEPS_ROWS_APART) + len(rules), None
   for op in graph_walk.ops_behind(_outputs_of(spec), within=within):
@@ -83,38 +100,65 @@ def check(context, spec: tf.estimator.EstimatorSpec,
     rule = rules.get(op.type)
     if rule is not None:
       why = rule(finder, op)
+      if why and index_rules.sums_rows(why):
+        if metrics_only is None:
+          metrics_only = _metrics_only(spec, within)
+        why = None if op in metrics_only else why
       if why:
-        raise ValueError(_COMBINES.format(op.type, op.name, why,
-                                          context.layout.num_towers))
+        fix = _INDEX_FIX if op.type in index_rules.RULES else _FIX
+        return _COMBINES.format(op.type, op.name, why, towers) + fix
     elif not row_ops.keeps_rows_apart(op.type) and rows.depend([op]):
-      raise ValueError(_UNKNOWN.format(op.type, repr(op.name), known,
-                                       context.layout.num_towers))
+      return _UNKNOWN.format(op.type, repr(op.name), known, towers)
     elif op.type in row_ops.CALLS and rows.depend([op]):
       if library is None:
         library = {f.signature.name: f
                    for f in op.graph.as_graph_def().library.function}
       inner = row_ops.unknown_in_calls(op, library, rules)
       if inner:
-        raise ValueError(_UNKNOWN.format(
+        return _UNKNOWN.format(
             inner[0], "{!r} (inside the function {!r} calls)".format(
-                inner[1], op.name), known, context.layout.num_towers))
+                inner[1], op.name), known, towers)
+  return None
+
+
+def _metrics_only(spec, within):
+  """The ops only metrics read (not the loss, not a prediction): a sum
+  over rows there is exact, the metrics' totals adding the towers'."""
+  metrics = [value for value in _outputs_of(spec, metrics=True)]
+  others = [value for value in _outputs_of(spec, metrics=False)]
+  return (set(graph_walk.ops_behind(metrics, within=within)) -
+          set(graph_walk.ops_behind(others, within=within)))
 
 
 _COMBINES = (
     "The {} op {!r} combines different rows of the batch ({}) on the path "
     "to the loss, a metric or a prediction. On {} towers each tower would "
-    "combine only its own shard's rows: silently unlike one device. Fix: "
-    "give it the whole batch's rows with replicate.all_rows(tensor), and "
-    "index rows of the batch with replicate.row_offset(), e.g. sim = "
+    "combine only its own shard's rows: silently unlike one device. ")
+_FIX = (
+    "Fix: give it the whole batch's rows with replicate.all_rows(tensor), "
+    "and index rows of the batch with replicate.row_offset(), e.g. sim = "
     "tf.matmul(a, replicate.all_rows(b), transpose_b=True); labels = "
     "tf.range(tf.shape(a)[0]) + replicate.row_offset(). If it does keep "
     "rows apart, declare it: replicate.rows_apart(tensor), and verify with "
     "replicate.check.")
+# An index op's indices are rows of the batch: they must count the whole
+# batch's rows (a tower's row i is row_offset() + i there), and its output
+# is the whole batch's, of which the tower takes its own rows back. Only
+# the indexed input crosses the towers: the rest stays on the tower's rows.
+_INDEX_FIX = (
+    "Fix: index the whole batch's rows, gathered with "
+    "replicate.all_rows(tensor) (indices of the tower's rows plus "
+    "replicate.row_offset(), the whole batch's count "
+    "tf.shape(replicate.all_rows(x))[0]), and take the tower's rows back, "
+    "e.g. whole = replicate.all_rows(h); n = tf.shape(whole)[0]; y = "
+    "tf.gather(whole, tf.range(n - 1, -1, -1))[replicate.row_offset():]"
+    "[:tf.shape(h)[0]]. If it does keep rows apart, declare it: "
+    "replicate.rows_apart(tensor), and verify with replicate.check.")
 _UNKNOWN = (
     "The {} op {} is on the path from the tower's rows to the loss, a "
     "metric or a prediction, and replicate cannot tell whether it keeps the "
     "batch's rows apart (it knows {} op types, listed in "
-    "replicate/shard/row_ops.py and row_rules.py). On {} towers each tower "
+    "replicate/graph/row_ops.py and row_rules.py). On {} towers each tower "
     "would apply it to its own shard's rows only: if it combines rows, "
     "silently unlike one device. Fix: compute it on the whole batch and take "
     "the tower's rows back, e.g. y = my_op(replicate.all_rows(x))"
@@ -132,10 +176,12 @@ def _data_inputs(op):
   return op.inputs
 
 
-def _outputs_of(spec):
-  values = [spec.loss, spec.predictions]
+def _outputs_of(spec, metrics=None):
+  """The loss, predictions and metrics (`metrics`: True only the metrics,
+  False none of them)."""
+  values = [] if metrics else [spec.loss, spec.predictions]
   for metric in (spec.eval_metric_ops or {}).values():
-    if isinstance(metric, (tuple, list)):
+    if isinstance(metric, (tuple, list)) and metrics is not False:
       values.extend(metric)
   for value in tf.nest.flatten(values, expand_composites=True):
     if isinstance(value, (tf.Tensor, tf.Operation)):
@@ -150,8 +196,9 @@ def _static_rows(sizes) -> Optional[int]:
 class _Finder:
   """What the rules ask of a tensor: from the rows, from the rows' values."""
 
-  def __init__(self, rows, within, shard, tower_rows, all_ops):
+  def __init__(self, rows, within, shard, tower_rows, all_ops, layout):
     self.rows = rows
+    self.layout = layout  # the row analysis (`replicate.graph.row_layout`)
     self._all_ops = all_ops  # tower 0's ops, samplers included
     self._within = within
     self.tower_rows = tower_rows
@@ -172,6 +219,8 @@ class _Finder:
     if not is_shard and (tensor.op not in self._within or
                          not self.rows.depend([tensor])):
       return False
+    if not is_shard and self.layout.fact(tensor).kind == row_facts.NONE:
+      return False  # made from the rows' count only (`tf.range(list_size)`)
     if tensor.shape.rank == 0:
       return False
     first = tensor.shape[0]

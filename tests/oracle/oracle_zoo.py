@@ -1182,6 +1182,7 @@ def _zoo():
   models += [_custom(**entry) for entry in
              oracle_zoo_losses.ENTRIES + oracle_zoo_metrics.ENTRIES +
              oracle_zoo_rows.ENTRIES]
+  models += [ZooModel(**entry) for entry in oracle_zoo_rows.CANNED]
   return {model.name: model for model in models}
 
 

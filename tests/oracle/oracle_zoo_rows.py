@@ -10,8 +10,17 @@ token; and a beam search (the Transformer's: `top_k` over the beams'
 continuations, `gather_nd` of the beams) whose `tf.while_loop` stops when
 the rows of its batch are done, finished rows emitting zeros.
 
+Then index ops that keep each row to itself (issue 38), as their authors
+write them: TF-Ranking's groupwise scoring (index tuples whose row part is
+`tf.range(batch_size)`, the groups' scores scattered back to their own
+list's row, `tf.reverse(tf.range(list_size))` for the items' order), the
+Transformer's feed-forward layer with its padding removed (`tf.gather_nd`
+of `tf.where(mask)` over the flattened positions, `tf.scatter_nd` back:
+each tower's own tokens only), and the census wide & deep canned
+estimators (compat.v1 and TF 2) with crossed columns.
+
 `ENTRIES` holds `oracle_zoo._custom`'s arguments, one dict a model (see
-oracle_zoo_losses.py). The sequences: lengths 2, 3, 5 | 1, 4, 5 | 5 (6
+oracle_zoo_losses.py); `CANNED` `oracle_zoo.ZooModel`'s fields. The sequences: lengths 2, 3, 5 | 1, 4, 5 | 5 (6
 positions, the last always padding), so every batch of 3 rows, the
 remainder's one row and the 7 rows together are 5 tokens wide (one
 device's predictions stack across batches), while a tower's own rows are
@@ -230,11 +239,237 @@ def decoder_data():
   return {"tokens": tokens, "length": LENGTHS.copy()}, targets
 
 
+# ---------------------------------------------------------------------------
+# TF-Ranking's groupwise scoring (`make_groupwise_ranking_fn`, group size
+# 2): each list's items are scored in rolling groups of its valid items,
+# gathered by index tuples whose row part is `tf.range(batch_size)`, and
+# the groups' scores scattered back to their own list's row.
+
+LIST, GROUP = 3, 2
+
+
+def _seeded(seed):
+  """Seeded initial values: the unit tests (tests/test_row_analysis.py)
+  train these from their initializers, wrapped and not; the oracle's cells
+  start both from one checkpoint anyway."""
+  return tf.compat.v1.glorot_uniform_initializer(seed=seed)
+
+
+def _rolling_windows(list_size, num_valid):
+  """[batch, list_size, GROUP]: item i's group is items i, i + 1, ...
+  (modulo the list's valid items)."""
+  windows = (tf.expand_dims(tf.range(GROUP), 0) +
+             tf.expand_dims(tf.range(list_size), 1))
+  batch_size = tf.shape(num_valid)[0]
+  windows = tf.tile(tf.expand_dims(windows, 0), [batch_size, 1, 1])
+  return tf.math.floormod(
+      windows, tf.maximum(tf.reshape(num_valid, [-1, 1, 1]), 1))
+
+
+def _valid_first(is_valid):
+  """[batch, list_size, 2]: each list's (row, item) pairs, valid items
+  first, in their order."""
+  batch_size, list_size = tf.unstack(tf.shape(is_valid))
+  order = tf.ones_like(is_valid, tf.float32) * tf.reverse(
+      tf.cast(tf.range(list_size), tf.float32), [-1])
+  order = tf.where(is_valid, order, -1e-6 * tf.ones_like(order))
+  _, items = tf.math.top_k(order, k=list_size)
+  rows = tf.ones_like(items) * tf.expand_dims(tf.range(batch_size), 1)
+  return tf.stack([rows, items], axis=2)
+
+
+def _group_indices(is_valid):
+  batch_size, list_size = tf.unstack(tf.shape(is_valid))
+  num_valid = tf.reduce_sum(tf.cast(is_valid, tf.int32), axis=1)
+  windows = tf.expand_dims(_rolling_windows(list_size, num_valid), 3)
+  rows = tf.reshape(tf.range(batch_size), [-1, 1, 1, 1]) * tf.ones_like(
+      windows)
+  return tf.gather_nd(_valid_first(is_valid), tf.concat([rows, windows], 3))
+
+
+def ranking_model_fn(features, labels, mode):
+  items = features["items"]  # [batch, LIST, 2]; an all-zero item is padding
+  is_valid = tf.reduce_any(tf.not_equal(items, 0.0), axis=2)
+  batch_size, list_size = tf.unstack(tf.shape(is_valid))
+  with tf.name_scope("groupwise_dnn_v2"):
+    indices = _group_indices(is_valid)  # [batch, list, GROUP, 2]
+    groups = tf.reshape(tf.gather_nd(items, indices),
+                        [batch_size * list_size, GROUP * 2])
+    hidden = tf.compat.v1.layers.dense(groups, 4, tf.nn.relu, name="hidden",
+                                       kernel_initializer=_seeded(1))
+    scores = tf.reshape(
+        tf.compat.v1.layers.dense(hidden, GROUP, name="scores",
+                                  kernel_initializer=_seeded(2)),
+        [batch_size, list_size, GROUP])
+    with tf.name_scope("accumulate_scores"):
+      valid = tf.gather_nd(is_valid, indices)
+      scores = tf.where(valid, scores, tf.zeros_like(scores))
+      logits = tf.scatter_nd(indices, scores, [batch_size, list_size])
+      counts = tf.scatter_nd(indices, tf.cast(valid, tf.float32),
+                             [batch_size, list_size])
+      logits = tf.compat.v1.div_no_nan(logits, counts)
+  if mode == ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={"logits": logits})
+  weights = tf.cast(is_valid, tf.float32)
+  loss = tf.compat.v1.losses.sigmoid_cross_entropy(labels, logits,
+                                                   weights=weights)
+  if mode == ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
+        "mean_logit": tf.compat.v1.metrics.mean(logits, weights=weights)})
+  train_op = replicate.TowerOptimizer(
+      tf.compat.v1.train.AdagradOptimizer(0.3)).minimize(
+          loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def ranking_data():
+  rng = np.random.RandomState(35)
+  items = rng.randn(ROWS, LIST, 2).astype(np.float32)
+  items[[1, 4], 2] = 0.0  # two lists of 2 items
+  labels = (items[:, :, 0] > 0).astype(np.float32)
+  return {"items": items}, labels
+
+
+# ---------------------------------------------------------------------------
+# tensorflow/models' Transformer feed-forward layer with its padding
+# removed (`allow_ffn_pad`): the non-padding tokens gathered by
+# `tf.where(mask)` over the flattened [batch * length] positions, the
+# dense layers on them only, then scattered back to the same positions.
+
+HIDDEN, FILTER = 4, 6
+
+
+def _feed_forward(x, padding):
+  batch_size, length = tf.shape(x)[0], tf.shape(x)[1]
+  with tf.name_scope("remove_padding"):
+    pad_mask = tf.reshape(padding, [-1])
+    nonpad_ids = tf.cast(tf.where(pad_mask < 1e-9), dtype=tf.int32)
+    x = tf.reshape(x, [-1, HIDDEN])
+    x = tf.gather_nd(x, indices=nonpad_ids)
+    x.set_shape([None, HIDDEN])
+    x = tf.expand_dims(x, axis=0)
+  output = tf.compat.v1.layers.dense(x, FILTER, tf.nn.relu,
+                                     name="filter_layer",
+                                     kernel_initializer=_seeded(3))
+  output = tf.compat.v1.layers.dense(output, HIDDEN, name="output_layer",
+                                     kernel_initializer=_seeded(4))
+  with tf.name_scope("re_add_padding"):
+    output = tf.squeeze(output, axis=0)
+    output = tf.scatter_nd(indices=nonpad_ids, updates=output,
+                           shape=[batch_size * length, HIDDEN])
+    output = tf.reshape(output, [batch_size, length, HIDDEN])
+  return output
+
+
+def pad_remover_model_fn(features, labels, mode):
+  tokens = features["tokens"]
+  embedding = tf.compat.v1.get_variable(
+      "embedding", [VOCAB, HIDDEN],
+      initializer=tf.compat.v1.random_normal_initializer(stddev=0.5, seed=6))
+  padding = tf.cast(tf.equal(tokens, 0), tf.float32)
+  hidden = tf.gather(embedding, tokens)
+  hidden += _feed_forward(hidden, padding)
+  logits = tf.compat.v1.layers.dense(hidden, VOCAB, name="logits",
+                                     kernel_initializer=_seeded(5))
+  if mode == ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={"logits": logits})
+  weights = 1.0 - padding
+  xentropy = tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=labels, logits=logits)
+  loss = tf.reduce_sum(xentropy * weights) / tf.reduce_sum(weights)
+  if mode == ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
+        "accuracy": tf.compat.v1.metrics.accuracy(
+            labels, tf.argmax(logits, -1), weights=weights)})
+  train_op = replicate.TowerOptimizer(
+      tf.compat.v1.train.AdamOptimizer(0.05)).minimize(
+          loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def pad_remover_data():
+  tokens = _sequences(37)
+  return {"tokens": tokens}, (tokens * 2 + 1) % VOCAB * (tokens != 0)
+
+
+# ---------------------------------------------------------------------------
+# tensorflow/models' census wide & deep: canned estimators (compat.v1 and
+# TF 2) with crossed columns, in the linear part and embedded in the DNN's.
+
+_CENSUS = {"education": np.array([[e] for e in "abcabca"]).astype(
+               bytes).astype(object),
+           "job": np.array([[j] for j in "xyyxzzx"]).astype(bytes).astype(
+               object),
+           "age": np.linspace(-1.0, 1.0, ROWS, dtype=np.float32)[:, None]}
+_CENSUS_LABELS = np.array([0, 1, 1, 0, 1, 0, 0], np.int64)
+
+
+def _census_build(family):
+  module = tf.estimator if family == "v2" else tf.compat.v1.estimator
+  fc = tf.feature_column
+
+  def build(model_dir, config, wrap):
+    education = fc.categorical_column_with_vocabulary_list(
+        "education", [b"a", b"b", b"c"])
+    job = fc.categorical_column_with_hash_bucket("job", 5)
+    crossed = fc.crossed_column([education, "job"], hash_bucket_size=7)
+    if family == "v2":
+      linear, deep = (lambda: tf.keras.optimizers.legacy.Ftrl(0.1),
+                      lambda: tf.keras.optimizers.legacy.Adagrad(0.1))
+    else:
+      linear, deep = (lambda: tf.compat.v1.train.FtrlOptimizer(0.1),
+                      lambda: tf.compat.v1.train.AdagradOptimizer(0.1))
+    canned = module.DNNLinearCombinedClassifier(
+        linear_feature_columns=[education, job, crossed],
+        linear_optimizer=replicate.TowerOptimizer(linear),
+        dnn_feature_columns=[fc.numeric_column("age"),
+                             fc.embedding_column(crossed, 2)],
+        dnn_hidden_units=[3], dnn_optimizer=replicate.TowerOptimizer(deep),
+        model_dir=model_dir, config=config)
+    if wrap is None:
+      return canned
+    reduction = (tf.compat.v1.losses.Reduction.SUM if family == "v1" else
+                 tf.compat.v1.losses.Reduction.SUM_BY_NONZERO_WEIGHTS)
+    return tf.estimator.Estimator(
+        replicate.replicate_model_fn(canned.model_fn,
+                                     loss_reduction=reduction, **wrap),
+        model_dir=model_dir, config=config)
+  return build
+
+
+# `oracle_zoo.ZooModel`s' fields, for models built otherwise than from a
+# model_fn (canned estimators).
+CANNED = [
+    dict(name="census_wide_deep_crossed_" + family,
+         build=_census_build(family), data=(_CENSUS, _CENSUS_LABELS),
+         example_spec={"education": _fixed([1], tf.string),
+                       "job": _fixed([1], tf.string), "age": _fixed([1]),
+                       "label": _fixed([], tf.int64)},
+         serving_keys=("education", "job", "age"),
+         only={"pipeline": ("batch",), "towers": MANY_TOWERS,
+               "strategy": ("parameter_server", "replicated")})
+    for family in ("v1", "v2")]
+
+
 _SEQUENCE_SPEC = {"tokens": _fixed([WIDTH], tf.int64),
                   "length": _fixed([], tf.int64),
                   "label": _fixed([WIDTH], tf.int64)}
 
+_RANKING_SPEC = {"items": _fixed([LIST, 2]), "label": _fixed([LIST])}
+
 ENTRIES = [
+    dict(name="ranking_groupwise_scatter", model_fn=ranking_model_fn,
+         data=ranking_data(), example_spec=_RANKING_SPEC,
+         serving_keys=["items"],
+         only={"pipeline": ("batch", "from_tensors"), "towers": MANY_TOWERS,
+               "strategy": ("parameter_server", "replicated")}),
+    dict(name="transformer_ffn_pad_remover", model_fn=pad_remover_model_fn,
+         data=pad_remover_data(),
+         example_spec={"tokens": _fixed([WIDTH], tf.int64),
+                       "label": _fixed([WIDTH], tf.int64)},
+         serving_keys=["tokens"],
+         only={"pipeline": ("batch", "from_tensors"), "towers": MANY_TOWERS,
+               "strategy": ("parameter_server",)}),
     dict(name="in_batch_negatives_all_rows", model_fn=retrieval_model_fn,
          data=retrieval_data(),
          example_spec={"query": _fixed([5]), "document": _fixed([5])},

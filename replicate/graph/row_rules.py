@@ -2,7 +2,9 @@
 
 Each rule takes `rows_meet`'s finder (which tensors hold the tower's rows
 along dimension 0, which are computed from what rows hold rather than from
-their positions, which are a candidate sampler's draws) and the op, and
+their positions, which are a candidate sampler's draws; `finder.layout`, the
+row analysis, for the index ops of `replicate.graph.index_rules`) and the
+op, and
 returns why the op combines rows, or None where it keeps them apart (a
 matmul of rows by weights, attention's batched matmuls within a row, the
 segment sums of embedding columns keyed by each row's own index, linear
@@ -15,14 +17,26 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from replicate.graph import index_rules
+
 
 def named_inputs(op):
-  """(argument name, tensor) of each input; list arguments repeat a name."""
-  args = op.op_def.input_arg
+  """(argument name, tensor) of each input; list arguments repeat a name
+  (`SparseCross`'s `indices`, `values`, `shapes`, `dense_inputs`: their
+  lengths are the op's number and type-list attributes)."""
+  names = []
+  for arg in op.op_def.input_arg:
+    if arg.number_attr:
+      count = op.get_attr(arg.number_attr)
+    elif arg.type_list_attr:
+      count = len(op.get_attr(arg.type_list_attr))
+    else:
+      count = 1
+    names.extend([arg.name] * count)
   inputs = list(op.inputs)
-  if len(args) == len(inputs):
-    return list(zip((a.name for a in args), inputs))
-  return [("", t) for t in inputs]
+  if len(names) != len(inputs):  # not expected: no name rather than a wrong one
+    names = [""] * len(inputs)
+  return list(zip(names, inputs))
 
 
 def _matmul(finder, op):
@@ -110,17 +124,10 @@ def _cumulative(finder, op):
       op.inputs[1]), "it accumulates down the batch axis")
 
 
-def _segments(finder, op):
-  """Segment reductions whose segment ids come from what rows hold
-  (per-class sums keyed by labels). Ids made from rows' positions (an
-  embedding column's sparse indices) keep rows apart."""
-  named = dict((arg, value) for arg, value in named_inputs(op))
-  data, ids = named.get("data"), named.get("segment_ids")
-  if data is None or ids is None:
-    return None
-  if finder.rows.depend([data]) and finder.from_row_values(ids):
-    return "its segment ids come from the rows' values"
-  return None
+def _index(finder, op):
+  """Gathers, scatters and segment ops: `replicate.graph.index_rules`, by
+  where each row goes (`finder.layout`, the row analysis)."""
+  return index_rules.reason(finder.layout, op)
 
 
 def _matrices(finder, op):
@@ -181,13 +188,7 @@ ROW_COMBINING = {
     **dict.fromkeys(["TopKV2", "TopK"], _top_k),
     **dict.fromkeys(["Cumsum", "Cumprod", "CumulativeLogsumexp"],
                     _cumulative),
-    **dict.fromkeys([
-        "SegmentSum", "SegmentMean", "SegmentProd", "SegmentMax",
-        "SegmentMin", "UnsortedSegmentSum", "UnsortedSegmentProd",
-        "UnsortedSegmentMax", "UnsortedSegmentMin", "SparseSegmentSum",
-        "SparseSegmentMean", "SparseSegmentSqrtN",
-        "SparseSegmentSumWithNumSegments", "SparseSegmentMeanWithNumSegments",
-        "SparseSegmentSqrtNWithNumSegments"], _segments),
+    **dict.fromkeys(index_rules.RULES, _index),
     **dict.fromkeys(["Roll", "ReverseV2"], _along_batch),
     "SparseTensorDenseMatMul": _sparse_matmul,
     **dict.fromkeys(["Softmax", "LogSoftmax",

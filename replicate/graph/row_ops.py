@@ -4,7 +4,7 @@ On why: `replicate.shard.rows_meet` fails closed. An op on the path from a
 tower's rows to the loss, a metric or a prediction passes only when its type
 is known here (each output row is computed from the same input row alone,
 or the op carries no rows' values at all), or when its type has a rule of
-its own (`replicate.shard.row_rules`: matmuls, top_k, cumulative sums,
+its own (`replicate.graph.row_rules`: matmuls, top_k, cumulative sums,
 segment ops, linear algebra, ...: refused in the patterns that combine
 rows, passed otherwise). Any other type is refused, naming it, with the fix
 through `replicate.all_rows`.
@@ -19,7 +19,10 @@ TF 1 behaviour (tests/test_zoo_ops.py keeps the zoo's part); then
 TensorFlow's families (`tf.raw_ops`) that are per row by construction, so
 that ordinary models pass. Ops that can combine rows in some use are left
 out, refused on the path: `RandomShuffle`, `UniqueWithCounts`, `Bincount`,
-`ScatterNd`, Python functions (`PyFunc`, `EagerPyFunc`), custom ops.
+Python functions (`PyFunc`, `EagerPyFunc`), custom ops. Gathers, scatters
+and segment ops have rules (`replicate.graph.index_rules`): they keep rows
+apart exactly when they map each row to itself. A gather of a variable
+(`ResourceGather`: an embedding lookup) holds no rows.
 """
 
 from typing import Dict, FrozenSet, List, Optional, Tuple
@@ -85,8 +88,7 @@ FAMILIES: Dict[str, Tuple[str, FrozenSet[str]]] = {
         Identity IdentityN Snapshot Reshape ExpandDims Squeeze Transpose
         ConjugateTranspose Pack Unpack Concat ConcatV2 Split SplitV Slice
         StridedSlice Tile Pad PadV2 MirrorPad BroadcastTo ReverseSequence
-        Gather GatherV2 GatherNd ResourceGather ResourceGatherNd
-        DynamicPartition DynamicStitch ParallelDynamicStitch Unique
+        ResourceGather ResourceGatherNd DynamicPartition DynamicStitch ParallelDynamicStitch Unique
         UniqueV2 Where EnsureShape StopGradient PreventGradient
         CheckNumerics CheckNumericsV2 DebugGradientIdentity GuaranteeConst
         StridedSliceGrad""")),

@@ -1,0 +1,151 @@
+"""The row analysis: where a tower's rows are in each tensor it computes.
+
+On what it knows of a tensor (a `Fact`):
+- `kind` and `axis`: how the tower's rows lie along one axis. ALIGNED:
+  index i along `axis` is row i (the shard itself, `tf.range(rows)`).
+  BLOCKED: the axis holds rows * k entries, row-major (`tf.reshape(x, [-1,
+  d])` of a `[rows, length, d]` tensor): entry p is row p // k. SELECTED:
+  the entries along `axis` are an order-kept selection of the rows' entries
+  (`tf.where(mask)`, a `SparseTensor`'s values, `tf.gather_nd(x,
+  tf.where(mask))`), each labelled by the index tensor `source`. NONE: no
+  axis of rows (a value that does not depend on the rows, or one reduced
+  over them: those are the batch reductions' and the metrics' rule).
+  UNKNOWN: it depends on the rows and the analysis cannot tell along which
+  axis: the index rules take any axis as possibly the rows'.
+- `ids` (integer tensors): ROW when each value is the row its own entry
+  belongs to (`tf.range(rows)`, a `SparseTensor`'s `indices[:, 0]`); BPOS
+  when each value is its entry's position along a BLOCKED axis (`tf.where`
+  of a `[rows * k]` mask); STARTS when each is its row's first position
+  (`tf.range(rows) * k`, which plus an offset within the row is BPOS, as
+  BERT's flat positions are). `component`: which entry of the last axis
+  holds them (the index tuples of `tf.gather_nd` and `tf.scatter_nd`), or
+  None for the value itself.
+- `dims`: for a shape-like integer scalar or vector, what each entry counts
+  (ROWS, ROWS_K: rows times something, SELECTED_COUNT, a known number, or
+  OTHER), so that `tf.shape(x)[0]` is told from `tf.shape(x)[1]`.
+
+On cost: one pass forward over the ops the tower built, each op's facts
+computed once from its inputs' (iterative, memoized): linear in the graph.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from replicate.graph import layout_ops
+from replicate.graph.row_facts import (
+    ALIGNED, NO_ROWS, OTHER, ROW, ROWS, SELECTED, UNKNOWN_ROWS, Fact)
+
+
+class RowLayout:
+  """The facts of the tensors one tower computed.
+
+  Args:
+    shard: the tower's features and labels (any structure; `SparseTensor`s
+      too).
+    within: the ops the tower built; inputs from elsewhere have no rows.
+    depends: `replicate.shard.rows.TowerRows.depend`-like: whether values
+      depend on the rows (a tensor that does not has no rows: NO_ROWS).
+    static_rows: the shard's row count when known at build time (a shape
+      TensorFlow folded to a constant counts it).
+  """
+
+  def __init__(self, shard, within, depends, static_rows=None):
+    self._within = within
+    self._depends = depends
+    self.static_rows = static_rows
+    self._facts = {}
+    for leaf in tf.nest.flatten(shard, expand_composites=False):
+      if isinstance(leaf, tf.SparseTensor):
+        source = leaf.indices.ref()
+        self._facts[leaf.indices.ref()] = Fact(
+            SELECTED, 0, source, ROW, 0)
+        self._facts[leaf.values.ref()] = Fact(SELECTED, 0, source)
+        rank = leaf.dense_shape.shape[0]
+        rank = tf.compat.dimension_value(rank) or 0
+        self._facts[leaf.dense_shape.ref()] = Fact(
+            dims=(ROWS,) + (OTHER,) * max(rank - 1, 0))
+      elif isinstance(leaf, tf.Tensor) and leaf.shape.rank != 0:
+        self._facts[leaf.ref()] = Fact(ALIGNED, 0)
+
+  def fact(self, tensor: tf.Tensor) -> Fact:
+    """What is known of `tensor`'s rows (computed once per op)."""
+    if tensor.ref() not in self._facts:
+      self._compute(tensor.op)
+    return self._facts[tensor.ref()]
+
+  def _compute(self, start: tf.Operation) -> None:
+    """Facts of `start`'s outputs, and of every op before it not yet known,
+    inputs first (an explicit stack: real models are deep). An input on a
+    loop's back edge (a TF 1 `NextIteration`) is taken as UNKNOWN."""
+    stack, on_path = [(start, iter(start.inputs))], {start}
+    while stack:
+      op, inputs = stack[-1]
+      tensor = next(inputs, None)
+      if tensor is not None:
+        source = tensor.op
+        if (tensor.ref() not in self._facts and source not in on_path and
+            self._inside(source)):
+          on_path.add(source)
+          stack.append((source, iter(source.inputs)))
+        continue
+      stack.pop()
+      on_path.discard(op)
+      if all(t.ref() in self._facts for t in op.outputs):
+        continue
+      for tensor, fact in zip(op.outputs, self._op_facts(op)):
+        self._facts.setdefault(tensor.ref(), fact)
+
+  def _inside(self, op) -> bool:
+    return op in self._within
+
+  def input_fact(self, tensor: tf.Tensor) -> Fact:
+    """An input's fact during the pass (outside the tower: no rows; on a
+    loop's back edge, not known yet: UNKNOWN if it depends on the rows)."""
+    known = self._facts.get(tensor.ref())
+    if known is not None:
+      return known
+    if not self._inside(tensor.op):
+      return _constant_fact(tensor, self.static_rows)
+    return UNKNOWN_ROWS if self._depends([tensor]) else NO_ROWS
+
+  def _op_facts(self, op):
+    if op.type == "Const":
+      return [_constant_fact(op.outputs[0], self.static_rows)]
+    if not self._depends([op]):
+      return [_constant_fact(t, self.static_rows) if t.shape.rank in (0, 1)
+              else NO_ROWS for t in op.outputs]
+    inputs = [self.input_fact(t) for t in op.inputs]
+    try:
+      facts = layout_ops.transfer(op, inputs)
+    except (ValueError, TypeError, IndexError):  # an attr not as expected
+      facts = None
+    if facts is None:
+      facts = layout_ops.default(op, inputs)
+    return list(facts) + [UNKNOWN_ROWS] * (len(op.outputs) - len(facts))
+
+
+def _constant_fact(tensor: tf.Tensor, static_rows) -> Fact:
+  """A constant (or a value without rows): its entries as known numbers.
+
+  A shape TensorFlow folded to a constant (`tf.shape(x)` of a static
+  shape) keeps the name `Shape` but not `x`: its first entry, if equal to
+  the static row count, is taken for the rows (rows lead the tensors a
+  model takes shapes of; `tf.shape(x)[1]` of the same size is a number).
+  """
+  shape_like = tensor.dtype.is_integer and tensor.shape.rank in (0, 1)
+  if not shape_like and tensor.op.type != "Const":
+    return NO_ROWS
+  value = tf.get_static_value(tensor)
+  if value is None:
+    return NO_ROWS
+  if not shape_like:  # `tf.ones_like(x)` folded: x * it is x
+    value = np.asarray(value)
+    return Fact(ones=bool(value.size and value.dtype.kind in "biuf" and
+                          np.all(value == 1)))
+  values = np.ravel(value).tolist()
+  folded = (tensor.op.type == "Const" and
+            tensor.op.name.split("/")[-1].split("_")[0] in ("Shape", "Size"))
+  dims = tuple(ROWS if folded and i == 0 and v == static_rows else int(v)
+               for i, v in enumerate(values))
+  ones = bool(values) and all(v == 1 for v in values)
+  return Fact(dims=dims, ones=ones)
