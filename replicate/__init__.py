@@ -43,7 +43,7 @@ _PUBLIC = {
     "start_server": "replicate.cluster.server",
     "all_rows": "replicate.towers.all_rows",
     "row_offset": "replicate.towers.all_rows",
-    "rows_apart": "replicate.shard.declared",
+    "rows_apart": "replicate.graph.declared",
     "check": "replicate.check",
 }
 

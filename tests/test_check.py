@@ -167,7 +167,7 @@ def test_an_op_type_declaration_is_trusted_by_the_rule():
   try:
     report = _check(check_models.undeclared, modes=("train",))
   finally:
-    from replicate.shard import declared  # pylint: disable=import-outside-toplevel
+    from replicate.graph import declared  # pylint: disable=import-outside-toplevel
     declared.forget_type("PyFuncStateless")
   assert report.exact, str(report)
 

@@ -29,7 +29,7 @@ from replicate.check import compare
 from replicate.check import randoms
 from replicate.check import report as report_lib
 from replicate.check import runs
-from replicate.shard import declared
+from replicate.graph import declared
 
 # Frames of these are not the user's: TensorFlow's, Keras's, ours.
 _LIBRARY_PARTS = ("/tensorflow/", "/tensorflow_estimator/", "/keras/",

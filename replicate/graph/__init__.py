@@ -5,7 +5,13 @@
   its rule.
 - `row_layout`: the row analysis: for each tensor a tower computes, which
   axis carries its rows, and for integer tensors, whether their values are
-  the tower's own row positions.
+  the tower's own row positions; `row_facts` the facts it keeps of a
+  tensor; `layout_ops` how each op moves them, by family: `shape_layout`
+  (shapes, ranges, reshapes, transposes), `slice_layout` (slices),
+  `index_layout` (gathers, scatters, segment ops), `sparse_layout` (the
+  sparse ops of feature columns).
 - `index_rules`: index ops (gathers, scatters, segment ops, ...) keep rows
   apart exactly when they map each row to itself (read from `row_layout`).
+- `declared`: the ops the user declares keep rows apart
+  (`replicate.rows_apart`), which the rows rule trusts.
 """

@@ -38,7 +38,7 @@ from replicate.graph import row_facts
 from replicate.graph import row_layout
 from replicate.graph import row_ops
 from replicate.graph import row_rules
-from replicate.shard import declared
+from replicate.graph import declared
 from replicate.shard import rows as rows_lib
 
 # Ops whose outputs are random draws or positions, not the rows' values.
