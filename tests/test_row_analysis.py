@@ -143,6 +143,55 @@ def test_index_idioms_that_keep_rows_apart_train_exactly(name, towers,
               if "all_rows" in op.name.lower()]
 
 
+def _gather_indexes(sequence_tensor, positions):
+  """google-research/bert's masked-LM gather, as written there: the batch
+  size from the static shape when known (a Python number), else the run's."""
+  batch_size, seq_length, width = sequence_tensor.shape.as_list()
+  if batch_size is None:
+    batch_size = tf.shape(sequence_tensor)[0]
+  flat_offsets = tf.reshape(
+      tf.range(0, batch_size, dtype=tf.int32) * seq_length, [-1, 1])
+  flat_positions = tf.reshape(positions + flat_offsets, [-1])
+  flat_sequence_tensor = tf.reshape(sequence_tensor,
+                                    [batch_size * seq_length, width])
+  return tf.gather(flat_sequence_tensor, flat_positions)
+
+
+def _masked_lm_model_fn(features, labels, mode):
+  hidden = tf.compat.v1.layers.dense(
+      features["x"], 4, name="hidden",
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=5))
+  picked = _gather_indexes(hidden, features["positions"])
+  logits = tf.compat.v1.layers.dense(
+      picked, 3, name="logits",
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=6))
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
+      tf.reshape(labels, [-1]), logits)
+  optimizer = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.5))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=optimizer.minimize(
+      loss, tf.compat.v1.train.get_global_step()))
+
+
+@pytest.mark.parametrize("towers, static", [(2, True), (3, True), (3, False)])
+def test_berts_masked_lm_gather_trains_exactly(towers, static):
+  """Each row's masked positions plus its offset `row * seq_length`: rows
+  kept apart, whether the batch size is a number (static: `tf.range` of
+  constants, refused on c34de2d) or known only when run."""
+  rng = np.random.RandomState(11)
+  batches = [{"x": rng.rand(4, 5, 3).astype(np.float32),
+              "positions": rng.randint(0, 5, (4, 2)).astype(np.int32),
+              "y": rng.randint(0, 3, (4, 2)).astype(np.int64)}
+             for _ in range(2)]
+  expected, actual = harness.train_both(_masked_lm_model_fn, towers, batches,
+                                        static=static, known_rows=static)
+  np.testing.assert_allclose(actual.per_step("loss"),
+                             expected.per_step("loss"), rtol=1e-5)
+  for variable, value in expected.variables.items():
+    np.testing.assert_allclose(actual.variables[variable], value, rtol=1e-5,
+                               atol=1e-6, err_msg=variable)
+
+
 # ---------------------------------------------------------------------------
 # Confusion-matrix metrics: a sum over rows that only metrics read.
 

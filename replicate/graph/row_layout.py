@@ -33,7 +33,8 @@ import tensorflow as tf
 
 from replicate.graph import layout_ops
 from replicate.graph.row_facts import (
-    ALIGNED, NO_ROWS, OTHER, ROW, ROWS, SELECTED, UNKNOWN_ROWS, Fact)
+    ALIGNED, BLOCKED, NO_ROWS, OTHER, ROW, ROWS, SELECTED, UNKNOWN_ROWS,
+    Fact)
 
 
 class RowLayout:
@@ -111,17 +112,51 @@ class RowLayout:
   def _op_facts(self, op):
     if op.type == "Const":
       return [_constant_fact(op.outputs[0], self.static_rows)]
-    if not self._depends([op]):
+    if op.type == "Range" and self._counts_static_rows(op):
+      return [Fact(ALIGNED, 0, ids=ROW)]
+    inputs = [self.input_fact(t) for t in op.inputs]
+    if not self._depends([op]) and not any(f.carries for f in inputs):
       return [_constant_fact(t, self.static_rows) if t.shape.rank in (0, 1)
               else NO_ROWS for t in op.outputs]
-    inputs = [self.input_fact(t) for t in op.inputs]
     try:
       facts = layout_ops.transfer(op, inputs)
     except (ValueError, TypeError, IndexError):  # an attr not as expected
       facts = None
     if facts is None:
       facts = layout_ops.default(op, inputs)
-    return list(facts) + [UNKNOWN_ROWS] * (len(op.outputs) - len(facts))
+    facts = list(facts)
+    if op.type == "Reshape" and facts and facts[0] == UNKNOWN_ROWS:
+      facts[0] = self._unblocked(op, inputs[0])
+    return facts + [UNKNOWN_ROWS] * (len(op.outputs) - len(facts))
+
+  def _unblocked(self, op, fact) -> Fact:
+    """Blocks of rows back to rows between known sizes (`[rows * k, w]`
+    to `[rows, k, w]`: a dense layer's `Tensordot` on a batch of known
+    size), the new first size the tower's known row count."""
+    sizes, dims = op.inputs[0].shape.as_list(), op.outputs[0].shape.as_list()
+    if (fact.kind != BLOCKED or fact.axis != 0 or self.static_rows is None or
+        not sizes or not dims or None in sizes or None in dims or
+        dims[0] != self.static_rows or sizes[0] % self.static_rows or
+        int(np.prod(sizes[1:])) * (sizes[0] // self.static_rows) != int(
+            np.prod(dims[1:]))):
+      return UNKNOWN_ROWS
+    return fact._replace(kind=ALIGNED, axis=0, dims=None, ones=False)
+
+  def _counts_static_rows(self, op) -> bool:
+    """`tf.range(batch_size)` of a static shard: `batch_size` is the
+    Python number of a static shape (BERT's `gather_indexes` takes it from
+    `get_shape_list`), so the range is a constant; 0, 1, ... up to the
+    tower's known row count is each row's own position, as `tf.range(
+    tf.shape(x)[0])` is when the count is known only when run. A limit
+    computed from a shape (`tf.unstack(tf.shape(x))[1]` folded) is not
+    taken this way: the shape says which axis it counts."""
+    if self.static_rows is None or op.inputs[1].op.type != "Const" or (
+        _constant_fact(op.inputs[1], self.static_rows).dims != (
+            self.static_rows,)):
+      return False  # a limit taken from a shape is followed as any other
+    value = tf.get_static_value(op.outputs[0])
+    return value is not None and np.array_equal(
+        np.ravel(value), np.arange(self.static_rows))
 
 
 def _constant_fact(tensor: tf.Tensor, static_rows) -> Fact:
