@@ -315,6 +315,18 @@ def called_functions(op: tf.Operation) -> Optional[Set[str]]:
   return found
 
 
+def function_graph(op: tf.Operation, attr: str):
+  """The `FuncGraph` of the function `op`'s `attr` names (a TF 2 `While`'s
+  "body"), or None when this process did not build it. Private: a graph's
+  functions are not exposed in graph mode."""
+  try:
+    name = op.get_attr(attr).name
+  except (ValueError, AttributeError):
+    return None
+  function = op.graph._get_function(name)
+  return getattr(function, "graph", None)
+
+
 def _function_names(attrs):
   names = []
   for key in _FUNCTION_ATTRS:

@@ -192,6 +192,69 @@ def test_berts_masked_lm_gather_trains_exactly(towers, static):
                                atol=1e-6, err_msg=variable)
 
 
+def _rnn_model_fn(pick):
+  """`dynamic_rnn` (a TF 2 while loop over time), then each row's last
+  relevant output, picked as RNN tutorials write it."""
+
+  def model_fn(features, labels, mode):
+    lengths = features["lengths"]
+    cell = tf.compat.v1.nn.rnn_cell.BasicRNNCell(4)
+    with tf.compat.v1.variable_scope(
+        "rnn", initializer=tf.compat.v1.glorot_uniform_initializer(seed=3)):
+      outputs, _ = tf.compat.v1.nn.dynamic_rnn(
+          cell, features["x"], sequence_length=lengths, dtype=tf.float32)
+    rows, length = tf.shape(outputs)[0], tf.shape(outputs)[1]
+    if pick == "flat":  # positions in the [rows * length, 4] reshape
+      last = tf.gather(tf.reshape(outputs, [-1, 4]),
+                       tf.range(0, rows) * length + (lengths - 1))
+    elif pick == "gather_nd":
+      last = tf.gather_nd(outputs, tf.stack([tf.range(rows), lengths - 1], 1))
+    else:  # "reversed": every row reads another row's last output
+      last = tf.gather(outputs[:, -1], tf.range(rows - 1, -1, -1))
+    logits = tf.compat.v1.layers.dense(
+        last, 3, kernel_initializer=tf.compat.v1.glorot_uniform_initializer(
+            seed=4))
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+    optimizer = replicate.TowerOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.5))
+    return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                      train_op=optimizer.minimize(
+                                          loss,
+                                          tf.compat.v1.train.get_global_step()))
+
+  return model_fn
+
+
+def _rnn_batches():
+  rng = np.random.RandomState(12)
+  return [{"x": rng.rand(5, 6, 3).astype(np.float32),
+           "lengths": rng.randint(1, 7, 5).astype(np.int32),
+           "y": rng.randint(0, 3, 5).astype(np.int64)} for _ in range(2)]
+
+
+@pytest.mark.parametrize("pick, towers, static", [
+    ("flat", 2, False), ("flat", 3, True), ("gather_nd", 3, False)])
+def test_an_rnns_last_relevant_output_trains_exactly(pick, towers, static):
+  """The rows of the loop's outputs are followed through its body (they
+  were UNKNOWN on c34de2d, and the gathers refused)."""
+  expected, actual = harness.train_both(_rnn_model_fn(pick), towers,
+                                        _rnn_batches(), static=static,
+                                        known_rows=static)
+  np.testing.assert_allclose(actual.per_step("loss"),
+                             expected.per_step("loss"), rtol=1e-5)
+  for variable, value in expected.variables.items():
+    np.testing.assert_allclose(actual.variables[variable], value, rtol=1e-5,
+                               atol=1e-6, err_msg=variable)
+
+
+def test_rows_reversed_after_an_rnn_are_refused():
+  """TF 2 control flow (a `While` whose body is followed); a TF 1 loop
+  (`Enter` ... `Exit`, `REPLICATE_TF1_BEHAVIOR=1`) is not followed yet:
+  docs/guarantees.md says so."""
+  with pytest.raises(ValueError, match="GatherV2.*combines different rows"):
+    harness.train(_rnn_model_fn("reversed"), _rnn_batches(), 2)
+
+
 # ---------------------------------------------------------------------------
 # Confusion-matrix metrics: a sum over rows that only metrics read.
 

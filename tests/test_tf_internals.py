@@ -36,6 +36,19 @@ def test_a_tf_function_call_lists_the_stateful_ops_of_its_body(graph):
   assert _tf.called_functions(tf.constant(1.0).op) is None
 
 
+def test_a_while_loops_body_is_its_function_graph(graph):
+  # i, then x: the body's arguments and results are the loop's variables.
+  x = tf.compat.v1.placeholder(tf.float32, [None, 2])
+  tf.while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, y * 2.0),
+                [tf.constant(0), x])
+  loop = next(op for op in tf.compat.v1.get_default_graph().get_operations()
+              if op.type in ("While", "StatelessWhile"))
+  body = _tf.function_graph(loop, "body")
+  assert len(body.inputs) == len(body.outputs) == len(loop.inputs)
+  assert "Mul" in {op.type for op in body.get_operations()}
+  assert _tf.function_graph(loop, "no_such_attr") is None
+
+
 def test_a_v2_cond_lists_the_stateful_ops_of_both_branches(graph):
   v = tf.Variable(1.0, use_resource=True)
   flag = tf.compat.v1.placeholder_with_default(True, [])

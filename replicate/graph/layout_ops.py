@@ -10,6 +10,8 @@ any axis).
 """
 
 from replicate.graph import index_layout
+from replicate.graph.index_layout import same_rows
+from replicate.graph import loop_layout
 from replicate.graph import row_ops
 from replicate.graph import shape_layout
 from replicate.graph import slice_layout
@@ -231,7 +233,8 @@ _TRANSFER = {
     "Select": _select,
 }
 _TABLES = (shape_layout.TRANSFER, slice_layout.TRANSFER,
-           index_layout.TRANSFER, sparse_layout.TRANSFER, _TRANSFER)
+           index_layout.TRANSFER, sparse_layout.TRANSFER,
+           loop_layout.TRANSFER, _TRANSFER)
 
 
 def transfer(op, inputs):

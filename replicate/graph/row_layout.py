@@ -31,10 +31,12 @@ computed once from its inputs' (iterative, memoized): linear in the graph.
 import numpy as np
 import tensorflow as tf
 
+from replicate import graph_walk
 from replicate.graph import layout_ops
+from replicate.graph import loop_layout
 from replicate.graph.row_facts import (
-    ALIGNED, BLOCKED, NO_ROWS, OTHER, ROW, ROWS, SELECTED, UNKNOWN_ROWS,
-    Fact)
+    ALIGNED, BLOCKED, NONE, NO_ROWS, OTHER, ROW, ROWS, SELECTED,
+    UNKNOWN_ROWS, Fact)
 
 
 class RowLayout:
@@ -119,7 +121,9 @@ class RowLayout:
       return [_constant_fact(t, self.static_rows) if t.shape.rank in (0, 1)
               else NO_ROWS for t in op.outputs]
     try:
-      facts = layout_ops.transfer(op, inputs)
+      facts = (loop_layout.loop_facts(self._of_body, op, inputs)
+               if op.type in loop_layout.LOOPS else
+               layout_ops.transfer(op, inputs))
     except (ValueError, TypeError, IndexError):  # an attr not as expected
       facts = None
     if facts is None:
@@ -128,6 +132,22 @@ class RowLayout:
     if op.type == "Reshape" and facts and facts[0] == UNKNOWN_ROWS:
       facts[0] = self._unblocked(op, inputs[0])
     return facts + [UNKNOWN_ROWS] * (len(op.outputs) - len(facts))
+
+  def _of_body(self, body, facts) -> "RowLayout":
+    """The layout of a loop's body (a `FuncGraph`) given its arguments'
+    facts: what depends on the rows is what the arguments with rows reach."""
+    reached = graph_walk.ops_after(
+        [arg for arg, fact in zip(body.inputs, facts) if fact.kind != NONE])
+    layout = RowLayout((), frozenset(body.get_operations()),
+                       lambda values: any(getattr(v, "op", v) in reached
+                                          for v in values), self.static_rows)
+    for arg, fact in zip(body.inputs, facts):
+      layout.given(arg, fact)
+    return layout
+
+  def given(self, tensor: tf.Tensor, fact: Fact) -> None:
+    """States `tensor`'s fact (a function's argument, given by its caller)."""
+    self._facts[tensor.ref()] = fact
 
   def _unblocked(self, op, fact) -> Fact:
     """Blocks of rows back to rows between known sizes (`[rows * k, w]`
