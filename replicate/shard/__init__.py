@@ -10,4 +10,6 @@
 - `row_ops`: the op types known to keep rows apart, by family.
 - `row_rules`: the op types that combine rows in some patterns, each with
   its rule.
+- `batch_reductions`: reductions over the batch axis whose value flows
+  back into rows, combined over the towers (edited after the last tower).
 """
