@@ -35,9 +35,10 @@ demo: $(STAMP)
 	$(VENV)/bin/python examples/digits_demo.py --towers 2
 
 # Both runs always run; either one failing fails `make test`. The first also
-# runs benchmarks/test_benchmarks.py (fast: no timing), so that
-# docs/benchmarks.md's figures are checked against benchmarks/RESULTS.md;
-# tests/ itself never imports benchmarks/.
+# runs benchmarks/'s tests (fast: no timing): test_benchmarks.py checks
+# docs/benchmarks.md's figures against benchmarks/RESULTS.md, test_layout.py
+# that benchmarks/ has no import cycle and that each command's --help comes
+# before TensorFlow's import; tests/ itself never imports benchmarks/.
 test: $(STAMP)
 	@status=0; \
 	$(VENV)/bin/python -m pytest -q tests benchmarks \
