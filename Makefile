@@ -14,7 +14,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # The second test run: the same library under TensorFlow 1 behaviour
 # (tf.compat.v1.disable_v2_behavior(), switched on in tests/conftest.py), as
 # a model still written for TF 1 runs it. The part of the suite that builds
-# and compares whole models (~3 minutes): equivalence, replicated, the
+# and compares whole models: equivalence, replicated, the
 # compat.v1 canned estimators on 3 towers (uneven batch, empty tower) and
 # their export, sharding, specs, the model_fn's arguments, synchronized
 # batch norm, seeded starts, TPUEstimatorSpec (BERT-family code is TF 1
@@ -35,9 +35,10 @@ demo: $(STAMP)
 	$(VENV)/bin/python examples/digits_demo.py --towers 2
 
 # Both runs always run; either one failing fails `make test`. The first also
-# runs benchmarks/test_benchmarks.py (fast: no timing), so that
-# docs/benchmarks.md's figures are checked against benchmarks/RESULTS.md;
-# tests/ itself never imports benchmarks/.
+# runs benchmarks/'s tests (fast: no timing): test_benchmarks.py checks
+# docs/benchmarks.md's figures against benchmarks/RESULTS.md, test_layout.py
+# that benchmarks/ has no import cycle and that each command's --help comes
+# before TensorFlow's import; tests/ itself never imports benchmarks/.
 test: $(STAMP)
 	@status=0; \
 	$(VENV)/bin/python -m pytest -q tests benchmarks \
@@ -80,9 +81,10 @@ test-oracle: $(STAMP)
 
 # Synchronous training across tasks: loopback clusters of 2 and 3 processes
 # against one device, and the faults with their time bounds
-# (tests/test_sync_multiworker.py, ~3 minutes); the same with ps tasks
-# holding what the model_fn partitions (tests/test_hybrid_cluster.py,
-# ~5 minutes). -rP prints each fault's time to exit and the tasks' memory.
+# (tests/test_sync_multiworker.py); the same with ps tasks holding what the
+# model_fn partitions (tests/test_hybrid_cluster.py). -rP prints each
+# fault's time to exit and the tasks' memory. What each target takes, as
+# measured: docs/testing.md.
 test-multiworker: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -rP \
 		tests/test_sync_multiworker.py tests/test_hybrid_cluster.py
@@ -97,7 +99,11 @@ $(STAMP): requirements-test.txt setup.py
 	@# under that name it can otherwise only be the unrelated API client.
 	@if $(VENV)/bin/python -m pip show --quiet replicate >/dev/null 2>&1; then \
 		$(VENV)/bin/python -m pip uninstall --quiet --yes replicate; fi
-	$(VENV)/bin/python -m pip install --quiet -e .
+	@# setuptools' "Editable installation" notice warns that a folder named
+	@# like the package in the working directory is imported first: here
+	@# that folder is this checkout's `replicate`, the one installed.
+	PYTHONWARNINGS="ignore:Editable installation" \
+		$(VENV)/bin/python -m pip install --quiet -e .
 	touch $(STAMP)
 
 # Build artifacts too: pip wheel / pip install . leave build/ and

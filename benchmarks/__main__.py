@@ -35,22 +35,68 @@ import platform
 import sys
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import tensorflow as tf  # noqa: E402
-
-from benchmarks import across_workers  # noqa: E402
-from benchmarks import cli  # noqa: E402
-from benchmarks import configs as configurations  # noqa: E402
-from benchmarks import expected  # noqa: E402
-from benchmarks import harness  # noqa: E402
-from benchmarks import report  # noqa: E402
-from benchmarks.models import DEFAULT_MODELS, MODELS  # noqa: E402
+from benchmarks import cli
+from benchmarks import configs as configurations
 
 
 # How long --quick takes, as its help, the estimate it prints and
 # docs/benchmarks.md say (a fresh clone's run took 6 min 13 s).
 QUICK_TAKES = "about 6 minutes on 2 cores"
+
+
+def make_parser():
+  """The command line; a bad value is a usage error naming its flag."""
+  parser = cli.parser("python -m benchmarks", __doc__.splitlines()[0])
+  add = parser.add_argument
+  add("--quick", action="store_true",
+      help="N up to 4, fewer configurations, 3 repeats of 0.5 s: " +
+      QUICK_TAKES)
+  add("--estimate", action="store_true",
+      help="print how long the run would take, and stop")
+  add("--models", metavar="NAMES",
+      default=",".join(configurations.DEFAULT_MODELS),
+      type=cli.comma_list(cli.checked(configurations.check_model),
+                          twice=cli.ONCE),
+      help="comma-separated, from: " + ", ".join(configurations.MODEL_NAMES))
+  add("--towers", metavar="N,...", default=None,
+      type=cli.comma_list(cli.whole_number(1), twice=cli.ONCE),
+      help="comma-separated tower counts (default: 1,2,4,8; with --quick "
+      "1,2,4)")
+  add("--configs", metavar="NAMES", default=None,
+      type=cli.comma_list(cli.checked(configurations.parse_config),
+                          twice="to measure one twice, add it again with "
+                          "-again (single-again)"),
+      help="comma-separated configurations, overriding --towers (default: "
+      "the grid of --towers); forms: " + configurations.CONFIG_FORMS)
+  add("--repeats", metavar="N", type=cli.whole_number(1), default=None,
+      help="repeats of the grid (default: 5; with --quick 3)")
+  add("--seconds", metavar="S", type=cli.positive_number, default=None,
+      help="measured seconds per cell (default: 1; with --quick 0.5)")
+  add("--warmup", metavar="STEPS", type=cli.whole_number(1), default=5,
+      help="untimed steps per cell")
+  add("--output", metavar="DIR", default=os.path.join("benchmarks",
+                                                      "results"),
+      help="folder for results.json and the plots")
+  add("--record", metavar="FILE", default=None,
+      help="also write the table to this file, e.g. benchmarks/RESULTS.md "
+      "(default: none)")
+  return parser
+
+
+if __name__ == "__main__":
+  # --help and a bad flag answer before TensorFlow's import, which
+  # takes seconds; main() parses the command line again.
+  make_parser().parse_args()
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+
+from benchmarks import across_workers_report, results_md  # noqa: E402
+from benchmarks import expected  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from benchmarks import report  # noqa: E402
+from benchmarks.models import MODELS  # noqa: E402
 
 
 def main(argv=None):
@@ -118,9 +164,11 @@ def main(argv=None):
     kept = ""
     if os.path.exists(args.record):
       with open(args.record) as results:
-        kept = across_workers.kept_section(results.read())
+        kept = results_md.kept_section(
+            results.read(), across_workers_report.SECTION)
     with open(args.record, "w") as results:
-      results.write(across_workers.replace_section(table, kept) if kept
+      results.write(results_md.replace_section(
+          table, kept, across_workers_report.SECTION) if kept
                     else table)
   print("Wrote {} (results.json, examples_per_sec.png, scaling.png){}".format(
       args.output, " and " + args.record if args.record else ""))
@@ -142,44 +190,6 @@ def _parse_args(argv):
   args.repeats = args.repeats or (3 if args.quick else 5)
   args.seconds = args.seconds or (0.5 if args.quick else 1.0)
   return args
-
-
-def make_parser():
-  """The command line; a bad value is a usage error naming its flag."""
-  parser = cli.parser("python -m benchmarks", __doc__.splitlines()[0])
-  add = parser.add_argument
-  add("--quick", action="store_true",
-      help="N up to 4, fewer configurations, 3 repeats of 0.5 s: " +
-      QUICK_TAKES)
-  add("--estimate", action="store_true",
-      help="print how long the run would take, and stop")
-  add("--models", metavar="NAMES", default=",".join(DEFAULT_MODELS),
-      type=cli.comma_list(cli.checked(harness.check_model),
-                          twice=cli.ONCE),
-      help="comma-separated, from: " + ", ".join(MODELS))
-  add("--towers", metavar="N,...", default=None,
-      type=cli.comma_list(cli.whole_number(1), twice=cli.ONCE),
-      help="comma-separated tower counts (default: 1,2,4,8; with --quick "
-      "1,2,4)")
-  add("--configs", metavar="NAMES", default=None,
-      type=cli.comma_list(cli.checked(configurations.parse_config),
-                          twice="to measure one twice, add it again with "
-                          "-again (single-again)"),
-      help="comma-separated configurations, overriding --towers (default: "
-      "the grid of --towers); forms: " + configurations.CONFIG_FORMS)
-  add("--repeats", metavar="N", type=cli.whole_number(1), default=None,
-      help="repeats of the grid (default: 5; with --quick 3)")
-  add("--seconds", metavar="S", type=cli.positive_number, default=None,
-      help="measured seconds per cell (default: 1; with --quick 0.5)")
-  add("--warmup", metavar="STEPS", type=cli.whole_number(1), default=5,
-      help="untimed steps per cell")
-  add("--output", metavar="DIR", default=os.path.join("benchmarks",
-                                                      "results"),
-      help="folder for results.json and the plots")
-  add("--record", metavar="FILE", default=None,
-      help="also write the table to this file, e.g. benchmarks/RESULTS.md "
-      "(default: none)")
-  return parser
 
 
 def _default_configs(towers, is_quick):

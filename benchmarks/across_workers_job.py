@@ -57,44 +57,13 @@ the median milliseconds of each fetch.
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 MODES = ("replicate", "hybrid", "mwms", "ps-async", "ps-sync", "probe")
-# The local steps whose bytes the chief counts (traced, in the warm-up): one
-# at a quarter of the batch, one at the whole batch (see _input_fn_for).
-SMALL_STEPS = 4
-TRACED_STEPS = {2: "quarter", SMALL_STEPS + 2: "whole"}
-PREFIX = "across_workers: "
-FEATURES = 784
-CLASSES = 10
-# Fixed keys of the probe's collectives (its own processes, nothing else).
-_PROBE_GROUP_KEY = 1
 
 
-def main(argv=None):
-  args = _parse(argv)
-  if args.mode == "mwms":
-    # The V1 class with Estimator needs graph mode (its own error says so).
-    tf.compat.v1.disable_eager_execution()
-  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
-  tf_config = json.loads(os.environ["TF_CONFIG"])
-  cluster = tf_config["cluster"]
-  task = (tf_config["task"]["type"], tf_config["task"]["index"])
-  ranks = [("chief", 0)] + [("worker", i)
-                            for i in range(len(cluster.get("worker", [])))]
-  if args.mode == "probe":
-    return _probe(args, cluster, task, ranks)
-  return _train(args, cluster, task, ranks)
-
-
-def _parse(argv):
+def make_parser():
+  """The job's command line (the benchmark's runner gives it)."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("mode", choices=MODES)
   parser.add_argument("--model-dir", default=None)
@@ -116,7 +85,44 @@ def _parse(argv):
   parser.add_argument("--probe-rounds", type=int, default=200)
   parser.add_argument("--probe-concurrent", type=int, default=32)
   parser.add_argument("--probe-timeout", type=float, default=2.0)
-  return parser.parse_args(argv)
+  return parser
+
+
+if __name__ == "__main__":
+  # --help and a bad flag answer before TensorFlow's import, which takes
+  # seconds; main() parses the command line again.
+  make_parser().parse_args()
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from benchmarks import ctr_model, job_models, job_probe, job_timer  # noqa: E402
+
+# The local steps whose bytes the chief counts (traced, in the warm-up): one
+# at a quarter of the batch, one at the whole batch (see _ctr_input_fn_for).
+SMALL_STEPS = 4
+TRACED_STEPS = {2: "quarter", SMALL_STEPS + 2: "whole"}
+PREFIX = "across_workers: "
+
+
+def main(argv=None, timer_class=job_timer.Timer):
+  """Runs this task; `timer_class`: the chief's hook (`benchmarks.step_trace`
+  gives one that traces)."""
+  args = make_parser().parse_args(argv)
+  if args.mode == "mwms":
+    # The V1 class with Estimator needs graph mode (its own error says so).
+    tf.compat.v1.disable_eager_execution()
+  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+  tf_config = json.loads(os.environ["TF_CONFIG"])
+  cluster = tf_config["cluster"]
+  task = (tf_config["task"]["type"], tf_config["task"]["index"])
+  ranks = [("chief", 0)] + [("worker", i)
+                            for i in range(len(cluster.get("worker", [])))]
+  if args.mode == "probe":
+    return job_probe.probe(args, cluster, task, ranks, _report)
+  return _train(args, cluster, task, ranks, timer_class)
 
 
 def _report(record):
@@ -126,93 +132,7 @@ def _report(record):
 # --- training ---------------------------------------------------------------
 
 
-def _model_fn_for(hidden, learning_rate, wrap_sync):
-  """The MLP's model_fn; `wrap_sync(optimizer)` -> (optimizer, hooks)."""
-
-  def model_fn(features, labels, mode):
-    net = features
-    for index, units in enumerate(hidden):
-      net = tf.compat.v1.layers.dense(net, units, tf.nn.relu,
-                                      name="hidden_{}".format(index))
-    logits = tf.compat.v1.layers.dense(net, CLASSES, name="logits")
-    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
-    optimizer, hooks = wrap_sync(
-        tf.compat.v1.train.GradientDescentOptimizer(learning_rate))
-    train_op = optimizer.minimize(
-        loss, global_step=tf.compat.v1.train.get_or_create_global_step())
-    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
-                                      training_hooks=hooks)
-
-  return model_fn
-
-
-def _input_fn_for(rank, rows):
-  """This task's one fixed batch of `rows` rows, repeated."""
-  random = np.random.RandomState(rank)
-  x = random.rand(rows, FEATURES).astype(np.float32)
-  y = random.randint(0, CLASSES, size=rows).astype(np.int64)
-  return lambda: tf.data.Dataset.from_tensors((x, y)).repeat()
-
-
-class _Timer(tf.compat.v1.train.SessionRunHook):
-  """Times the global steps after the warm-up, from one step's end on."""
-
-  def __init__(self, warmup, traced=None):
-    self._warmup = warmup
-    self._traced = dict(traced or {})  # local step -> name
-    self._op_types = None
-    self.bytes = {}  # name -> what crossed tasks in that traced step
-    self.stop_after = None  # global steps timed, if the hook stops the run
-    self._step = None
-    self._local_steps = 0
-    self.start = None  # (time, global step) at the end of the warm-up
-    self.last = None  # (time, global step) at the end of the last step
-    self.collectives = None
-
-  def begin(self):
-    self._step = tf.compat.v1.train.get_global_step()
-    graph = tf.compat.v1.get_default_graph()
-    types = [op.type for op in graph.get_operations()]
-    self.collectives = {kind: types.count(kind) for kind in sorted(set(
-        types)) if kind.startswith("Collective")}
-    if self._traced:
-      self._op_types = {op.name: op.type for op in graph.get_operations()}
-
-  def before_run(self, run_context):
-    if self._local_steps in self._traced:
-      return tf.compat.v1.train.SessionRunArgs(
-          self._step, options=tf.compat.v1.RunOptions(
-              trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
-              output_partition_graphs=True))
-    return tf.compat.v1.train.SessionRunArgs(self._step)
-
-  def after_run(self, run_context, run_values):
-    now = time.perf_counter()
-    if self._local_steps in self._traced:
-      from benchmarks import ctr_model  # pylint: disable=import-outside-toplevel
-      self.bytes[self._traced[self._local_steps]] = ctr_model.step_bytes(
-          run_values.run_metadata, self._op_types,
-          "/job:chief/replica:0/task:0")
-    self._local_steps += 1
-    # The global step read in the same run as the update: before or after
-    # it; either way the same each step, so the differences count steps.
-    point = (now, int(run_values.results))
-    # Not before the traced steps are done (with ps-async, the other tasks'
-    # steps count too).
-    if (self.start is None and point[1] >= self._warmup and
-        self._local_steps > max(self._traced, default=-1) + 1):
-      self.start = point
-    self.last = point
-    if self.stop_after and self.start and (
-        point[1] - self.start[1] >= self.stop_after):
-      run_context.request_stop()
-
-  @property
-  def local_steps(self):
-    return self._local_steps
-
-
-def _train(args, cluster, task, ranks):
+def _train(args, cluster, task, ranks, timer_class):
   tasks = len(ranks)
   rows = args.batch // tasks
   is_training_task = task in ranks
@@ -260,7 +180,7 @@ def _train(args, cluster, task, ranks):
   if args.model == "ctr" and task == ("chief", 0):  # mwms: the whole only
     traced = {step: name for step, name in TRACED_STEPS.items()
               if args.mode != "mwms" or name == "whole"}
-  timer = _Timer(args.warmup, traced)
+  timer = timer_class(args.warmup, traced)
   if args.model == "ctr":
     # MultiWorkerMirroredStrategy's all-gathers keep the shape of their
     # first run (a quarter batch first fails the next step), so it runs the
@@ -268,7 +188,7 @@ def _train(args, cluster, task, ranks):
     input_fn, touched = _ctr_input_fn_for(args, rank or 0, rows,
                                           quarter_first=args.mode != "mwms")
   else:
-    input_fn, touched = _input_fn_for(rank or 0, rows), None
+    input_fn, touched = job_models.mlp_input_fn_for(rank or 0, rows), None
   max_steps = args.warmup + args.steps
   if args.mode == "ps-async":
     # Every task's step is a global step, and the tasks train on until the
@@ -289,10 +209,11 @@ def _train(args, cluster, task, ranks):
               "global_steps": timer.last[1] - timer.start[1],
               "seconds": timer.last[0] - timer.start[0],
               "local_steps": timer.local_steps,
-              "collectives": timer.collectives, "threads": _threads()}
+              "collectives": timer.collectives,
+              "threads": job_probe.threads()}
     if args.model == "ctr":
       record.update(model="ctr", bytes=timer.bytes, touched=touched,
-                    memory_mb=_resident_mb())
+                    memory_mb=job_timer.resident_mb())
     _report(record)
   return 0
 
@@ -300,15 +221,15 @@ def _train(args, cluster, task, ranks):
 def _mlp_model_fn_for(args):
   hidden = [int(units) for units in (args.hidden or "1024,1024").split(",")
             if units]
-  return lambda wrap: _model_fn_for(hidden, args.learning_rate or 0.001, wrap)
+  return lambda wrap: job_models.mlp_model_fn_for(
+      hidden, args.learning_rate or 0.001, wrap)
 
 
 def _ctr_model_fn_for(args):
-  from benchmarks import ctr_model  # pylint: disable=import-outside-toplevel
   hidden = [int(units) for units in (args.hidden or "256,128").split(",")
             if units]
   rows_a_table = ctr_model.table_rows(args.table_rows, args.fields)
-  return lambda wrap: ctr_model.model_fn_for(
+  return lambda wrap: job_models.ctr_model_fn_for(
       args.fields, rows_a_table, args.dim, args.shards, hidden,
       args.learning_rate or 0.05, wrap)
 
@@ -318,7 +239,6 @@ def _ctr_input_fn_for(args, rank, rows, quarter_first=True):
   SMALL_STEPS local steps (if `quarter_first`), then all of it, repeated;
   and the rows each looks up (ids over all fields, and how many
   distinct)."""
-  from benchmarks import ctr_model  # pylint: disable=import-outside-toplevel
   rows_a_table = ctr_model.table_rows(args.table_rows, args.fields)
   features, labels = ctr_model.batch(rank, rows, args.fields, rows_a_table)
   quarter = rows // 4
@@ -342,18 +262,6 @@ def _ctr_input_fn_for(args, rank, rows, quarter_first=True):
   return input_fn, touched
 
 
-def _resident_mb():
-  """This process's peak resident memory (Linux), in MB, or None."""
-  try:
-    with open("/proc/self/status") as status:
-      for line in status:
-        if line.startswith("VmHWM:"):
-          return int(line.split()[1]) / 1024.0
-  except OSError:
-    pass
-  return None
-
-
 _SERVERS = []
 
 
@@ -370,86 +278,6 @@ def _serve_ps_cluster_task(task, cluster, towers):
   _SERVERS.append(tf.distribute.Server(
       tf.train.ClusterSpec(cluster), job_name=task[0], task_index=task[1],
       config=tf.compat.v1.ConfigProto(device_count={"CPU": towers})))
-
-
-# --- probe ------------------------------------------------------------------
-
-
-def _probe(args, cluster, task, ranks):
-  """Times bare cross-task all-reduces, one device per task."""
-  sizes = [int(size) for size in args.probe_elements.split(",") if size]
-  server_config = tf.compat.v1.ConfigProto(device_count={"CPU": 1})
-  server_config.experimental.collective_group_leader = (
-      "/job:chief/replica:0/task:0")
-  server = tf.distribute.Server(tf.train.ClusterSpec(cluster),
-                                job_name=task[0], task_index=task[1],
-                                config=server_config)
-  device = "/job:{}/replica:0/task:{}/device:CPU:0".format(*task)
-  graph = tf.Graph()
-  with graph.as_default(), tf.device(device):
-    fetches = {"none": tf.constant(0.0) + 1.0}  # a run without a collective
-    keys = iter(range(1, 10**6))
-
-    def all_reduce(size, timeout=0.0):
-      value = tf.ones([size], tf.float32) * float(ranks.index(task) + 1)
-      return tf.raw_ops.CollectiveReduceV2(
-          input=value, group_size=len(ranks), group_key=_PROBE_GROUP_KEY,
-          instance_key=next(keys), ordering_token=[], merge_op="Add",
-          final_op="Id", communication_hint="ring", timeout_seconds=timeout)
-
-    def concurrent(timeout=0.0):
-      """`--probe-concurrent` 1-element all-reduces in one run: what each
-      further collective of a step costs when they run side by side."""
-      return tf.math.add_n([all_reduce(1, timeout)[0] for _ in range(
-          args.probe_concurrent)]) / float(args.probe_concurrent)
-
-    for size in sizes:
-      fetches[str(size)] = all_reduce(size)[0]  # one element, not the sum
-    fetches["{}x1".format(args.probe_concurrent)] = concurrent()
-    if args.probe_timeout:
-      # With an op timeout, as replicate's collectives have: TensorFlow
-      # 2.15 then starts a thread per collective that sleeps for the
-      # timeout (tensorflow/tensorflow#62466), so keep it short here.
-      fetches["1 timed"] = all_reduce(1, args.probe_timeout)[0]
-      fetches["{}x1 timed".format(args.probe_concurrent)] = concurrent(
-          args.probe_timeout)
-  session = tf.compat.v1.Session(
-      server.target, graph=graph, config=tf.compat.v1.ConfigProto(
-          device_filters=["/job:{}/task:{}".format(*task)]))
-  expected = sum(range(1, len(ranks) + 1))
-  times = {name: [] for name in fetches}
-  # Every task runs the same collectives in the same order (their step ids
-  # come from the leader); the first rounds form the group and warm up.
-  for round_index in range(args.probe_rounds + 10):
-    for name, fetch in fetches.items():
-      start = time.perf_counter()
-      value = session.run(fetch)
-      elapsed = time.perf_counter() - start
-      if name != "none" and value != expected:
-        raise RuntimeError("The all-reduce of {} elements gave {}, not "
-                           "{}.".format(name, value, expected))
-      if round_index >= 10:
-        times[name].append(elapsed)
-  if task == ("chief", 0):
-    _report({"mode": "probe", "tasks": len(ranks),
-             "rounds": args.probe_rounds,
-             "concurrent": args.probe_concurrent,
-             "timeout": args.probe_timeout, "threads": _threads(),
-             "median_ms": {name: 1000 * statistics.median(values)
-                           for name, values in times.items()}})
-  return 0
-
-
-def _threads():
-  """This process's threads (Linux), or None."""
-  try:
-    with open("/proc/self/status") as status:
-      for line in status:
-        if line.startswith("Threads:"):
-          return int(line.split()[1])
-  except OSError:
-    pass
-  return None
 
 
 if __name__ == "__main__":

@@ -16,18 +16,8 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from benchmarks import cli
 
-import tensorflow as tf  # noqa: E402
-
-from benchmarks import cli  # noqa: E402
-from benchmarks import hand_ring  # noqa: E402
-from replicate.communication import allreduce  # noqa: E402
-
-# name: (the all_reduce algorithm, whether the hand ring replaces its sums)
-ALGORITHMS = {"gather": (allreduce.GATHER, False),
-              "ring": (allreduce.RING, False),
-              "handring": (allreduce.GATHER, True)}
 # name: the shapes of one tower's gradients
 TENSORS = {
     "1k": [[1000]],
@@ -36,6 +26,48 @@ TENSORS = {
     "4m": [[4_000_000]],
     "mlp": [[784, 1024], [1024], [1024, 1024], [1024], [1024, 10], [10]],
 }
+
+
+def make_parser():
+  """The command line; a bad value is a usage error naming its flag."""
+  parser = cli.parser("python -m benchmarks.allreduce_cost",
+                      __doc__.splitlines()[0])
+  parser.add_argument("--towers", metavar="N,...", default="2,4,8",
+                      type=cli.comma_list(cli.whole_number(2),
+                                          twice=cli.ONCE),
+                      help="comma-separated numbers of devices, 2 or more")
+  parser.add_argument("--tensors", metavar="NAMES",
+                      default=",".join(TENSORS),
+                      type=cli.comma_list(cli.one_of(TENSORS),
+                                          twice=cli.ONCE),
+                      help="comma-separated gradient sets: a single tensor "
+                      "of 1k to 4m float32 elements, or the MLP's gradients")
+  parser.add_argument("--rounds", metavar="N", type=cli.whole_number(1),
+                      default=15,
+                      help="rounds of 5 all-reduces per algorithm, "
+                      "interleaved")
+  parser.add_argument("--record", metavar="FILE", default=None,
+                      help="also write the table to this file, e.g. "
+                      "benchmarks/ALLREDUCE_COST.md (default: none)")
+  return parser
+
+
+if __name__ == "__main__":
+  # --help and a bad flag answer before TensorFlow's import, which
+  # takes seconds; main() parses the command line again.
+  make_parser().parse_args()
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+
+from benchmarks import hand_ring  # noqa: E402
+from replicate.communication import allreduce  # noqa: E402
+
+# name: (the all_reduce algorithm, whether the hand ring replaces its sums)
+ALGORITHMS = {"gather": (allreduce.GATHER, False),
+              "ring": (allreduce.RING, False),
+              "handring": (allreduce.GATHER, True)}
 
 
 def main(argv=None):
@@ -69,30 +101,6 @@ def main(argv=None):
   if args.record:
     with open(args.record, "w") as output:
       output.write(table + "\n")
-
-
-def make_parser():
-  """The command line; a bad value is a usage error naming its flag."""
-  parser = cli.parser("python -m benchmarks.allreduce_cost",
-                      __doc__.splitlines()[0])
-  parser.add_argument("--towers", metavar="N,...", default="2,4,8",
-                      type=cli.comma_list(cli.whole_number(2),
-                                          twice=cli.ONCE),
-                      help="comma-separated numbers of devices, 2 or more")
-  parser.add_argument("--tensors", metavar="NAMES",
-                      default=",".join(TENSORS),
-                      type=cli.comma_list(cli.one_of(TENSORS),
-                                          twice=cli.ONCE),
-                      help="comma-separated gradient sets: a single tensor "
-                      "of 1k to 4m float32 elements, or the MLP's gradients")
-  parser.add_argument("--rounds", metavar="N", type=cli.whole_number(1),
-                      default=15,
-                      help="rounds of 5 all-reduces per algorithm, "
-                      "interleaved")
-  parser.add_argument("--record", metavar="FILE", default=None,
-                      help="also write the table to this file, e.g. "
-                      "benchmarks/ALLREDUCE_COST.md (default: none)")
-  return parser
 
 
 def _time_algorithms(shapes, towers, rounds):

@@ -86,7 +86,7 @@ def one_of(choices: Iterable[str]) -> Callable[[str], str]:
 def checked(check: Callable[[str], object]) -> Callable[[str], str]:
   """An argparse item type: the text itself, once `check(text)` passed.
 
-  `check` raises `ValueError` with the reason (`harness.check_model`).
+  `check` raises `ValueError` with the reason (`configs.check_model`).
   """
 
   def parse(text):

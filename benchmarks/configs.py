@@ -37,7 +37,6 @@ twins is what the measurement alone moves a ratio by.
 import re
 from typing import NamedTuple
 
-from benchmarks import hand_ring
 
 _CONFIG = re.compile(r"^(?:single|replicate-(\d+)-"
                      r"(ps|rr|gather|ring|handring|nccl)(-sync)?|"
@@ -51,14 +50,14 @@ CONFIG_FORMS = ("single, replicate-N-ps, replicate-N-rr, replicate-N-gather, "
                 "in -again (measured twice, for A/A)")
 
 # A replicate configuration's variant: its replicate_model_fn arguments.
-_REPLICATE_ARGUMENTS = {
+REPLICATE_ARGUMENTS = {
     "ps": {"variable_strategy": "parameter_server"},
     "rr": {"variable_strategy": "round_robin"},
     "gather": {"variable_strategy": "replicated", "all_reduce": "gather"},
     "ring": {"variable_strategy": "replicated", "all_reduce": "ring"},
-    # "gather" with its dense sums built by the hand ring: see
-    # `Config.uses_hand_ring`.
-    "handring": hand_ring.ARGUMENTS,
+    # "gather" with its dense sums built by the hand ring
+    # (`benchmarks.hand_ring`): see `Config.uses_hand_ring`.
+    "handring": {"variable_strategy": "replicated", "all_reduce": "gather"},
     "nccl": {"variable_strategy": "replicated", "all_reduce": "nccl"},
 }
 
@@ -93,7 +92,7 @@ class Config(NamedTuple):
   @property
   def replicate_arguments(self) -> dict:
     """replicate_model_fn's keyword arguments, for a replicate variant."""
-    arguments = dict(_REPLICATE_ARGUMENTS[self.variant])
+    arguments = dict(REPLICATE_ARGUMENTS[self.variant])
     # Explicit either way: True is replicate's default, and a name without
     # -sync means per-tower batch norm (SYNC_BN.md compares the two).
     arguments["sync_batch_norm"] = self.sync_batch_norm
@@ -120,3 +119,19 @@ def parse_config(name: str) -> Config:
     return Config(name, "replicate", towers, strategy,
                   sync_batch_norm=bool(sync), **options)
   return Config(name, "mirrored", towers, ops, **options)
+
+
+# The models of `python -m benchmarks` (`benchmarks.models.MODELS`, which
+# imports TensorFlow, holds them): here for the command lines, which parse
+# before TensorFlow is imported.
+MODEL_NAMES = ("mlp", "wide", "convnet", "dnn_classifier", "bn_convnet",
+               "bn_convnet_plain")
+# What `python -m benchmarks` runs by default (RESULTS.md); the batch-norm
+# models are for `sync_batch_norm` (SYNC_BN.md).
+DEFAULT_MODELS = ("mlp", "wide", "convnet", "dnn_classifier")
+
+
+def check_model(name: str) -> None:
+  if name not in MODEL_NAMES:
+    raise ValueError("Unknown model {!r}; the models are: {}.".format(
+        name, ", ".join(MODEL_NAMES)))

@@ -19,7 +19,7 @@ flags below print it under other assumptions.
 import argparse
 import sys
 
-from benchmarks import cli
+from benchmarks import across_workers_cost, cli, results_md
 from benchmarks import step_cost_model as cost
 
 HEADING = "### A CTR step on a real cluster: sparse traffic"
@@ -267,15 +267,16 @@ def make_parser():
 def main(argv=None):
   parser = make_parser()
   args = parser.parse_args(argv)
-  from benchmarks import across_workers  # pylint: disable=import-outside-toplevel
   try:
     with open(args.results) as results:
-      data = across_workers.read_data(results.read())
+      data = results_md.read_data(results.read(),
+                                  across_workers_cost.DATA)
   except FileNotFoundError:
     parser.error("argument --results: no file {!r}; name a RESULTS.md "
                  "(benchmarks/RESULTS.md from the repository's root)".format(
                      args.results))
-  probe = data and across_workers.probe_figures(data["probes"].get("2", []))
+  probe = data and across_workers_cost.probe_figures(data["probes"].get(
+      "2", []))
   ctr = ctr_model(rows=args.rows, dim=args.dim, batch=args.batch,
                   unique=args.unique, compute=args.compute_ms / 1000)
   print("\n".join(section(probe["untimed"] if probe else None, ctr,

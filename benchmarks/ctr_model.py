@@ -7,7 +7,10 @@ partitioner=fixed_size_partitioner(shards))` and
 `tf.compat.v1.nn.embedding_lookup(..., partition_strategy="div")` (the
 feature columns' strategy), so that each table's gradient is `IndexedSlices`;
 the embeddings concatenated, an MLP on top (`--hidden`, then 1 logit), a
-logistic loss, and Adagrad (a v1 optimizer).
+logistic loss, and Adagrad (a v1 optimizer). Its model_fn is
+`benchmarks.job_models.ctr_model_fn_for` (beside the MLP's, the same
+shape); this module holds its data and counts its bytes, without
+TensorFlow.
 
 The ids are power-law (Zipf) per field, so hot rows repeat in a batch, as
 in click logs; every task draws its own rows from its rank, the same on
@@ -35,7 +38,7 @@ from each of K tasks, gRPC adds framing.
 """
 
 import re
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -75,37 +78,6 @@ def batch(rank: int, rows: int, fields: int, rows_a_table: int,
     features[name] = spread[ranks].astype(np.int64)
   labels = (random.rand(rows, 1) < 0.25).astype(np.float32)
   return features, labels
-
-
-def model_fn_for(fields: int, rows_a_table: int, dim: int, shards: int,
-                 hidden: Iterable[int], learning_rate: float, wrap):
-  """The CTR model_fn; `wrap(optimizer)` -> (optimizer, hooks)."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  hidden = list(hidden)
-
-  def model_fn(features, labels, mode):
-    embedded = []
-    for name in field_names(fields):
-      table = tf.compat.v1.get_variable(
-          "embedding_" + name, [rows_a_table, dim], tf.float32,
-          initializer=tf.compat.v1.random_normal_initializer(stddev=0.05),
-          partitioner=tf.compat.v1.fixed_size_partitioner(shards))
-      embedded.append(tf.compat.v1.nn.embedding_lookup(
-          table, features[name], partition_strategy="div"))
-    net = tf.concat(embedded, axis=1)
-    for index, units in enumerate(hidden):
-      net = tf.compat.v1.layers.dense(net, units, tf.nn.relu,
-                                      name="hidden_{}".format(index))
-    logits = tf.compat.v1.layers.dense(net, 1, name="logit")
-    loss = tf.compat.v1.losses.sigmoid_cross_entropy(labels, logits)
-    optimizer, hooks = wrap(
-        tf.compat.v1.train.AdagradOptimizer(learning_rate))
-    train_op = optimizer.minimize(
-        loss, global_step=tf.compat.v1.train.get_or_create_global_step())
-    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
-                                      training_hooks=hooks)
-
-  return model_fn
 
 
 # --- bytes a step ------------------------------------------------------------

@@ -15,12 +15,12 @@ from typing import Callable, List, Sequence
 
 import tensorflow as tf
 
+from benchmarks import configs
 from replicate.communication import allreduce
 
 # The replicate_model_fn arguments of a hand-ring configuration, to which
 # `with_hand_ring` then applies.
-ARGUMENTS = {"variable_strategy": "replicated",
-             "all_reduce": allreduce.GATHER}
+ARGUMENTS = configs.REPLICATE_ARGUMENTS["handring"]
 
 
 def reduce(tensors: Sequence[tf.Tensor],

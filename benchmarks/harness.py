@@ -103,12 +103,6 @@ def prepare() -> None:
     tf.distribute.MirroredStrategy(devices=_devices(2))
 
 
-def check_model(name: str) -> None:
-  if name not in MODELS:
-    raise ValueError("Unknown model {!r}; the models are: {}.".format(
-        name, ", ".join(MODELS)))
-
-
 def failure(error: tf.errors.OpError) -> str:
   """What a failed cell's row says: the first line of TensorFlow's error.
 

@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 import replicate
-from benchmarks import pipelines
+from benchmarks import configs, pipelines
 
 WIDE_VOCABULARY = 100_000
 WIDE_IDS_PER_ROW = 8
@@ -228,6 +228,4 @@ MODELS: Dict[str, Model] = {
         "bn_convnet_plain: bn_convnet with non-fused batch norm", 64,
         _bn_convnet(fused=False), _dense_arrays),
 }
-# What `python -m benchmarks` runs by default (RESULTS.md); the batch-norm
-# models are for `sync_batch_norm` (SYNC_BN.md).
-DEFAULT_MODELS = ("mlp", "wide", "convnet", "dnn_classifier")
+DEFAULT_MODELS = configs.DEFAULT_MODELS  # what `python -m benchmarks` runs

@@ -27,14 +27,48 @@ import sys
 import time
 from typing import Dict, List, NamedTuple
 
+from benchmarks import cli
+from benchmarks import configs as configurations
+
+
+def make_parser():
+  """The command line; a bad value is a usage error naming its flag."""
+  parser = cli.parser("python -m benchmarks.profile", __doc__.splitlines()[0])
+  add = parser.add_argument
+  add("--models", metavar="NAMES", default="mlp,convnet,dnn_classifier",
+      type=cli.comma_list(cli.checked(configurations.check_model),
+                          twice=cli.ONCE),
+      help="comma-separated, from: " + ", ".join(
+          configurations.MODEL_NAMES))
+  add("--configs", metavar="NAMES",
+      default="single,replicate-2-ps,replicate-4-ps",
+      type=cli.comma_list(configurations.parse_config, twice=cli.ONCE),
+      help="comma-separated configurations (as python -m benchmarks names "
+      "them); the first is the reference")
+  add("--warmup", metavar="STEPS", type=cli.whole_number(1), default=10,
+      help="untimed, untraced steps first")
+  add("--timed", metavar="STEPS", type=cli.whole_number(1), default=50,
+      help="untraced steps timed, after the warm-up")
+  add("--traced", metavar="STEPS", type=cli.whole_number(1), default=20,
+      help="steps traced (FULL_TRACE) after the timed ones")
+  add("--top", metavar="N", type=cli.whole_number(1), default=12,
+      help="op types shown per table, the most time first")
+  add("--record", metavar="FILE", default=None,
+      help="also write the text to this file, e.g. benchmarks/PROFILE.md "
+      "(default: none)")
+  return parser
+
+
+if __name__ == "__main__":
+  # --help and a bad flag answer before TensorFlow's import, which
+  # takes seconds; main() parses the command line again.
+  make_parser().parse_args()
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
-from benchmarks import cli  # noqa: E402
-from benchmarks import configs as configurations  # noqa: E402
 from benchmarks import harness  # noqa: E402
-from benchmarks.models import MODELS  # noqa: E402
 
 # "node = OpType(inputs)", after a "[mklcpu 1.0MB 1.0MB] " for oneDNN kernels
 _LABEL = re.compile(r"^(?:\[[^]]*\] )?\S+ = (\w+)\(")
@@ -72,33 +106,6 @@ def main(argv=None):
   if args.record:
     with open(args.record, "w") as output:
       output.write(text + "\n")
-
-
-def make_parser():
-  """The command line; a bad value is a usage error naming its flag."""
-  parser = cli.parser("python -m benchmarks.profile", __doc__.splitlines()[0])
-  add = parser.add_argument
-  add("--models", metavar="NAMES", default="mlp,convnet,dnn_classifier",
-      type=cli.comma_list(cli.checked(harness.check_model),
-                          twice=cli.ONCE),
-      help="comma-separated, from: " + ", ".join(MODELS))
-  add("--configs", metavar="NAMES",
-      default="single,replicate-2-ps,replicate-4-ps",
-      type=cli.comma_list(configurations.parse_config, twice=cli.ONCE),
-      help="comma-separated configurations (as python -m benchmarks names "
-      "them); the first is the reference")
-  add("--warmup", metavar="STEPS", type=cli.whole_number(1), default=10,
-      help="untimed, untraced steps first")
-  add("--timed", metavar="STEPS", type=cli.whole_number(1), default=50,
-      help="untraced steps timed, after the warm-up")
-  add("--traced", metavar="STEPS", type=cli.whole_number(1), default=20,
-      help="steps traced (FULL_TRACE) after the timed ones")
-  add("--top", metavar="N", type=cli.whole_number(1), default=12,
-      help="op types shown per table, the most time first")
-  add("--record", metavar="FILE", default=None,
-      help="also write the text to this file, e.g. benchmarks/PROFILE.md "
-      "(default: none)")
-  return parser
 
 
 def profile(model: str, config: configurations.Config, warmup: int,

@@ -19,7 +19,7 @@ import re
 import sys
 from typing import Dict
 
-from benchmarks.models import MODELS
+from benchmarks import configs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "docs", "benchmarks.md")
@@ -76,8 +76,8 @@ def parse(results: str) -> Dict[str, Dict[str, Dict[str, str]]]:
   for line in results.splitlines():
     heading = re.match(r"^## (\w+): ", line)
     if heading or line.startswith("#"):
-      model = heading.group(1) if heading and heading.group(1) in MODELS else (
-          None)
+      named = heading.group(1) if heading else None
+      model = named if named in configs.MODEL_NAMES else None
       header = None
       if model:
         tables.setdefault(model, {})

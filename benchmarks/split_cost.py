@@ -19,11 +19,41 @@ import statistics
 import sys
 import time
 
+from benchmarks import cli
+
+
+def make_parser():
+  """The command line; a bad value is a usage error naming its flag."""
+  parser = cli.parser("python -m benchmarks.split_cost",
+                      __doc__.splitlines()[0])
+  parser.add_argument("--towers", metavar="N,...", default="1,2,4,8",
+                      type=cli.comma_list(cli.whole_number(1),
+                                          twice=cli.ONCE),
+                      help="comma-separated numbers of slices; must include "
+                      "1 (the whole batch, the reference) and divide --batch")
+  parser.add_argument("--batch", metavar="ROWS", type=cli.whole_number(1),
+                      default=256, help="rows of the whole batch")
+  parser.add_argument("--inputs", metavar="N", type=cli.whole_number(1),
+                      default=1024, help="the layer's inputs")
+  parser.add_argument("--units", metavar="N", type=cli.whole_number(1),
+                      default=1024, help="the layer's outputs")
+  parser.add_argument("--rounds", metavar="N", type=cli.whole_number(1),
+                      default=15,
+                      help="rounds of 20 steps per variant, interleaved")
+  parser.add_argument("--record", metavar="FILE", default=None,
+                      help="also write the table to this file, e.g. "
+                      "benchmarks/SPLIT_COST.md (default: none)")
+  return parser
+
+
+if __name__ == "__main__":
+  # --help and a bad flag answer before TensorFlow's import, which
+  # takes seconds; main() parses the command line again.
+  make_parser().parse_args()
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
-
-from benchmarks import cli  # noqa: E402
 
 
 def main(argv=None):
@@ -61,30 +91,6 @@ def main(argv=None):
   if args.record:
     with open(args.record, "w") as output:
       output.write(table + "\n")
-
-
-def make_parser():
-  """The command line; a bad value is a usage error naming its flag."""
-  parser = cli.parser("python -m benchmarks.split_cost",
-                      __doc__.splitlines()[0])
-  parser.add_argument("--towers", metavar="N,...", default="1,2,4,8",
-                      type=cli.comma_list(cli.whole_number(1),
-                                          twice=cli.ONCE),
-                      help="comma-separated numbers of slices; must include "
-                      "1 (the whole batch, the reference) and divide --batch")
-  parser.add_argument("--batch", metavar="ROWS", type=cli.whole_number(1),
-                      default=256, help="rows of the whole batch")
-  parser.add_argument("--inputs", metavar="N", type=cli.whole_number(1),
-                      default=1024, help="the layer's inputs")
-  parser.add_argument("--units", metavar="N", type=cli.whole_number(1),
-                      default=1024, help="the layer's outputs")
-  parser.add_argument("--rounds", metavar="N", type=cli.whole_number(1),
-                      default=15,
-                      help="rounds of 20 steps per variant, interleaved")
-  parser.add_argument("--record", metavar="FILE", default=None,
-                      help="also write the table to this file, e.g. "
-                      "benchmarks/SPLIT_COST.md (default: none)")
-  return parser
 
 
 def _graph(towers, batch, inputs, units):

@@ -75,6 +75,7 @@ def main(argv=None):
 def _job(args, rest):
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
   import across_workers_job as job  # pylint: disable=import-outside-toplevel
+  from benchmarks import job_timer  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tensorflow.python.client import timeline  # pylint: disable=import-outside-toplevel
 
@@ -82,18 +83,19 @@ def _job(args, rest):
     for line in text.splitlines():
       print("step_trace: " + line, flush=True)
 
-  class Traced(job._Timer):  # pylint: disable=protected-access
+  class Traced(job_timer.Timer):
 
-    def __init__(self, warmup):
-      super().__init__(warmup)
+    def __init__(self, warmup, traced=None):
+      # `traced`: the steps whose bytes the CTR runs count; none here.
+      super().__init__(warmup, traced)
       self._runs = 0
-      self._traced = 0
+      self._traced_runs = 0
       self._clock = None  # (wall, process CPU, run) after the traced
 
     def begin(self):
       super().begin()
       if json.loads(os.environ["TF_CONFIG"])["task"]["type"] != "chief":
-        self._traced = args.traced  # only the chief traces
+        self._traced_runs = args.traced  # only the chief traces
         return
       graph = tf.compat.v1.get_default_graph()
       ops = [op for op in graph.get_operations()
@@ -110,7 +112,7 @@ def _job(args, rest):
     def before_run(self, run_context):
       fetches = super().before_run(run_context).fetches
       self._runs += 1
-      if self._runs > args.warmup and self._traced < args.traced:
+      if self._runs > args.warmup and self._traced_runs < args.traced:
         return tf.compat.v1.train.SessionRunArgs(
             fetches, options=tf.compat.v1.RunOptions(
                 trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
@@ -131,22 +133,21 @@ def _job(args, rest):
       metadata = run_values.run_metadata
       if metadata is None or not metadata.step_stats.dev_stats:
         return
-      self._traced += 1
-      say(_summary(metadata.step_stats, self._traced))
+      self._traced_runs += 1
+      say(_summary(metadata.step_stats, self._traced_runs))
       if args.timeline:
         os.makedirs(args.timeline, exist_ok=True)
         with open(os.path.join(args.timeline, "{}_{}_{}.json".format(
-            args.mode, args.tasks_in_cluster, self._traced)), "w") as f:
+            args.mode, args.tasks_in_cluster, self._traced_runs)), "w") as f:
           f.write(timeline.Timeline(metadata.step_stats)
                   .generate_chrome_trace_format())
 
   tf_config = json.loads(os.environ["TF_CONFIG"])
   args.tasks_in_cluster = 1 + len(tf_config["cluster"].get("worker", []))
-  job._Timer = Traced  # pylint: disable=protected-access
   return job.main([args.mode] + rest + [
       "--batch", str(args.batch), "--towers", str(args.towers),
       "--warmup", str(args.warmup), "--steps",
-      str(args.traced + args.steps + 5)])
+      str(args.traced + args.steps + 5)], timer_class=Traced)
 
 
 def _task_name():

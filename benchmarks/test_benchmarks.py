@@ -15,10 +15,12 @@ import tensorflow as tf
 from tensorflow.core.framework import step_stats_pb2
 
 from benchmarks import __main__ as main
-from benchmarks import (across_workers, across_workers_ctr, allreduce_cost,
-                        cluster, configs, ctr_cost, ctr_model, harness,
-                        pipelines, plot, profile, readme, report, split_cost,
-                        step_cost_model)
+from benchmarks import (across_workers, across_workers_cost,
+                        across_workers_ctr, across_workers_ctr_report,
+                        across_workers_report,
+                        allreduce_cost, cluster, configs, ctr_cost,
+                        ctr_model, harness, pipelines, plot, profile, readme,
+                        report, results_md, split_cost, step_cost_model)
 from benchmarks.models import MODELS
 
 
@@ -652,8 +654,8 @@ def test_ctr_cost_at_100m_rows_and_16_workers():
 def test_results_md_holds_the_ctr_section_the_model_gives():
   with open(readme.RESULTS) as results:
     text = results.read()
-  probe = across_workers.probe_figures(
-      across_workers.read_data(text)["probes"]["2"])
+  probe = across_workers_cost.probe_figures(
+      results_md.read_data(text, across_workers_cost.DATA)["probes"]["2"])
   section = "\n".join(ctr_cost.section(probe["untimed"]))
   assert section in text, ("RESULTS.md's CTR section is not the model's; "
                            "run python -m benchmarks.across_workers "
@@ -664,8 +666,8 @@ def test_results_md_holds_the_ctr_section_the_model_gives():
 
 def test_docs_quote_the_ctr_sections_efficiencies():
   with open(readme.RESULTS) as results:
-    probe = across_workers.probe_figures(across_workers.read_data(
-        results.read())["probes"]["2"])
+    probe = across_workers_cost.probe_figures(results_md.read_data(
+        results.read(), across_workers_cost.DATA)["probes"]["2"])
   sentence = ctr_cost.summary(ctr_cost.rows(ctr_cost.ctr_model(),
                                             probe["untimed"]))
   with open(readme.README) as text:
@@ -710,7 +712,7 @@ def _across_workers_data():
 
 def test_across_workers_section_tables_and_round_trip():
   data = _across_workers_data()
-  text = across_workers.section(data)
+  text = across_workers_report.section(data)
   # 384 x 100 / 1 s and / 2 s: median 28,800 (19,200-38,400); x 1 task is
   # paired: 1/4 and 2/4.
   assert ("| replicate | 1 | 2 | 192 | 28,800 (19,200-38,400) | 15.0 "
@@ -730,35 +732,41 @@ def test_across_workers_section_tables_and_round_trip():
   assert "| 3 | failed |" in text
   data["notes"] = ["a hand-written remark."]
   data["runs"]["mwms x1"][0]["load"] = [1.5, 3.25]
-  text = across_workers.section(data)
+  text = across_workers_report.section(data)
   assert "\nNote: a hand-written remark.\n" in text
   assert "load average was 1.5 to 3.2 around the runs" in text
-  assert across_workers.read_data(text) == data
+  assert results_md.read_data(text, across_workers_cost.DATA) == data
 
 
 def test_results_md_keeps_its_model_tables_beside_the_section():
   with open(readme.RESULTS) as results:
     original = results.read()
-  new = across_workers.section(_across_workers_data())
-  text = across_workers.replace_section(original, new)
+  new = across_workers_report.section(_across_workers_data())
+  text = results_md.replace_section(original, new,
+                                    across_workers_report.SECTION)
   assert readme.parse(text) == readme.parse(original)
   assert readme.render(text) == readme.render(original)
   assert plot.read_results(text) == plot.read_results(original)
   # Replacing again changes nothing; the next `## ` heading ends it.
-  assert across_workers.replace_section(text, new) == text
+  assert results_md.replace_section(text, new,
+                                    across_workers_report.SECTION) == text
   later = text + "\n## another section\n\ntext\n"
-  assert across_workers.kept_section(later).strip() == new.strip()
-  assert across_workers.replace_section("# Results\n", new) == (
-      "# Results\n\n" + new.rstrip("\n") + "\n")
+  assert results_md.kept_section(
+      later, across_workers_report.SECTION).strip() == new.strip()
+  assert results_md.replace_section(
+      "# Results\n", new,
+      across_workers_report.SECTION) == ("# Results\n\n" + new.rstrip("\n") +
+                                         "\n")
 
 
 def test_recording_keeps_the_rest_of_the_file(tmp_path):
   path = tmp_path / "RESULTS.md"
   path.write_text("# Benchmark results\n\n## mlp: MLP\n\n| config |\n")
-  across_workers._publish(str(path), _across_workers_data())  # pylint: disable=protected-access
+  across_workers_report.publish(str(path), _across_workers_data())
   text = path.read_text()
   assert text.startswith("# Benchmark results\n\n## mlp: MLP\n\n| config |")
-  assert across_workers.read_data(text) == _across_workers_data()
+  assert results_md.read_data(
+      text, across_workers_cost.DATA) == _across_workers_data()
   assert across_workers.main(["--redraw", "--record", str(path)]) == 0
   assert path.read_text() == text
 
@@ -1062,7 +1070,7 @@ def test_ctr_section_rates_bytes_and_round_trip():
   data = _ctr_data()
   data["runs"]["hybrid x2"][0]["bytes"]["whole"].update(
       {"collective ops": 161, "received": 400_000, "sent": 600_000})
-  text = across_workers_ctr.section(data)
+  text = across_workers_ctr_report.section(data)
   # 1536 x 100 / 8 s = 19,200; 800,000 + 200,000 quarter bytes.
   assert ("| replicate | 2 | 0 | 4 | 384 | 19,200 | 80.0 | - | 1,000,000 | "
           "3,000,000 | 3,000,000 (-) / - / - | 800 |") in text
@@ -1085,28 +1093,32 @@ def test_ctr_section_rates_bytes_and_round_trip():
           "38,400).") in text
   assert "2 tasks: 768 rows look up 19,968 ids (8,759 distinct)" in text
   assert "40,330 x 16 (1,048,580 rows, 67.1 MB" in text
-  assert across_workers.read_data(text, across_workers_ctr.DATA) == data
+  assert results_md.read_data(text, across_workers_ctr_report.DATA) == data
   data["runs"]["mwms x2"][0]["wall"] = 30.4
   data["runs"]["hybrid x2"][0]["wall"] = 50.0
-  assert "; 1 repeat, the runs 80 s in all." in across_workers_ctr.section(
-      data)
-  assert across_workers.read_data(text) is None  # not the MLP's figures
+  assert ("; 1 repeat, the runs 80 s in all." in
+          across_workers_ctr_report.section(data))
+  assert results_md.read_data(
+      text, across_workers_cost.DATA) is None  # not the MLP's figures
 
 
 def test_the_ctr_section_sits_beside_the_mlp_section(tmp_path):
   with open(readme.RESULTS) as results:
     original = results.read()
-  mlp = across_workers.kept_section(original)
+  mlp = results_md.kept_section(original, across_workers_report.SECTION)
   path = tmp_path / "RESULTS.md"
   path.write_text(original)
-  across_workers_ctr.publish(str(path), _ctr_data())
+  across_workers_ctr_report.publish(str(path), _ctr_data())
   text = path.read_text()
-  assert across_workers.kept_section(text).strip() == mlp.strip()
+  assert results_md.kept_section(
+      text, across_workers_report.SECTION).strip() == mlp.strip()
   # Recording the MLP's section again keeps the blank line before this one.
-  again = across_workers.replace_section(text, mlp)
-  assert again == text and "-->\n\n" + across_workers_ctr.SECTION in again
-  assert across_workers.read_data(text) == across_workers.read_data(
-      original)
+  again = results_md.replace_section(text, mlp, across_workers_report.SECTION)
+  assert again == text
+  assert "-->\n\n" + across_workers_ctr_report.SECTION in again
+  assert results_md.read_data(text,
+                              across_workers_cost.DATA) == results_md.read_data(
+                                  original, across_workers_cost.DATA)
   assert readme.parse(text) == readme.parse(original)
   assert (tmp_path / "RESULTS_across_workers_ctr.png").exists()
   assert across_workers.main(["--model", "ctr", "--redraw", "--record",

@@ -10,13 +10,32 @@ number of ops in the graph.
 Run it with the tree to measure first on the path.
 """
 
+import argparse
 import sys
 import time
 
-import numpy as np
-import tensorflow as tf
+WAYS = ("minimize", "compute_gradients", "tf.gradients")
 
-import replicate
+
+def make_parser():
+  """The command line: which ways to time (all by default)."""
+  parser = argparse.ArgumentParser(
+      prog="python -m benchmarks.touched_gradients_timing",
+      description=__doc__.splitlines()[0])
+  parser.add_argument("ways", nargs="*", metavar="WAY", choices=WAYS,
+                      help="of {} (default: all)".format(", ".join(WAYS)))
+  return parser
+
+
+if __name__ == "__main__":
+  # --help and a bad way answer before TensorFlow's import, which takes
+  # seconds; main() parses the command line again.
+  make_parser().parse_args()
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import replicate  # noqa: E402
 
 STEPS, WARMUP, BATCH = 150, 20, 256
 
@@ -76,9 +95,9 @@ def step_time(way, strategy):
   return float(np.percentile(times, 10)), graph_ops
 
 
-def main():
+def main(argv=None):
+  ways = make_parser().parse_args(argv).ways or list(WAYS)
   print("replicate from", replicate.__file__)
-  ways = sys.argv[1:] or ["minimize", "compute_gradients", "tf.gradients"]
   for strategy in ("parameter_server", "replicated"):
     for way in ways:
       seconds, graph_ops = step_time(way, strategy)

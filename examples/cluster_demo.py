@@ -33,18 +33,30 @@ checkpoint is at --steps already, the chief says so, trains nothing and
 evaluates it.
 """
 
-import argparse
 import json
 import math
 import os
 import time
+
+import demo_flags
+
+
+def make_parser():
+  """The command line; a bad value is a usage error naming its flag."""
+  return demo_flags.cluster_parser(__doc__.splitlines()[0])
+
+
+if __name__ == "__main__":
+  # --help and a bad flag answer before TensorFlow's import, which takes
+  # seconds; main() parses the command line again.
+  make_parser().parse_args()
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
 import replicate  # noqa: E402
-from digits_demo import (_dataset, _digits, model_fn, positive,  # noqa: E402
+from digits_demo import (_dataset, _digits, model_fn,  # noqa: E402
                          quiet_tensorflow)
 
 
@@ -227,23 +239,6 @@ def _count(number, noun):
 
 def _parse_args(argv=None):
   return make_parser().parse_args(argv)
-
-
-def make_parser():
-  """The command line; a bad value is a usage error naming its flag."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--model-dir", metavar="DIR", required=True,
-                      help="shared by every task: checkpoints go here "
-                      "(required)")
-  parser.add_argument("--steps", metavar="N", type=positive, default=3000,
-                      help="global steps to train (default: %(default)s)")
-  parser.add_argument("--batch-size", metavar="ROWS", type=positive,
-                      default=128,
-                      help="each worker's batch (default: %(default)s)")
-  parser.add_argument("--progress-every", metavar="STEPS", type=positive,
-                      default=500, help="global steps between the chief's "
-                      "progress lines (default: %(default)s)")
-  return parser
 
 
 if __name__ == "__main__":

@@ -9,11 +9,23 @@ The model_fn is ordinary Estimator code; the one change is
     python examples/digits_demo.py --towers 2
 """
 
-import argparse
 import os
 import tempfile
 import time
 import warnings
+
+import demo_flags
+
+
+def make_parser():
+  """The command line; a bad value is a usage error naming its flag."""
+  return demo_flags.digits_parser(__doc__.splitlines()[0])
+
+
+if __name__ == "__main__":
+  # --help and a bad flag answer before TensorFlow's import, which takes
+  # seconds; main() parses the command line again.
+  make_parser().parse_args()
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -127,46 +139,9 @@ def main():
 
 def _parse_args(argv=None):
   args = make_parser().parse_args(argv)
-  if args.model_dir is None:
-    output = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                          "output")
-    os.makedirs(output, exist_ok=True)
-    args.model_dir = tempfile.mkdtemp(prefix="digits_", dir=output)
+  if args.model_dir is None:  # the summary names it; nothing in the checkout
+    args.model_dir = tempfile.mkdtemp(prefix="replicate_digits_")
   return args
-
-
-def make_parser():
-  """The command line; a bad value is a usage error naming its flag."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument(
-      "--towers", metavar="N", type=positive, default=2,
-      help="towers on a machine without GPUs: this many virtual CPU devices "
-      "(default: %(default)s); with GPUs every GPU is used")
-  parser.add_argument("--steps", metavar="N", type=positive, default=600,
-                      help="training steps (default: %(default)s)")
-  parser.add_argument("--batch-size", metavar="ROWS", type=positive,
-                      default=128, help="global batch size, split across "
-                      "towers (default: %(default)s)")
-  parser.add_argument(
-      "--model-dir", metavar="DIR", default=None,
-      help="where checkpoints and the SavedModel go (default: a new folder "
-      "under examples/output/)")
-  return parser
-
-
-def positive(text):
-  """An argparse type: a whole number of at least 1.
-
-  It raises ArgumentTypeError, which argparse reports naming the flag.
-  """
-  try:
-    value = int(text)
-  except ValueError:
-    value = 0
-  if value < 1:
-    raise argparse.ArgumentTypeError(
-        "must be a whole number of at least 1; received {!r}".format(text))
-  return value
 
 
 def _digits():

@@ -247,7 +247,7 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
   with context_lib.replication_context(
       layout, loss_reduction, tower_variables=tower_variables_lib.TowerVariables(
           tf.compat.v1.get_default_graph(), tower_devices,
-          is_replicated=strategy.copies_variables,
+          is_replicated=layout.is_replicated,
           updates_shared=strategy.is_first_task),
       batch_norm=batch_norm_sync(layout)) as context, \
       sync_batch_norm_lib.swapped(context):

@@ -69,7 +69,12 @@ def _scope_w(scope):
 
 def test_200_rebuilt_graphs_start_from_key_1_and_train_right():
   # Alternating 2 and 3 towers: group key 1 means 2 devices in one
-  # session and 3 in the next; each session resolves its own groups.
+  # session and 3 in the next; each session resolves its own groups. Every
+  # graph's keys are checked; a session trains the first 4 graphs and every
+  # 49th after them (both tower counts, late in the run too): the sessions
+  # were a third of this test's CPU time (33 s against 22 s), and each
+  # trains the same step.
+  trained = 0
   for rebuild in range(200):
     towers = 2 + rebuild % 2
     with tf.Graph().as_default() as graph:
@@ -82,6 +87,8 @@ def test_200_rebuilt_graphs_start_from_key_1_and_train_right():
       # The keys live in the ops alone: no collection keeps them.
       assert "replicate" not in " ".join(
           str(key) for key in graph.get_all_collection_keys())
+      if rebuild >= 4 and rebuild % 49:
+        continue
       with tf.compat.v1.Session(config=session_config(towers)) as session:
         _initialize(session)
         session.run(spec.train_op)
@@ -90,6 +97,8 @@ def test_200_rebuilt_graphs_start_from_key_1_and_train_right():
             if v.op.name == "tower_1/linear/w"][0]])
     np.testing.assert_allclose(w, ONE_STEP, rtol=1e-6)
     np.testing.assert_array_equal(copy, w)
+    trained += 1
+  assert trained == 8  # graphs 0-3, 49, 98, 147 and 196
 
 
 def _wide_model_fn(features, labels, mode):

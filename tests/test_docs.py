@@ -151,3 +151,60 @@ def test_json_blocks_parse(path):
   for language, code in blocks(path):
     if language == "json":
       json.loads(code)
+
+
+# The README is a guide: reference goes to docs/.
+README_MAX_LINES = 250
+
+
+def test_the_readme_stays_a_guide():
+  assert len((REPOSITORY / "README.md").read_text().splitlines()) <= (
+      README_MAX_LINES)
+
+
+def test_testing_md_counts_the_oracle_as_its_harness_does(monkeypatch):
+  monkeypatch.syspath_prepend(str(REPOSITORY / "tests" / "oracle"))
+  import oracle_harness  # pylint: disable=import-outside-toplevel
+  text = " ".join((REPOSITORY / "docs" / "testing.md").read_text().split())
+  full = "{:,}".format(len(oracle_harness.cells(full=True)))
+  assert "a zoo of {} `model_fn`s".format(len(oracle_harness.ZOO)) in text
+  assert ": {} cells".format(full) in text
+  assert "{} of the {} cells".format(len(oracle_harness.ci_cells()),
+                                     full) in text
+  assert "sample of the cross, {} cells".format(
+      len(oracle_harness.cells(full=False))) in text
+
+
+# Times are quoted once, in docs/testing.md, as the one recorded run; the
+# README and the Makefile point there instead of quoting their own.
+_TIME = re.compile(r"\b\d+(\.\d+)?\s*(minutes?|min)\b|~\s*\d+\s*min")
+
+
+def test_times_are_quoted_in_testing_md_alone():
+  for path in (REPOSITORY / "README.md", REPOSITORY / "Makefile"):
+    assert _TIME.findall(path.read_text()) == [], path.name
+
+
+def test_the_demo_prints_the_readme_summary(tmp_path):
+  """`make demo`'s run: the summary's lines as the README shows them (the
+  seeded figures exactly), its folders outside the checkout."""
+  readme = (REPOSITORY / "README.md").read_text()
+  sample = readme.split("```text\nSummary\n", 1)[1].split("```", 1)[0]
+  before = sorted(path for path in (REPOSITORY / "examples").rglob("*")
+                  if "__pycache__" not in path.parts)
+  done = subprocess.run(
+      [sys.executable, "examples/digits_demo.py", "--towers", "2"],
+      cwd=REPOSITORY, capture_output=True, text=True, timeout=900,
+      env=dict(_ENV, TMPDIR=str(tmp_path)))
+  assert done.returncode == 0, done.stderr[-3000:]
+  summary = done.stdout.split("\nSummary\n", 1)[1]
+  labels = [line[:21] for line in sample.splitlines()]
+  assert [line[:21] for line in summary.splitlines()] == labels
+  for label in ("test accuracy", "test loss", "predicted classes", "towers"):
+    [line] = [line for line in sample.splitlines() if label in line[:21]]
+    assert line in summary.splitlines()
+  [model_dir] = [line[21:] for line in summary.splitlines()
+                 if line.startswith("  model_dir")]
+  assert pathlib.Path(model_dir).parent == tmp_path
+  assert sorted(path for path in (REPOSITORY / "examples").rglob("*")
+                if "__pycache__" not in path.parts) == before

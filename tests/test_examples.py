@@ -57,7 +57,8 @@ def test_a_bad_value_is_a_usage_error_naming_its_flag(examples, name, argv,
                      "--batch-size ROWS global batch size, split across "
                      "towers (default: 128)",
                      "--model-dir DIR where checkpoints and the SavedModel "
-                     "go (default: a new folder under examples/output/)"]),
+                     "go (default: a new temporary folder, named in the "
+                     "summary)"]),
     ("cluster_demo", ["--model-dir DIR shared by every task: checkpoints go "
                       "here (required)",
                       "--steps N global steps to train (default: 3000)",

@@ -115,9 +115,9 @@ def test_the_long_description_links_only_to_absolute_addresses(wheel):
   prefix = "https://github.com/replicate-model-fn/replicate-model-fn/blob/main/"
   relative = [link for link in links if not link.startswith("https://")]
   assert relative == []
-  for link in links:  # each names a file of this checkout
+  for link in links:  # each names a file of this checkout (a section too)
     assert link.startswith(prefix), link
-    assert (REPOSITORY / link[len(prefix):]).is_file(), link
+    assert (REPOSITORY / link[len(prefix):].split("#")[0]).is_file(), link
 
 
 def test_every_module_imports_from_the_unpacked_wheel(wheel, tmp_path):
@@ -270,10 +270,15 @@ def test_a_broken_install_is_an_import_error_with_the_recipe(tmp_path, how,
       "`replicate-model-fn` (from its checkout: `pip install '.[cpu]'`).")
 
 
-def test_the_readme_gives_the_recipe_of_the_warning():
+def test_the_docs_give_the_recipe_of_the_warning():
+  # The README names the other project and links to docs/api.md's
+  # "Installing", which gives the symptoms and the recipe.
   readme = " ".join((REPOSITORY / "README.md").read_text().split())
-  assert _identity.RECIPE in readme
-  assert "AttributeError: module 'replicate' has no attribute" in readme
+  assert "Replicate.com API client" in readme
+  assert "(docs/api.md#installing)" in readme
+  api = " ".join((REPOSITORY / "docs" / "api.md").read_text().split())
+  assert _identity.RECIPE in api
+  assert "AttributeError: module 'replicate' has no attribute" in api
 
 
 def test_without_tensorflow_import_replicate_names_the_extras(tmp_path):

@@ -4,4 +4,6 @@
 - `batch_norm_sites`: each tower's sites, their moments and gradients
   combined by the last tower.
 - `batch_moments`: the arithmetic (Chan's combination by counts).
+- `user_moments`: a user's own `tf.nn.moments` over the batch axis made a
+  synchronized site while TRAIN towers are built.
 """

@@ -23,6 +23,8 @@ With ps tasks and `"replicated"` (embeddings on the ps tasks):
   `SparseReshape` to a shape with -1).
 
 Clusters with parameter servers:
+- `hybrid`: trained synchronously (`"replicated"`): what the `model_fn`
+  partitions on the ps tasks, everything else on every task;
 - `ps_cluster`: this worker's towers, where it sums, its hooks and Saver.
 - `session_hooks`: around the cluster's sessions (shutdown, restarts).
 

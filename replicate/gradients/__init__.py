@@ -12,5 +12,7 @@
 - `weighting`: each tower's weight (its share, or `loss_denominator`),
   and its loss weighted term by term (`loss_rule` reads the terms, with
   `loss_ops`; `term_weights` weighs them).
+- `gradient_weights`: which gradients passed to `apply_gradients` still
+  need the tower's weight (`tf.gradients`, a tape), weighted once.
 - `aggregation`: sums of dense and sparse gradients; towers without rows.
 """

@@ -9,7 +9,8 @@
   tensor; `layout_ops` how each op moves them, by family: `shape_layout`
   (shapes, ranges, reshapes, transposes), `slice_layout` (slices),
   `index_layout` (gathers, scatters, segment ops), `sparse_layout` (the
-  sparse ops of feature columns).
+  sparse ops of feature columns), `loop_layout` (TF 2 while loops, through
+  their bodies, and TensorLists).
 - `index_rules`: index ops (gathers, scatters, segment ops, ...) keep rows
   apart exactly when they map each row to itself (read from `row_layout`).
 - `declared`: the ops the user declares keep rows apart

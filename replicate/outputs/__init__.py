@@ -3,4 +3,8 @@
 - `specs`: the towers' specs combined: loss, TRAIN, EVAL, outputs.
 - `predictions`: predictions and export outputs put back together.
 - `metrics`: eval metrics over the whole batch.
+- `batch_inputs`: metric updates fed a value over the batch, fed the whole
+  batch's once.
+- `tpu_spec`: a `TPUEstimatorSpec`'s `eval_metrics` and `scaffold_fn`,
+  called once on the whole batch.
 """

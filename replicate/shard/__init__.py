@@ -7,7 +7,10 @@
 - `rows_meet`: ops that combine different rows of the batch (in-batch
   negatives, top_k over the batch, ...), and op types it does not know,
   refused with `replicate.all_rows`.
+- `batch_reductions`: reductions over the batch axis whose value flows
+  back into rows, combined over the towers (edited after the last tower).
 
-The op tables it reads (`row_ops`, `row_rules`) and the row analysis
-(`row_layout`, `index_rules`) are in `replicate.graph`, the ground floor.
+The op tables it reads (`row_ops`, `row_rules`), the row analysis
+(`row_layout`, `index_rules`) and the user's declarations (`declared`) are
+in `replicate.graph`, the ground floor.
 """

@@ -63,7 +63,7 @@ class ReplicationContext:
     self._sums_losses = sums_losses
     self.collections = tower_collections.TowerCollections(
         graph, layout.num_towers, sums_losses,
-        copies_variables=layout.strategy.copies_variables)
+        copies_variables=layout.is_replicated)
     # Loss weights per tower (1 for SUM, else the tower's share n_i / n,
     # built once, by the layout), and the denominators that may replace them.
     self.weights = weighting.TowerWeights(
