@@ -23,9 +23,13 @@ stay the tower's; so do the moments replicate's batch norm built (its
 own ops, by identity: `replicate.batch_norm.user_moments`) and reductions
 that are not over axis 0. A user's own `tf.nn.moments` over the batch axis
 is a synchronized batch-norm site in TRAIN, or refused; elsewhere its
-reductions are combined here like any other. Values are followed from what the spec
-returns (loss, predictions, export outputs, metrics), never through the
-backward pass.
+reductions are combined here like any other. Every op the tower built on
+its forward pass is looked at, whoever reads it (the spec's outputs, a
+metric update reached only through its variable's control edge, a summary,
+a hook's tensor, `UPDATE_OPS`): the decision is the op's, the same in
+every mode and for a static or unknown batch. The backward pass, and what
+is computed from it (clipping, the update), are not: they are the
+gradients' rule.
 
 On gradients: a tower differentiates its loss through its own partial
 result before the others exist, so a differentiable reduction (a float
@@ -41,7 +45,7 @@ an all-gather of each task's value (a step collective, which the train_op
 waits for, as every collective of the step).
 """
 
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import numpy as np
 import tensorflow as tf
@@ -58,12 +62,20 @@ _VARIABLE_OPS = frozenset(["VarHandleOp", "VariableV2", "Variable"])
 _SHAPE_OPS = frozenset(["Shape", "ShapeN", "Size", "Rank"])
 
 
-def combine(layout, progress, tower_specs, mode) -> None:
-  """Makes every tower's batch reductions flowing into rows the batch's."""
+def combine(layout, progress, tower_specs, mode,
+            is_backward: Callable[[tf.Operation], bool] = lambda op: False
+            ) -> None:
+  """Makes every tower's batch reductions flowing into rows the batch's.
+
+  `is_backward(op)`: whether TensorFlow built `op` in a backward pass
+  (`replicate.gradients.touched.is_backward`, handed down): the backward
+  pass and what is computed from it (clipping, the update) are the
+  gradients' rule, not values of the rows.
+  """
   if not layout.combines:
     return
-  found = [_reductions_into_rows(layout, progress, spec, index)
-           for index, spec in enumerate(tower_specs)]
+  found = [_reductions_into_rows(layout, progress, index, is_backward)
+           for index in range(layout.num_towers)]
   sites = []
   for name, op in found[0].items():
     ops = [op] + [found[index].get(name) for index in
@@ -86,29 +98,40 @@ def combine(layout, progress, tower_specs, mode) -> None:
           _tf.update_input(reader, index, value)
 
 
-def _reductions_into_rows(layout, progress, spec,
-                          index) -> Dict[str, tf.Operation]:
-  """{tower 0's name: op} of tower `index`'s reductions into rows."""
-  tower_ops = frozenset(progress.tower_ops[index])
+def _reductions_into_rows(layout, progress, index,
+                          is_backward) -> Dict[str, tf.Operation]:
+  """{tower 0's name: op} of tower `index`'s reductions into rows.
+
+  Every op the tower built forward counts, whoever reads it: the spec's
+  outputs, a metric's update reached only through its variable's control
+  edge, a summary, a hook's tensor, `UPDATE_OPS`, or nothing at all; the
+  decision is the op's, not its reader's.
+  """
   tower = layout.towers[index]
   shard = (tower.features, tower.labels)
-  tower_rows = rows_lib.TowerRows(shard, tower_ops)
+  forward = _forward_ops(progress, index, is_backward)
+  tower_rows = rows_lib.TowerRows(shard, forward)
   shard_tensors = _row_values(shard)
-  outputs = [value for value in tf.nest.flatten(
-      [spec.loss, spec.predictions, _export_tensors(spec.export_outputs),
-       spec.eval_metric_ops], expand_composites=True)
-             if isinstance(value, (tf.Tensor, tf.Operation))]
-  forward = set(graph_walk.ops_behind(outputs, within=tower_ops))
   found = {}
   for op in progress.tower_ops[index]:
     if (op not in forward or op.type not in _REDUCTIONS or
-        op in progress.own_ops or _tf.built_in_control_flow(op) or
+        _tf.built_in_control_flow(op) or
         not _reduces_axis0(op) or
-        not _from_row_values(op.inputs[0], shard_tensors, tower_ops)):
+        not _from_row_values(op.inputs[0], shard_tensors, forward)):
       continue
     if _flows_into_rows(op, forward, tower_rows):
       found[layout_lib.to_tower0_name(op.name, index)] = op
   return found
+
+
+def _forward_ops(progress, index, is_backward) -> frozenset:
+  """The ops of tower `index`'s forward pass: not replicate's own, not the
+  update tower 0 built, not a backward pass or what is computed from one."""
+  ops = [op for op in progress.tower_ops[index]
+         if op not in progress.own_ops and op not in progress.update_built]
+  backward = [op for op in ops if is_backward(op)]
+  after = graph_walk.ops_after(backward) if backward else set()
+  return frozenset(op for op in ops if op not in after)
 
 
 def _row_values(shard):
@@ -158,14 +181,6 @@ def _is_position(tensor) -> bool:
     return False  # list outputs: names do not map one to one
   name = arguments[tensor.value_index].name
   return "shape" in name or "indices" in name or name == "index"
-
-
-def _export_tensors(export_outputs):
-  values = []
-  for output in (export_outputs or {}).values():
-    for field in ("outputs", "scores", "classes", "value"):
-      values.append(getattr(output, field, None))
-  return values
 
 
 def _reduces_axis0(op) -> bool:

@@ -1,0 +1,169 @@
+"""Values over the batch are the whole batch's wherever they are read.
+
+guillaumegenthial/tf_ner's taggers (issue 38): `tf.sequence_mask(nwords)`
+hides a `reduce_max(nwords)`. On 6b12641 the batch reductions were found
+by walking back from the spec's outputs along data edges only, so a mask
+reaching a metric's update through its resource variable's control edge
+(EVAL), or a metric that feeds only a TRAIN `tf.summary.scalar`, kept the
+tower's own longest row: `InvalidArgumentError` at the first step whose
+towers' longest rows differ. Each test here compares the wrapped
+`model_fn` (2 and 3 towers, both strategies) with the unwrapped one.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from conftest import IS_TF1_BEHAVIOR, EVAL, PREDICT, TRAIN, cpus, session_config
+
+metrics = tf.compat.v1.metrics
+
+# Padded to the whole batch's longest (7), as `padded_batch` pads; every
+# tower's own longest is shorter in some tower, on 2 and on 3 towers.
+LENGTHS = np.array([2, 5, 3, 1, 7, 4, 2], np.int32)
+ROWS, PAD = len(LENGTHS), int(LENGTHS.max())
+VOCAB, TAGS, DIM = 11, 4, 3
+STRATEGIES = ["parameter_server", "replicated"]
+
+
+def _batch(seed):
+  rng = np.random.RandomState(seed)
+  mask = np.arange(PAD)[None, :] < LENGTHS[:, None]
+  tokens = rng.randint(1, VOCAB, size=(ROWS, PAD)).astype(np.int32) * mask
+  tags = rng.randint(0, TAGS, size=(ROWS, PAD)).astype(np.int32) * mask
+  return {"tokens": tokens, "lengths": LENGTHS}, tags
+
+
+def _variable(name, shape, seed):
+  values = np.random.RandomState(seed).uniform(-1, 1, shape)
+  return tf.compat.v1.get_variable(
+      name, shape, tf.float32,
+      initializer=tf.compat.v1.constant_initializer(values))
+
+
+def _tagger(features, labels, mode):
+  """A tf_ner-like tagger: a running sum over the tokens for an RNN, a
+  per-token loss masked by `tf.sequence_mask(lengths)` (no maxlen), metrics
+  weighted by a mask of their own, a TRAIN summary of a masked metric."""
+  lengths = features["lengths"]
+  embedded = tf.nn.embedding_lookup(_variable("embedding", [VOCAB, DIM], 1),
+                                    features["tokens"])
+  context = tf.cumsum(embedded, axis=1) + tf.cumsum(embedded, axis=1,
+                                                    reverse=True)
+  logits = tf.einsum("ntd,dk->ntk", tf.tanh(context),
+                     _variable("kernel", [DIM, TAGS], 2))
+  pred_ids = tf.argmax(logits, -1, output_type=tf.int32)
+  if mode == PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={"tags": pred_ids})
+  # As tf_ner: the masks are the batch's longest wide, the tags the padded
+  # width; equal on one device.
+  loss_mask = tf.sequence_mask(lengths, dtype=tf.float32)
+  token_losses = tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=labels, logits=logits)
+  loss = tf.reduce_sum(token_losses * loss_mask) / tf.reduce_sum(loss_mask)
+  weights = tf.sequence_mask(lengths)
+  eval_metric_ops = {
+      "acc": metrics.accuracy(labels, pred_ids, weights),
+      "recall": metrics.recall(labels > 0, pred_ids > 0, weights),
+      "fill": metrics.mean(tf.cast(lengths, tf.float32) /
+                           tf.cast(tf.reduce_max(lengths), tf.float32)),
+  }
+  if not IS_TF1_BEHAVIOR:
+    # tf_metrics' confusion matrices; under TF 1 behaviour the rows rule
+    # refuses their ScatterNd until it knows index ops (issue 38, item 7).
+    eval_metric_ops["mean_iou"] = metrics.mean_iou(labels, pred_ids, TAGS,
+                                                   weights=weights)
+  if mode == EVAL:
+    return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                      eval_metric_ops=eval_metric_ops)
+  for name in ("acc", "fill"):  # as tf_ner: the scalar updates
+    tf.compat.v1.summary.scalar(name, eval_metric_ops[name][1])
+  optimizer = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.5))
+  train_op = optimizer.minimize(
+      loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _run(model_fn, towers, mode, steps, strategy="parameter_server",
+         static=False):
+  """Runs `steps` batches (train steps or metric updates) of the batch,
+  of unknown (or static) size; returns what each step and the end give."""
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    first = _batch(0)
+    if static:
+      inputs = tf.nest.map_structure(
+          lambda v: tf.Variable(v, trainable=False, collections=[
+              tf.compat.v1.GraphKeys.LOCAL_VARIABLES]), first)
+      given = tf.nest.map_structure(tf.identity, inputs)
+    else:
+      inputs = given = tf.nest.map_structure(
+          lambda v: tf.compat.v1.placeholder(
+              tf.as_dtype(v.dtype), [None] + list(v.shape[1:])), first)
+    features, labels = given
+    if towers is not None:
+      model_fn = replicate.replicate_model_fn(
+          model_fn, devices=cpus(towers), variable_strategy=strategy)
+    spec = model_fn(features=features, labels=labels, mode=mode)
+    summaries = tf.compat.v1.summary.merge_all()
+    with tf.compat.v1.Session(config=session_config(towers or 1)) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      session.run(tf.compat.v1.local_variables_initializer())
+      steps_run = []
+      for step in range(steps):
+        batch = _batch(step)
+        if static:
+          for variable, value in zip(tf.nest.flatten(inputs),
+                                     tf.nest.flatten(batch)):
+            variable.load(value, session)
+          feed = None
+        else:
+          feed = dict(zip(tf.nest.flatten(inputs), tf.nest.flatten(batch)))
+        if mode == TRAIN:
+          fetches = [spec.train_op, spec.loss, summaries]
+        elif mode == EVAL:
+          fetches = [[u for _, u in spec.eval_metric_ops.values()],
+                     spec.loss]
+        else:
+          fetches = spec.predictions
+        steps_run.append(session.run(fetches, feed))
+      if mode == TRAIN:
+        end = {v.op.name: session.run(v)
+               for v in tf.compat.v1.trainable_variables()}
+      elif mode == EVAL:
+        end = session.run({k: v for k, (v, _) in
+                           spec.eval_metric_ops.items()})
+      else:
+        end = None
+  return steps_run, end
+
+
+def _summary_values(serialized):
+  summary = tf.compat.v1.Summary()
+  summary.ParseFromString(serialized)
+  return {value.tag: value.simple_value for value in summary.value}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("towers", [2, 3])
+def test_tagger_evaluates_as_one_device(towers, strategy):
+  _, expected = _run(_tagger, None, EVAL, 2)
+  _, got = _run(_tagger, towers, EVAL, 2, strategy)
+  assert sorted(got) == sorted(expected)
+  assert 0.3 < expected["fill"] < 0.5  # the issue's 0.41
+  for key, value in expected.items():
+    np.testing.assert_allclose(got[key], value, rtol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("towers", [2, 3])
+def test_tagger_trains_as_one_device(towers, strategy):
+  steps, expected = _run(_tagger, None, TRAIN, 3)
+  got_steps, got = _run(_tagger, towers, TRAIN, 3, strategy)
+  for name, value in expected.items():
+    np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+  for (_, loss, _), (_, got_loss, _) in zip(steps, got_steps):
+    np.testing.assert_allclose(got_loss, loss, rtol=1e-6)
