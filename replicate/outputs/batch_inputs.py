@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from replicate import _tf
 from replicate import graph_walk
+from replicate.shard import batch_reductions
 from replicate.shard import sharding
 
 _WRITE_TYPES = frozenset([
@@ -156,15 +157,9 @@ class _Finder:
     # when its width happens to be the shard's rows.
     op = tensor.op
     if op.type in _REDUCTIONS and len(op.inputs) == 2:
-      axes = tf.get_static_value(op.inputs[1])
-      source = op.inputs[0]
-      if axes is None:
-        return False
-      rank_in = source.shape.rank
-      axes = np.reshape(axes, [-1])
-      if rank_in is not None:
-        axes = np.mod(axes, max(rank_in, 1))
-      if 0 in axes and self._is_row(source):
+      # Axes known only when run are possibly the batch's.
+      over = batch_reductions.over_batch_axis(op)
+      if over is None or (over and self._is_row(op.inputs[0])):
         return False
     return True
 

@@ -45,7 +45,7 @@ an all-gather of each task's value (a step collective, which the train_op
 waits for, as every collective of the step).
 """
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -82,20 +82,48 @@ def combine(layout, progress, tower_specs, mode,
                   range(1, layout.num_towers)]
     if any(other is None for other in ops):
       continue  # not a reduction into rows in every tower: left alone
-    if mode == tf.estimator.ModeKeys.TRAIN and _is_differentiated(
-        op, tower_specs[0].loss, progress.tower_ops[0]):
+    differentiated = mode == tf.estimator.ModeKeys.TRAIN and (
+        _is_differentiated(op, tower_specs[0].loss, progress.tower_ops[0]))
+    if differentiated and over_batch_axis(op):
       raise ValueError(_gradient_refusal(name))
-    sites.append(ops)
+    sites.append((ops, differentiated))
   with progress.building_own_ops():
-    for ops in sites:
+    for ops, differentiated in sites:
       readers = [[(reader, index) for reader in op.outputs[0].consumers()
                   for index, tensor in enumerate(reader.inputs)
                   if tensor is op.outputs[0]] for op in ops]
       with tf.name_scope("batch_reduction_over_towers"):
-        value = _combined(ops, layout)
-      for reader_list in readers:
+        if over_batch_axis(ops[0]):
+          values = [_combined(ops, layout)] * len(ops)
+        else:
+          values = _if_over_batch_axis(ops, layout, differentiated)
+      for reader_list, value in zip(readers, values):
         for reader, index in reader_list:
           _tf.update_input(reader, index, value)
+
+
+def _if_over_batch_axis(ops, layout, differentiated) -> List[tf.Tensor]:
+  """Per tower, what reads its reduction of axes known only when run: the
+  towers' combined value if the axes include the batch's, else its own.
+
+  Differentiated (on the way to the loss), a run whose axes include the
+  batch's fails, with the refusal's message: the tower's gradient cannot be
+  the batch's. The combination is built inside the branch: towers' partial
+  results over other axes have their own rows, and cannot be stacked.
+  """
+  op = ops[0]
+  axes = tf.reshape(op.inputs[1], [-1])
+  rank = tf.maximum(tf.rank(op.inputs[0]), 1)
+  over_rows = tf.reduce_any(tf.equal(
+      tf.math.floormod(axes, tf.cast(rank, axes.dtype)), 0))
+  if differentiated:
+    check = tf.debugging.Assert(tf.logical_not(over_rows), [_gradient_refusal(
+        layout_lib.to_tower0_name(op.name, 0))])
+    with tf.control_dependencies([check]):
+      return [tf.identity(other.outputs[0]) for other in ops]
+  return [tf.cond(over_rows, lambda: _combined(ops, layout),
+                  lambda o=other: tf.identity(o.outputs[0]))
+          for other in ops]
 
 
 def _reductions_into_rows(layout, progress, index,
@@ -116,7 +144,7 @@ def _reductions_into_rows(layout, progress, index,
   for op in progress.tower_ops[index]:
     if (op not in forward or op.type not in _REDUCTIONS or
         _tf.built_in_control_flow(op) or
-        not _reduces_axis0(op) or
+        over_batch_axis(op) is False or
         not _from_row_values(op.inputs[0], shard_tensors, forward)):
       continue
     if _flows_into_rows(op, forward, tower_rows):
@@ -183,12 +211,21 @@ def _is_position(tensor) -> bool:
   return "shape" in name or "indices" in name or name == "index"
 
 
-def _reduces_axis0(op) -> bool:
-  """Whether the reduction's constant axes include dimension 0."""
+def over_batch_axis(op) -> Optional[bool]:
+  """Whether the reduction `op` reduces dimension 0 of its input: True or
+  False when its axes and its input's rank are known when built, None when
+  only the run knows (`axis=tf.compat.v1.placeholder_with_default(0, [])`).
+
+  The one check of a reduction's axes: `replicate.gradients.loss_ops` and
+  `replicate.outputs.batch_inputs` ask it too. None is "possibly the rows
+  axis": never taken for "not over the batch".
+  """
   rank = op.inputs[0].shape.rank
   axes = tf.get_static_value(op.inputs[1])
-  if axes is None or rank is None or rank == 0:
+  if rank == 0:
     return False
+  if axes is None or rank is None:
+    return None
   return any(int(axis) % rank == 0 for axis in np.ravel(axes))
 
 
