@@ -240,3 +240,39 @@ def test_a_differentiated_reduction_over_axes_known_when_run():
       for old, new in zip(before, after):
         np.testing.assert_array_equal(old, new)
       session.run(spec.train_op, {x: _X, y: _Y})
+
+
+# Predictions that are values over the batch ------------------------------
+
+
+def _batch_level_predictions(features, labels, mode):
+  del labels
+  x = features["x"]
+  total = tf.reduce_sum(x, axis=0)
+  return tf.estimator.EstimatorSpec(mode, predictions={
+      "total": total, "scaled": total * 2.0, "mean": tf.reduce_mean(x),
+      "centered": x - tf.reduce_mean(x, axis=0)})
+
+
+def _predicted(model_fn, static):
+  with tf.Graph().as_default():
+    x = tf.constant(_X) if static else tf.compat.v1.placeholder(
+        tf.float32, [None, 3])
+    spec = model_fn(features={"x": x}, labels=None, mode=PREDICT)
+    with tf.compat.v1.Session(config=session_config()) as session:
+      return session.run(spec.predictions, None if static else {x: _X})
+
+
+@pytest.mark.parametrize("static", [True, False])
+@pytest.mark.parametrize("towers", [2, 3])
+def test_a_prediction_over_the_batch_is_the_whole_batch_s(towers, static):
+  """On 6b12641: shape (towers * 3,) for an unknown batch, refused for a
+  known one."""
+  expected = _predicted(_batch_level_predictions, static)
+  got = _predicted(replicate.replicate_model_fn(
+      _batch_level_predictions, devices=cpus(towers)), static)
+  assert expected["total"].shape == (3,) and expected["mean"].shape == ()
+  for key, value in expected.items():
+    assert got[key].shape == value.shape, key
+    np.testing.assert_allclose(got[key], value, rtol=1e-6, atol=1e-7,
+                               err_msg=key)

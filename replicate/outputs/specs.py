@@ -32,7 +32,7 @@ ModeKeys = tf.estimator.ModeKeys
 
 def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
                   *, layout, progress, records, weights,
-                  variables) -> tf.estimator.EstimatorSpec:
+                  variables, whole_values=None) -> tf.estimator.EstimatorSpec:
   """The EstimatorSpec of the whole batch, from one spec per tower.
 
   The hand-off to step 6, after the towers are built and finished.
@@ -47,6 +47,9 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
     weights: their loss weights (`replicate.gradients.weighting.TowerWeights`).
     variables: what their variables are
       (`replicate.variables.tower_variables.TowerVariables`).
+    whole_values: the towers' reductions over the batch axis made the
+      whole batch's (`replicate.shard.batch_reductions.combine`'s), which a
+      prediction or export output that is one of them is instead.
 
   Returns:
     One `EstimatorSpec`: the batch's loss, the one `train_op` (every
@@ -62,7 +65,8 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
   fields["mode"] = mode
   fields["predictions"], fields["export_outputs"] = (
       predictions_lib.combine_outputs(tower_specs, layout,
-                                      frozenset(progress.tower_ops[0])))
+                                      frozenset(progress.tower_ops[0]),
+                                      whole_values))
   if tower_specs[0].loss is not None:
     fields["loss"] = _weighted_loss(tower_specs, weights, progress)
     if mode == ModeKeys.TRAIN:

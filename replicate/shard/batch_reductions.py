@@ -45,7 +45,7 @@ an all-gather of each task's value (a step collective, which the train_op
 waits for, as every collective of the step).
 """
 
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -64,42 +64,58 @@ _SHAPE_OPS = frozenset(["Shape", "ShapeN", "Size", "Rank"])
 
 def combine(layout, progress, tower_specs, mode,
             is_backward: Callable[[tf.Operation], bool] = lambda op: False
-            ) -> None:
+            ) -> Dict[Any, tf.Tensor]:
   """Makes every tower's batch reductions flowing into rows the batch's.
 
   `is_backward(op)`: whether TensorFlow built `op` in a backward pass
   (`replicate.gradients.touched.is_backward`, handed down): the backward
   pass and what is computed from it (clipping, the update) are the
   gradients' rule, not values of the rows.
+
+  Returns {a tower's reduction (`tensor.ref()`): the whole batch's value}:
+  what a spec's prediction or export output that is one of them is
+  instead (`replicate.outputs.predictions`).
   """
   if not layout.combines:
-    return
-  found = [_reductions_into_rows(layout, progress, index, is_backward)
-           for index in range(layout.num_towers)]
+    return {}
+  found = [_reductions_into_rows(layout, progress, index, is_backward,
+                                 _output_tensors(spec))
+           for index, spec in enumerate(tower_specs)]
   sites = []
-  for name, op in found[0].items():
-    ops = [op] + [found[index].get(name) for index in
+  for name, (op, into_rows) in found[0].items():
+    ops = [op] + [found[index].get(name, (None,))[0] for index in
                   range(1, layout.num_towers)]
     if any(other is None for other in ops):
       continue  # not a reduction into rows in every tower: left alone
     differentiated = mode == tf.estimator.ModeKeys.TRAIN and (
         _is_differentiated(op, tower_specs[0].loss, progress.tower_ops[0]))
-    if differentiated and over_batch_axis(op):
+    if differentiated and over_batch_axis(op) and into_rows:
       raise ValueError(_gradient_refusal(name))
-    sites.append((ops, differentiated))
+    # Only a prediction's on the loss's path: the spec's value is the
+    # batch's, the loss's path stays the tower's.
+    sites.append((ops, differentiated and into_rows,
+                  into_rows or not differentiated))
+  whole = {}
   with progress.building_own_ops():
-    for ops, differentiated in sites:
+    for ops, guarded, repoint in sites:
       readers = [[(reader, index) for reader in op.outputs[0].consumers()
                   for index, tensor in enumerate(reader.inputs)
                   if tensor is op.outputs[0]] for op in ops]
       with tf.name_scope("batch_reduction_over_towers"):
         if over_batch_axis(ops[0]):
           values = [_combined(ops, layout)] * len(ops)
+          # The same in every tower: not the tower's rows (for what reads
+          # it: a prediction, a write of state).
+          setattr(values[0].op, rows_lib.WHOLE_BATCH, True)
         else:
-          values = _if_over_batch_axis(ops, layout, differentiated)
-      for reader_list, value in zip(readers, values):
+          values = _if_over_batch_axis(ops, layout, guarded)
+      for op, reader_list, value in zip(ops, readers, values):
+        whole[op.outputs[0].ref()] = value
+        if not repoint:
+          continue
         for reader, index in reader_list:
           _tf.update_input(reader, index, value)
+  return whole
 
 
 def _if_over_batch_axis(ops, layout, differentiated) -> List[tf.Tensor]:
@@ -126,9 +142,12 @@ def _if_over_batch_axis(ops, layout, differentiated) -> List[tf.Tensor]:
           for other in ops]
 
 
-def _reductions_into_rows(layout, progress, index,
-                          is_backward) -> Dict[str, tf.Operation]:
-  """{tower 0's name: op} of tower `index`'s reductions into rows.
+def _reductions_into_rows(layout, progress, index, is_backward,
+                          outputs) -> Dict[str, tuple]:
+  """{tower 0's name: (op, whether into rows)} of tower `index`'s
+  reductions into rows, or into
+  `outputs` (the spec's predictions and export outputs), which are then the
+  whole batch's too, in every tower.
 
   Every op the tower built forward counts, whoever reads it: the spec's
   outputs, a metric's update reached only through its variable's control
@@ -147,9 +166,20 @@ def _reductions_into_rows(layout, progress, index,
         over_batch_axis(op) is False or
         not _from_row_values(op.inputs[0], shard_tensors, forward)):
       continue
-    if _flows_into_rows(op, forward, tower_rows):
-      found[layout_lib.to_tower0_name(op.name, index)] = op
+    into_rows = _flows_into_rows(op, forward, tower_rows)
+    if into_rows or op.outputs[0].ref() in outputs:
+      found[layout_lib.to_tower0_name(op.name, index)] = (op, into_rows)
   return found
+
+
+def _output_tensors(spec) -> frozenset:
+  """The refs of the spec's predictions and export outputs' tensors."""
+  values = [spec.predictions]
+  for output in (spec.export_outputs or {}).values():
+    values.extend(getattr(output, field, None) for field in (
+        "outputs", "scores", "classes", "value"))
+  return frozenset(t.ref() for t in tf.nest.flatten(values)
+                   if isinstance(t, tf.Tensor))
 
 
 def _forward_ops(progress, index, is_backward) -> frozenset:
@@ -239,13 +269,26 @@ def _flows_into_rows(op, forward, tower_rows) -> bool:
         if reader in forward and reader not in reached:
           reached.add(reader)
           pending.append(reader)
+  rows = tower_rows.static_count()
   for reader in reached - {op}:
     if not any(t.shape.rank != 0 for t in reader.outputs):
       continue  # a scalar: a loss, a denominator, a total
-    if any(t.op not in reached and tower_rows.depend([t])
-           for t in reader.inputs):
+    if any(t.op not in reached and _may_carry_rows(t, rows) and
+           tower_rows.depend([t]) for t in reader.inputs):
       return True
   return False
+
+
+def _may_carry_rows(tensor, rows) -> bool:
+  """Whether some axis of `tensor` may be the tower's rows: one of unknown
+  size, or of the shard's size. A shape known when built, on a batch whose
+  size is not (or of other sizes), is not rows: Keras' confusion
+  matrices' `[thresholds]` counts, from which a total is subtracted."""
+  shape = tensor.shape
+  if shape.rank is None:
+    return True
+  return any(tf.compat.dimension_value(size) in (None, rows)
+             for size in shape)
 
 
 def _is_differentiated(op, loss, tower_ops) -> bool:
