@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
-from conftest import IS_TF1_BEHAVIOR, EVAL, PREDICT, TRAIN, cpus, session_config
+from conftest import EVAL, PREDICT, TRAIN, cpus, session_config
 
 metrics = tf.compat.v1.metrics
 
@@ -69,11 +69,9 @@ def _tagger(features, labels, mode):
       "fill": metrics.mean(tf.cast(lengths, tf.float32) /
                            tf.cast(tf.reduce_max(lengths), tf.float32)),
   }
-  if not IS_TF1_BEHAVIOR:
-    # tf_metrics' confusion matrices; under TF 1 behaviour the rows rule
-    # refuses their ScatterNd until it knows index ops (issue 38, item 7).
-    eval_metric_ops["mean_iou"] = metrics.mean_iou(labels, pred_ids, TAGS,
-                                                   weights=weights)
+  # tf_metrics' confusion matrices (a ScatterNd), under TF 1 behaviour too.
+  eval_metric_ops["mean_iou"] = metrics.mean_iou(labels, pred_ids, TAGS,
+                                                 weights=weights)
   if mode == EVAL:
     return tf.estimator.EstimatorSpec(mode, loss=loss,
                                       eval_metric_ops=eval_metric_ops)

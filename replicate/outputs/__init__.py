@@ -3,4 +3,7 @@
 - `specs`: the towers' specs combined: loss, TRAIN, EVAL, outputs.
 - `predictions`: predictions and export outputs put back together.
 - `metrics`: eval metrics over the whole batch.
+- `batch_inputs`: metric updates fed a value over the batch, fed once.
+- `metric_rows`: a metric update no combination of the towers' gives,
+  computed once on the whole batch's rows.
 """

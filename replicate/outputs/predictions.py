@@ -110,7 +110,7 @@ class _Combiner:
       # Keep each tower's real rows: none from a tower on a stand-in row.
       sizes = self._sizes_for(tensors[0])
       tensors = [t[:sizes[i]] for i, t in enumerate(tensors)]
-    return _concat_padded(tensors)
+    return concat_padded(tensors)
 
   def _sizes_for(self, tensor):
     """The rows per tower of the input `tensor` (tower 0's) is made from.
@@ -148,7 +148,7 @@ class _Combiner:
                 name, index, value_rows, rows, tensor))
 
 
-def _concat_padded(tensors):
+def concat_padded(tensors):
   """The towers' values along dimension 0, each first padded to the widest.
 
   A dimension past 0 that the towers' static shapes do not agree on is

@@ -76,7 +76,10 @@ def check(context, spec: tf.estimator.EstimatorSpec,
                    frozenset(context.progress.tower_ops[0]))
   rules = row_rules.ROW_COMBINING
   known, library = len(row_ops.KEEPS_ROWS_APART) + len(rules), None
+  off_path = _off_the_gradient_path(spec, within)
   for op in graph_walk.ops_behind(_outputs_of(spec), within=within):
+    if off_path(op):
+      continue
     rule = rules.get(op.type)
     if rule is not None:
       why = rule(finder, op)
@@ -114,6 +117,22 @@ _UNKNOWN = (
     "silently unlike one device. Fix: compute it on the whole batch and take "
     "the tower's rows back, e.g. y = my_op(replicate.all_rows(x))"
     "[replicate.row_offset():][:tf.shape(x)[0]].")
+
+
+def _off_the_gradient_path(spec, within):
+  """A test of an op: whether it feeds metrics only, not the loss nor a
+  prediction. There an op that combines rows, or that the rule does not
+  know (a `py_func` corpus score, a median), is not refused: a metric's
+  update fed a value over the batch that no combination of the towers'
+  values gives is computed once, on the whole batch's rows
+  (`replicate.outputs.metric_rows`), and one fed per-row values sums them
+  (as under TF 2, where a metric's writes are reached through control
+  edges only, the same decision under TF 1)."""
+  kept = set(graph_walk.ops_behind(
+      [v for v in tf.nest.flatten([spec.loss, spec.predictions],
+                                  expand_composites=True)
+       if isinstance(v, (tf.Tensor, tf.Operation))], within=within))
+  return lambda op: op not in kept
 
 
 def _data_inputs(op):
