@@ -77,6 +77,14 @@ def _tagger(features, labels, mode):
                                       eval_metric_ops=eval_metric_ops)
   for name in ("acc", "fill"):  # as tf_ner: the scalar updates
     tf.compat.v1.summary.scalar(name, eval_metric_ops[name][1])
+  # Values over the batch: the loss, a mean over the rows, one of a mask.
+  tf.compat.v1.summary.scalar("loss", loss)
+  tf.compat.v1.summary.scalar("mean_length", tf.reduce_mean(
+      tf.cast(lengths, tf.float32)))
+  tf.compat.v1.summary.scalar("token_accuracy", tf.reduce_sum(
+      tf.cast(tf.equal(pred_ids, labels), tf.float32) * loss_mask) /
+                              tf.reduce_sum(loss_mask))
+  tf.compat.v1.summary.histogram("lengths", lengths)  # rows: tower 0's
   optimizer = replicate.TowerOptimizer(
       tf.compat.v1.train.GradientDescentOptimizer(0.5))
   train_op = optimizer.minimize(
@@ -163,8 +171,14 @@ def test_tagger_trains_as_one_device(towers, strategy):
   for name, value in expected.items():
     np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6,
                                err_msg=name)
-  for (_, loss, _), (_, got_loss, _) in zip(steps, got_steps):
+  for (_, loss, summary), (_, got_loss, got_summary) in zip(steps, got_steps):
     np.testing.assert_allclose(got_loss, loss, rtol=1e-6)
+    values, got_values = (_summary_values(summary),
+                          _summary_values(got_summary))
+    assert sorted(got_values) == sorted(values)
+    for tag in ("loss", "mean_length", "token_accuracy"):
+      np.testing.assert_allclose(got_values[tag], values[tag], rtol=1e-6,
+                                 err_msg=tag)
 
 
 # Reductions whose axes only the run knows ---------------------------------

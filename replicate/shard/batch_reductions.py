@@ -45,7 +45,7 @@ an all-gather of each task's value (a step collective, which the train_op
 waits for, as every collective of the step).
 """
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -60,6 +60,11 @@ _NOT_DIFFERENTIATED = frozenset(["StopGradient", "PreventGradient"])
 _VARIABLE_OPS = frozenset(["VarHandleOp", "VariableV2", "Variable"])
 # A tensor's shape is not its rows: `tf.reduce_prod(tf.shape(x)[1:])`.
 _SHAPE_OPS = frozenset(["Shape", "ShapeN", "Size", "Rank"])
+# What `tf.compat.v1.summary.*` builds: a value over the batch it shows is
+# the whole batch's (a tensor with rows stays tower 0's).
+SUMMARY_TYPES = frozenset([
+    "ScalarSummary", "HistogramSummary", "ImageSummary", "AudioSummary",
+    "AudioSummaryV2", "TensorSummary", "TensorSummaryV2"])
 
 
 def combine(layout, progress, tower_specs, mode,
@@ -78,8 +83,7 @@ def combine(layout, progress, tower_specs, mode,
   """
   if not layout.combines:
     return {}
-  found = [_reductions_into_rows(layout, progress, index, is_backward,
-                                 _output_tensors(spec))
+  found = [_reductions_into_rows(layout, progress, index, is_backward, spec)
            for index, spec in enumerate(tower_specs)]
   sites = []
   for name, (op, into_rows) in found[0].items():
@@ -111,9 +115,9 @@ def combine(layout, progress, tower_specs, mode,
           values = _if_over_batch_axis(ops, layout, guarded)
       for op, reader_list, value in zip(ops, readers, values):
         whole[op.outputs[0].ref()] = value
-        if not repoint:
-          continue
         for reader, index in reader_list:
+          if not repoint and reader.type not in SUMMARY_TYPES:
+            continue  # the loss's path stays the tower's
           _tf.update_input(reader, index, value)
   return whole
 
@@ -143,11 +147,11 @@ def _if_over_batch_axis(ops, layout, differentiated) -> List[tf.Tensor]:
 
 
 def _reductions_into_rows(layout, progress, index, is_backward,
-                          outputs) -> Dict[str, tuple]:
+                          spec) -> Dict[str, tuple]:
   """{tower 0's name: (op, whether into rows)} of tower `index`'s
-  reductions into rows, or into
-  `outputs` (the spec's predictions and export outputs), which are then the
-  whole batch's too, in every tower.
+  reductions into rows, into the spec's predictions and export outputs, or
+  into a summary off the loss's path, which are then the whole batch's
+  too, in every tower.
 
   Every op the tower built forward counts, whoever reads it: the spec's
   outputs, a metric's update reached only through its variable's control
@@ -159,6 +163,9 @@ def _reductions_into_rows(layout, progress, index, is_backward,
   forward = _forward_ops(progress, index, is_backward)
   tower_rows = rows_lib.TowerRows(shard, forward)
   shard_tensors = _row_values(shard)
+  loss_path = (frozenset(graph_walk.ops_behind([spec.loss], within=forward))
+               if spec.loss is not None else frozenset())
+  outputs = _output_tensors(spec)
   found = {}
   for op in progress.tower_ops[index]:
     if (op not in forward or op.type not in _REDUCTIONS or
@@ -166,8 +173,11 @@ def _reductions_into_rows(layout, progress, index, is_backward,
         over_batch_axis(op) is False or
         not _from_row_values(op.inputs[0], shard_tensors, forward)):
       continue
-    into_rows = _flows_into_rows(op, forward, tower_rows)
-    if into_rows or op.outputs[0].ref() in outputs:
+    into_rows, summarized = _flows_into_rows(op, forward, tower_rows)
+    # On the loss's path a summary's value is the loss rule's: a summary of
+    # the loss reads the combined loss (`replicate.outputs.specs`).
+    summarized = summarized and op not in loss_path
+    if into_rows or summarized or op.outputs[0].ref() in outputs:
       found[layout_lib.to_tower0_name(op.name, index)] = (op, into_rows)
   return found
 
@@ -259,8 +269,9 @@ def over_batch_axis(op) -> Optional[bool]:
   return any(int(axis) % rank == 0 for axis in np.ravel(axes))
 
 
-def _flows_into_rows(op, forward, tower_rows) -> bool:
-  """Whether the op's value reaches an op with rows from elsewhere too."""
+def _flows_into_rows(op, forward, tower_rows) -> Tuple[bool, bool]:
+  """Whether the op's value reaches an op with rows from elsewhere too;
+  whether it reaches a summary (which then shows the whole batch's)."""
   reached = {op}
   pending = [op]
   while pending:
@@ -270,13 +281,14 @@ def _flows_into_rows(op, forward, tower_rows) -> bool:
           reached.add(reader)
           pending.append(reader)
   rows = tower_rows.static_count()
+  summarized = any(reader.type in SUMMARY_TYPES for reader in reached)
   for reader in reached - {op}:
     if not any(t.shape.rank != 0 for t in reader.outputs):
       continue  # a scalar: a loss, a denominator, a total
     if any(t.op not in reached and _may_carry_rows(t, rows) and
            tower_rows.depend([t]) for t in reader.inputs):
-      return True
-  return False
+      return True, summarized
+  return False, summarized
 
 
 def _may_carry_rows(tensor, rows) -> bool:
