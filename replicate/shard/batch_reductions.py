@@ -15,8 +15,11 @@ batch's in every tower, as on one device.
 
 On what is not this module's: only a reduction whose value reaches an op
 with rows again (an op of rank >= 1 with another input computed from the
-rows) counts. A reduction that only flows into scalars (the loss, a
-denominator of it, a metric's total) is the loss rule's and the metrics';
+rows, of a shape that may hold them), is a prediction or an export output
+itself (which then is the whole batch's, static or unknown batch alike),
+or reaches a `tf.compat.v1.summary.*` off the loss's path, counts. A
+reduction that only flows into scalars (the loss, a denominator of it, a
+metric's total) is the loss rule's and the metrics';
 reductions inside a TF 1 loop or a function body (beam search's "are my rows
 done", whose width is padded instead, see `replicate.outputs.predictions`)
 stay the tower's; so do the moments replicate's batch norm built (its
