@@ -37,6 +37,7 @@ from replicate.shard import batch_reductions
 from replicate.shard import sharding
 from replicate.outputs import specs as specs_lib
 from replicate.outputs import tpu_spec
+from replicate.gradients import touched
 from replicate.variables import strategies
 from replicate.batch_norm import sync_batch_norm as sync_batch_norm_lib
 from replicate.variables import tower_variables as tower_variables_lib
@@ -274,10 +275,12 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
       report.log_per_tower_batch_norm(context.batch_norm.per_tower_labels,
                                       num_towers)
     rows_meet.check(context, tower_specs[0], batch_calls.whole_batch_ops())
-    batch_reductions.combine(layout, context.progress, tower_specs, mode)
+    whole_values = batch_reductions.combine(
+        layout, context.progress, tower_specs, mode,
+        is_backward=touched.is_backward)
     with context.progress.building_own_ops():
       batch_calls.connect_batch(layout)
     return specs_lib.combine_specs(
         mode, tower_specs, layout=layout, progress=context.progress,
         records=context.records, weights=context.weights,
-        variables=context.variables)
+        variables=context.variables, whole_values=whole_values)

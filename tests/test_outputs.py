@@ -1,8 +1,9 @@
 """Predictions and export outputs that are not batch-major.
 
 A value that does not depend on the rows comes back whole, as unwrapped; a
-value computed from the rows without a batch dimension is refused in
-`predictions` and never breaks `predict()` from `export_outputs`.
+reduction over the rows is the whole batch's; any other value computed from
+the rows without a batch dimension (a median) is refused in `predictions`
+and never breaks `predict()` from `export_outputs`.
 """
 
 import numpy as np
@@ -34,6 +35,7 @@ def _model_fn(features, labels, mode):
           # What one device computes over the whole batch: no batch dimension.
           "stats": tf.estimator.export.PredictOutput(
               {"mean_score": tf.reduce_mean(scores),
+               "median_score": _median(scores),
                "class_names": tf.constant(["cat", "dog", "bird"])}),
       })
 
@@ -74,13 +76,17 @@ def test_an_export_output_without_rows_does_not_break_predictions(towers):
   np.testing.assert_array_equal(got_scores, scores)
   np.testing.assert_array_equal(got_exported, exported_scores)
   assert list(got_names) == list(class_names) == [b"cat", b"dog", b"bird"]
-  # The multi-tower graph has no value for the mean over the whole batch:
-  # asking for it fails, naming it, rather than giving tower 0's mean.
+  # A reduction over the rows is the whole batch's; the multi-tower graph
+  # has no value for a median of the whole batch: asking for it fails,
+  # naming it, rather than giving tower 0's median.
+  fetch = lambda spec: spec.export_outputs["stats"].outputs["mean_score"]
+  assert _run(_wrapped(towers), towers, fetch) == pytest.approx(
+      _run(_model_fn, 1, fetch), rel=1e-6)
   with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=r"export_outputs\[.*stats.*\]\[.*mean_score.*\] "
+                     match=r"export_outputs\[.*stats.*\]\[.*median_score.*\] "
                      r"is computed from each tower.*s rows but is a scalar"):
     _run(_wrapped(towers), towers,
-         lambda spec: spec.export_outputs["stats"].outputs["mean_score"])
+         lambda spec: spec.export_outputs["stats"].outputs["median_score"])
 
 
 @pytest.mark.parametrize("towers", [2, 3])
@@ -100,30 +106,44 @@ def test_estimator_predict_ignores_an_export_output_without_rows(
     np.testing.assert_array_equal(got["scores"], expected["scores"])
 
 
-def test_a_prediction_reduced_over_the_rows_is_refused(graph):
+def _median(x):
+  """A value over the rows that is no reduction: nothing to combine."""
+  ordered = tf.sort(tf.reshape(x, [-1]))
+  return ordered[tf.size(ordered) // 2]
+
+
+def test_a_prediction_that_is_no_reduction_over_the_rows_is_refused(graph):
   def model_fn(features, labels, mode):
     del labels
+    # The square root of a sum over the rows: made from a reduction, not one.
     return tf.estimator.EstimatorSpec(
-        mode, predictions={"mean_logit": tf.reduce_mean(features["x"] * 2.0)})
+        mode, predictions={"norm": tf.norm(features["x"] * 2.0)})
 
-  with pytest.raises(ValueError, match=r"predictions\['mean_logit'\] is "
+  with pytest.raises(ValueError, match=r"predictions\['norm'\] is "
                      r"computed from each tower's rows but is a scalar.*"
                      r"Return a value with one row per input row"):
     _wrapped(2, model_fn)({"x": tf.constant(X)}, None, PREDICT)
 
 
-def test_a_prediction_reduced_over_the_batch_axis_is_refused(graph):
-  def model_fn(features, labels, mode):
-    del labels
-    logits = tf.concat([features["x"], -features["x"]], axis=1)
-    # Shape [2], not [batch, ...]: one value per class.
-    return tf.estimator.EstimatorSpec(
-        mode, predictions=tf.reduce_mean(logits, axis=0))
+def _reduced(features, labels, mode):
+  del labels
+  logits = tf.concat([features["x"], -features["x"]], axis=1)
+  # Shape [2], not [batch, ...]: one value per class; and a scalar.
+  return tf.estimator.EstimatorSpec(mode, predictions={
+      "per_class": tf.reduce_mean(logits, axis=0),
+      "mean_logit": tf.reduce_mean(features["x"] * 2.0)})
 
-  with pytest.raises(ValueError, match=r"predictions is computed from each "
-                     r"tower's rows but tower 0's value has 2 rows where its "
-                     r"shard has 3"):
-    _wrapped(3, model_fn)({"x": tf.constant(X)}, None, PREDICT)
+
+@pytest.mark.parametrize("towers", [2, 3])
+def test_a_prediction_reduced_over_the_batch_axis_is_the_whole_batch_s(
+    towers):
+  """Refused on 6b12641 (a batch of known size; of unknown size it came
+  back with the towers' values concatenated: tests/test_batch_levels.py)."""
+  expected = _run(_reduced, 1, lambda spec: spec.predictions)
+  got = _run(_wrapped(towers, _reduced), towers, lambda spec: spec.predictions)
+  np.testing.assert_allclose(expected["per_class"], [3.0, -3.0])
+  for key, value in expected.items():
+    np.testing.assert_allclose(got[key], value, rtol=1e-6, err_msg=key)
 
 
 def _folded_shape_model_fn(features, labels, mode):

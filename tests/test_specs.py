@@ -156,8 +156,9 @@ def test_predictions_and_export_outputs_line_up_with_input_rows(graph):
 
 def test_scalar_predictions_cannot_be_put_back_together(graph):
   def model_fn(features, labels, mode):
+    # Not a reduction (whose value over the whole batch replicate gives).
     return tf.estimator.EstimatorSpec(
-        mode, predictions={"total": tf.reduce_sum(features)})
+        mode, predictions={"total": tf.norm(features)})
 
   with pytest.raises(ValueError, match=r"predictions\[.total.\] is computed "
                      r"from each tower.s rows but is a scalar"):

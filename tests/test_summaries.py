@@ -1,7 +1,9 @@
 """Summaries made in the model_fn: once each, under their own tags.
 
-Each summary holds tower 0's shard (as MirroredStrategy records the first
-replica's); towers 1..N-1 add no `tower_i/...` copies.
+A summary of a value over the batch (the loss, a mean over the rows) holds
+the whole batch's, as one device's; one of per-row values holds tower 0's
+shard (as MirroredStrategy records the first replica's); towers 1..N-1
+add no `tower_i/...` copies.
 """
 
 import glob
@@ -57,12 +59,13 @@ def test_each_summary_is_made_once_with_tower0s_shard(towers):
   got_names, got_values = _summaries(replicate.replicate_model_fn(
       _model_fn, devices=cpus(towers)))
   assert got_names == names
-  # Tower 0's shard: 4 of 7 rows with 2 towers, 3 with 3 towers; with the
-  # weight at 0 its loss is the mean of y^2 = (2r)^2 over its rows.
-  tower0_rows = 4 if towers == 2 else 3
-  assert got_values["inputs/rows"] == tower0_rows
-  assert got_values["my_loss"] == pytest.approx(
-      np.mean(Y[:tower0_rows] ** 2))
+  # The loss is the whole batch's (tower 0's shard's on 6b12641): with the
+  # weight at 0, the mean of y^2 = (2r)^2 over the 7 rows. A count of rows
+  # is not a reduction: tower 0's shard's, 4 of 7 rows with 2 towers, 3
+  # with 3 towers.
+  assert got_values["my_loss"] == pytest.approx(np.mean(Y ** 2))
+  assert got_values["my_loss"] == pytest.approx(values["my_loss"])
+  assert got_values["inputs/rows"] == (4 if towers == 2 else 3)
 
 
 def _event_tags(model_dir):

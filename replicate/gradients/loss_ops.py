@@ -7,6 +7,8 @@ import re
 
 import tensorflow as tf
 
+from replicate.shard import batch_reductions
+
 PASS = ("Identity", "Snapshot")
 SHAPED = ("Reshape", "Squeeze", "ExpandDims")
 DIVS = ("RealDiv", "Div", "DivNoNan", "TrueDiv")
@@ -60,11 +62,10 @@ def reduces_batch_axis(op) -> bool:
   rows, whose result a sum or mean over "rows" would misread)."""
   if op.type not in ("Sum", "Mean", "Max", "Min", "Prod", "All", "Any"):
     return False
-  rank = op.inputs[0].shape.rank
-  axes = tf.get_static_value(op.inputs[1])
-  if axes is None or not rank:
-    return True
-  return 0 in {int(a) % rank for a in list(axes.reshape(-1))}
+  if op.inputs[0].shape.rank == 0:
+    return True  # a reduction of a value already over the batch
+  # Axes known only when run: possibly the batch's.
+  return batch_reductions.over_batch_axis(op) is not False
 
 
 def reciprocal_of(t):

@@ -14,8 +14,9 @@ row only:
   `SparseSegment*`) into an output with one entry per row passes when the
   row each value goes to is the row it comes from; one into an output
   without rows (a confusion matrix, per-class sums keyed by labels) sums
-  over the rows: `sums_rows` (the caller passes it where only metrics read
-  it, whose totals are sums over the towers, and refuses it elsewhere);
+  over the rows (passed where only metrics read it, whose totals are sums
+  over the towers: `replicate.shard.rows_meet` skips what only metrics
+  read; refused elsewhere);
 - `Where`, `Unique`, `DynamicPartition`, `DynamicStitch` and the sparse
   ops of feature columns (`SparseCross*`, `SparseReshape`,
   `SparseFillEmptyRows`, ...) select or label entries: their outputs carry
@@ -111,11 +112,6 @@ RULES = {
     **dict.fromkeys(index_layout.SEGMENT_TYPES +
                     index_layout.SPARSE_SEGMENT_TYPES, _segment_reason),
 }
-
-
-def sums_rows(why: str) -> bool:
-  """Whether `why` is a sum over rows into entries without rows."""
-  return why.startswith(SUMS_ROWS.split("{")[0])
 
 
 def reason(layout, op) -> Optional[str]:

@@ -7,4 +7,6 @@
   batch's once.
 - `tpu_spec`: a `TPUEstimatorSpec`'s `eval_metrics` and `scaffold_fn`,
   called once on the whole batch.
+- `metric_rows`: a metric update no combination of the towers' gives,
+  computed once on the whole batch's rows.
 """

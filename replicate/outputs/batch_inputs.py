@@ -17,9 +17,9 @@ whole batch's value, combined from the towers' values, and it alone runs:
   averaged. A value computed from such reductions (`sum / count`) is then
   one device's too, since tower 0 computes it from the combined ones.
 Anything else made from the rows without a row dimension (a `py_func`
-corpus score, a median, a `top_k`) is refused with the fix: a
-`TPUEstimatorSpec` whose `eval_metrics` metric_fn gets the per-row tensors
-and is called once on the whole batch (see `replicate.outputs.tpu_spec`).
+corpus score, a median, a `top_k`) is of kind "rows": tower 0's update is
+then computed once on the whole batch's rows (`replicate.outputs.
+metric_rows`), as a `TPUEstimatorSpec`'s `eval_metrics` metric_fn is.
 
 "From the rows" is `replicate.shard.rows`'s rule. A row tensor has rank 1 or
 more and dimension 0 the shard's rows (unknown, when the shard's is).
@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from replicate import _tf
 from replicate import graph_walk
+from replicate.shard import batch_reductions
 from replicate.shard import sharding
 
 _WRITE_TYPES = frozenset([
@@ -77,7 +78,7 @@ def _is_shape(tensor):
 class BatchValue(NamedTuple):
   """A value over the batch that a tower's metric update reads."""
   tensor: tf.Tensor
-  kind: str  # "loss", or a value of `_COMBINED`
+  kind: str  # "loss", a value of `_COMBINED`, or "rows": none of them
   reader: tf.Operation  # the metric's op that reads it
   index: int  # as its input `index`
   reduced: Optional[tf.Tensor]  # what a "mean" averaged
@@ -156,15 +157,9 @@ class _Finder:
     # when its width happens to be the shard's rows.
     op = tensor.op
     if op.type in _REDUCTIONS and len(op.inputs) == 2:
-      axes = tf.get_static_value(op.inputs[1])
-      source = op.inputs[0]
-      if axes is None:
-        return False
-      rank_in = source.shape.rank
-      axes = np.reshape(axes, [-1])
-      if rank_in is not None:
-        axes = np.mod(axes, max(rank_in, 1))
-      if 0 in axes and self._is_row(source):
+      # Axes known only when run are possibly the batch's.
+      over = batch_reductions.over_batch_axis(op)
+      if over is None or (over and self._is_row(op.inputs[0])):
         return False
     return True
 
@@ -256,10 +251,9 @@ class _Finder:
       row_inputs = [t for t in op.inputs
                     if self._is_row(t) and self._from_rows(t)]
       if row_inputs:
-        kind = _COMBINED.get(op.type)
-        if kind is None:
-          raise ValueError(_REFUSED.format(key=self._key, op=op,
-                                           tensor=tensor))
+        # No combination of the towers' values gives one device's:
+        # computed on the whole batch's rows (`metric_rows`).
+        kind = _COMBINED.get(op.type, "rows")
         found.append(BatchValue(tensor, kind, reader, position,
                                 row_inputs[0]))
         continue
@@ -267,18 +261,6 @@ class _Finder:
         expanded.add(op)
         pending.extend((op, i) for i in reversed(range(len(op.inputs))))
     return found
-
-
-_REFUSED = (
-    "eval_metric_ops[{key!r}] is fed {tensor!r}, a value computed over each "
-    "tower's rows by the op {op.name!r} (type {op.type}), which replicate "
-    "cannot combine into the whole batch's value: every tower's metric "
-    "would hold its own shard's. Fix: return a "
-    "tf.compat.v1.estimator.tpu.TPUEstimatorSpec whose "
-    "eval_metrics=(metric_fn, tensors) passes the per-row tensors (one row "
-    "per input row) and computes this value in metric_fn; replicate calls "
-    "metric_fn once, on the whole batch's tensors. Or feed the metric "
-    "per-row values.")
 
 
 def feed_once(key, tower_values, has_rows, combined_loss) -> None:

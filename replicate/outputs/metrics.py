@@ -35,6 +35,7 @@ import tensorflow as tf
 
 from replicate import graph_walk
 from replicate.outputs import batch_inputs
+from replicate.outputs import metric_rows
 from replicate.shard import rows as rows_lib
 from replicate.shard import sharding
 
@@ -110,7 +111,11 @@ def _feed_batch_values(keys, tower_specs, layout, tower_ops, loss,
         batch_inputs.find(key, update, variables_of(value), rules[i],
                           row_counts[i], tower_specs[i].loss, orders[i])
         for i, (value, update) in enumerate(pairs)]
-    if found[0]:
+    if any(value.kind == "rows" for value in found[0]):
+      metric_rows.feed_whole_batch(key, [u for _, u in pairs], tower_specs,
+                                   tower_ops, layout, loss)
+      fed_once.add(key)
+    elif found[0]:
       batch_inputs.feed_once(key, found, layout.has_rows, loss)
       fed_once.add(key)
   return fed_once

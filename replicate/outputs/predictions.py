@@ -39,23 +39,27 @@ class _CannotCombineError(ValueError):
   """A tower's value that cannot be put back together along the batch."""
 
 
-def combine_outputs(tower_specs, layout, tower0_ops):
+def combine_outputs(tower_specs, layout, tower0_ops, whole_values=None):
   """(predictions, export_outputs) over every tower, from one spec per tower.
 
   `layout` is the call's `replicate.call.layout.TowerLayout`: the towers'
   shards and the batch's split;
   `tower0_ops` the ops tower 0 built, within which `replicate.shard.rows` looks
-  for what its values are computed from.
+  for what its values are computed from; `whole_values` {a tower's
+  reduction over the batch axis (`ref()`): the whole batch's value}
+  (`replicate.shard.batch_reductions.combine`'s), which a value that is one
+  of them is instead: one device's, static or unknown batch alike.
   """
   tower0 = layout.towers[0]
   rows_of_tower0 = rows.TowerRows((tower0.features, tower0.labels),
                                   tower0_ops)
-  combiner = _Combiner(layout.shards, rows_of_tower0)
+  combiner = _Combiner(layout.shards, rows_of_tower0, whole_values=whole_values)
   predictions = combiner.structure(
       "predictions", [spec.predictions for spec in tower_specs])
   outputs = tower_specs[0].export_outputs
   if outputs:
-    lenient = _Combiner(layout.shards, rows_of_tower0, is_lenient=True)
+    lenient = _Combiner(layout.shards, rows_of_tower0, is_lenient=True,
+                        whole_values=whole_values)
     outputs = {
         key: _combined_export_output(
             "export_outputs[{!r}]".format(key),
@@ -72,7 +76,9 @@ class _Combiner:
   together as a tensor that fails when run; a strict one raises.
   """
 
-  def __init__(self, shards, rows_of_tower0, is_lenient=False):
+  def __init__(self, shards, rows_of_tower0, is_lenient=False,
+               whole_values=None):
+    self._whole_values = whole_values or {}
     self._shards = shards
     self._rows_of_tower0 = rows_of_tower0
     self._is_lenient = is_lenient
@@ -91,6 +97,7 @@ class _Combiner:
 
   def tensors(self, name, tensors):
     tensors = [tf.convert_to_tensor(t) for t in tensors]
+    tensors = [self._whole_values.get(t.ref(), t) for t in tensors]
     if not self._rows_of_tower0.depend([tensors[0]]):
       return tensors[0]
     try:
@@ -103,7 +110,7 @@ class _Combiner:
       # Keep each tower's real rows: none from a tower on a stand-in row.
       sizes = self._sizes_for(tensors[0])
       tensors = [t[:sizes[i]] for i, t in enumerate(tensors)]
-    return _concat_padded(tensors)
+    return concat_padded(tensors)
 
   def _sizes_for(self, tensor):
     """The rows per tower of the input `tensor` (tower 0's) is made from.
@@ -141,7 +148,7 @@ class _Combiner:
                 name, index, value_rows, rows, tensor))
 
 
-def _concat_padded(tensors):
+def concat_padded(tensors):
   """The towers' values along dimension 0, each first padded to the widest.
 
   A dimension past 0 that the towers' static shapes do not agree on is

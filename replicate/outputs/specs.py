@@ -21,9 +21,11 @@ from typing import List
 
 import tensorflow as tf
 
+from replicate import _tf
 from replicate.outputs import metrics
 from replicate.outputs import predictions as predictions_lib
 from replicate.towers import scaffolds
+from replicate.shard import batch_reductions
 from replicate.shard import sharding
 from replicate.state import train_op as train_op_lib
 
@@ -32,7 +34,7 @@ ModeKeys = tf.estimator.ModeKeys
 
 def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
                   *, layout, progress, records, weights,
-                  variables) -> tf.estimator.EstimatorSpec:
+                  variables, whole_values=None) -> tf.estimator.EstimatorSpec:
   """The EstimatorSpec of the whole batch, from one spec per tower.
 
   The hand-off to step 6, after the towers are built and finished.
@@ -47,6 +49,9 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
     weights: their loss weights (`replicate.gradients.weighting.TowerWeights`).
     variables: what their variables are
       (`replicate.variables.tower_variables.TowerVariables`).
+    whole_values: the towers' reductions over the batch axis made the
+      whole batch's (`replicate.shard.batch_reductions.combine`'s), which a
+      prediction or export output that is one of them is instead.
 
   Returns:
     One `EstimatorSpec`: the batch's loss, the one `train_op` (every
@@ -62,11 +67,13 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
   fields["mode"] = mode
   fields["predictions"], fields["export_outputs"] = (
       predictions_lib.combine_outputs(tower_specs, layout,
-                                      frozenset(progress.tower_ops[0])))
+                                      frozenset(progress.tower_ops[0]),
+                                      whole_values))
   if tower_specs[0].loss is not None:
     fields["loss"] = _weighted_loss(tower_specs, weights, progress)
     if mode == ModeKeys.TRAIN:
       fields["loss"] = layout.sum_over_tasks(fields["loss"], "loss_over_tasks")
+    _summarized_loss(tower_specs[0].loss, fields["loss"], progress)
   if mode == ModeKeys.TRAIN and any(
       spec.train_op is not None for spec in tower_specs):
     fields["train_op"] = train_op_lib.combine_train_op(
@@ -79,6 +86,20 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
   fields["scaffold"] = scaffolds.initializing_towers(
       fields["scaffold"], progress.local_state_after_tower0, layout.graph)
   return tf.estimator.EstimatorSpec(**fields)
+
+
+def _summarized_loss(loss, combined, progress):
+  """A summary (`tf.compat.v1.summary.scalar`) of tower 0's loss shows the
+  batch's, as one device's; towers 1..N-1's summaries are not written."""
+  loss = tf.convert_to_tensor(loss)
+  for reader in loss.consumers():
+    if reader.type not in batch_reductions.SUMMARY_TYPES:
+      continue
+    with progress.building_own_ops():
+      value = tf.cast(combined, loss.dtype)
+    for index, tensor in enumerate(reader.inputs):
+      if tensor is loss:
+        _tf.update_input(reader, index, value)
 
 
 def _check_alike(tower_specs):

@@ -15,17 +15,24 @@ batch's in every tower, as on one device.
 
 On what is not this module's: only a reduction whose value reaches an op
 with rows again (an op of rank >= 1 with another input computed from the
-rows) counts. A reduction that only flows into scalars (the loss, a
-denominator of it, a metric's total) is the loss rule's and the metrics';
+rows, of a shape that may hold them), is a prediction or an export output
+itself (which then is the whole batch's, static or unknown batch alike),
+or reaches a `tf.compat.v1.summary.*` off the loss's path, counts. A
+reduction that only flows into scalars (the loss, a denominator of it, a
+metric's total) is the loss rule's and the metrics';
 reductions inside a TF 1 loop or a function body (beam search's "are my rows
 done", whose width is padded instead, see `replicate.outputs.predictions`)
 stay the tower's; so do the moments replicate's batch norm built (its
 own ops, by identity: `replicate.batch_norm.user_moments`) and reductions
 that are not over axis 0. A user's own `tf.nn.moments` over the batch axis
 is a synchronized batch-norm site in TRAIN, or refused; elsewhere its
-reductions are combined here like any other. Values are followed from what the spec
-returns (loss, predictions, export outputs, metrics), never through the
-backward pass.
+reductions are combined here like any other. Every op the tower built on
+its forward pass is looked at, whoever reads it (the spec's outputs, a
+metric update reached only through its variable's control edge, a summary,
+a hook's tensor, `UPDATE_OPS`): the decision is the op's, the same in
+every mode and for a static or unknown batch. The backward pass, and what
+is computed from it (clipping, the update), are not: they are the
+gradients' rule.
 
 On gradients: a tower differentiates its loss through its own partial
 result before the others exist, so a differentiable reduction (a float
@@ -41,7 +48,7 @@ an all-gather of each task's value (a step collective, which the train_op
 waits for, as every collective of the step).
 """
 
-from typing import Dict, List
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -56,59 +63,146 @@ _NOT_DIFFERENTIATED = frozenset(["StopGradient", "PreventGradient"])
 _VARIABLE_OPS = frozenset(["VarHandleOp", "VariableV2", "Variable"])
 # A tensor's shape is not its rows: `tf.reduce_prod(tf.shape(x)[1:])`.
 _SHAPE_OPS = frozenset(["Shape", "ShapeN", "Size", "Rank"])
+# What `tf.compat.v1.summary.*` builds: a value over the batch it shows is
+# the whole batch's (a tensor with rows stays tower 0's).
+SUMMARY_TYPES = frozenset([
+    "ScalarSummary", "HistogramSummary", "ImageSummary", "AudioSummary",
+    "AudioSummaryV2", "TensorSummary", "TensorSummaryV2"])
 
 
-def combine(layout, progress, tower_specs, mode) -> None:
-  """Makes every tower's batch reductions flowing into rows the batch's."""
+def combine(layout, progress, tower_specs, mode,
+            is_backward: Callable[[tf.Operation], bool] = lambda op: False
+            ) -> Dict[Any, tf.Tensor]:
+  """Makes every tower's batch reductions flowing into rows the batch's.
+
+  `is_backward(op)`: whether TensorFlow built `op` in a backward pass
+  (`replicate.gradients.touched.is_backward`, handed down): the backward
+  pass and what is computed from it (clipping, the update) are the
+  gradients' rule, not values of the rows.
+
+  Returns {a tower's reduction (`tensor.ref()`): the whole batch's value}:
+  what a spec's prediction or export output that is one of them is
+  instead (`replicate.outputs.predictions`).
+  """
   if not layout.combines:
-    return
-  found = [_reductions_into_rows(layout, progress, spec, index)
+    return {}
+  found = [_reductions_into_rows(layout, progress, index, is_backward, spec)
            for index, spec in enumerate(tower_specs)]
   sites = []
-  for name, op in found[0].items():
-    ops = [op] + [found[index].get(name) for index in
+  for name, (op, into_rows) in found[0].items():
+    ops = [op] + [found[index].get(name, (None,))[0] for index in
                   range(1, layout.num_towers)]
     if any(other is None for other in ops):
       continue  # not a reduction into rows in every tower: left alone
-    if mode == tf.estimator.ModeKeys.TRAIN and _is_differentiated(
-        op, tower_specs[0].loss, progress.tower_ops[0]):
+    differentiated = mode == tf.estimator.ModeKeys.TRAIN and (
+        _is_differentiated(op, tower_specs[0].loss, progress.tower_ops[0]))
+    if differentiated and over_batch_axis(op) and into_rows:
       raise ValueError(_gradient_refusal(name))
-    sites.append(ops)
+    # Only a prediction's on the loss's path: the spec's value is the
+    # batch's, the loss's path stays the tower's.
+    sites.append((ops, differentiated and into_rows,
+                  into_rows or not differentiated))
+  whole = {}
   with progress.building_own_ops():
-    for ops in sites:
+    for ops, guarded, repoint in sites:
       readers = [[(reader, index) for reader in op.outputs[0].consumers()
                   for index, tensor in enumerate(reader.inputs)
                   if tensor is op.outputs[0]] for op in ops]
       with tf.name_scope("batch_reduction_over_towers"):
-        value = _combined(ops, layout)
-      for reader_list in readers:
+        if over_batch_axis(ops[0]):
+          values = [_combined(ops, layout)] * len(ops)
+          # The same in every tower: not the tower's rows (for what reads
+          # it: a prediction, a write of state).
+          setattr(values[0].op, rows_lib.WHOLE_BATCH, True)
+        else:
+          values = _if_over_batch_axis(ops, layout, guarded)
+      for op, reader_list, value in zip(ops, readers, values):
+        whole[op.outputs[0].ref()] = value
         for reader, index in reader_list:
+          if not repoint and reader.type not in SUMMARY_TYPES:
+            continue  # the loss's path stays the tower's
           _tf.update_input(reader, index, value)
+  return whole
 
 
-def _reductions_into_rows(layout, progress, spec,
-                          index) -> Dict[str, tf.Operation]:
-  """{tower 0's name: op} of tower `index`'s reductions into rows."""
-  tower_ops = frozenset(progress.tower_ops[index])
+def _if_over_batch_axis(ops, layout, differentiated) -> List[tf.Tensor]:
+  """Per tower, what reads its reduction of axes known only when run: the
+  towers' combined value if the axes include the batch's, else its own.
+
+  Differentiated (on the way to the loss), a run whose axes include the
+  batch's fails, with the refusal's message: the tower's gradient cannot be
+  the batch's. The combination is built inside the branch: towers' partial
+  results over other axes have their own rows, and cannot be stacked.
+  """
+  op = ops[0]
+  axes = tf.reshape(op.inputs[1], [-1])
+  rank = tf.maximum(tf.rank(op.inputs[0]), 1)
+  over_rows = tf.reduce_any(tf.equal(
+      tf.math.floormod(axes, tf.cast(rank, axes.dtype)), 0))
+  if differentiated:
+    check = tf.debugging.Assert(tf.logical_not(over_rows), [_gradient_refusal(
+        layout_lib.to_tower0_name(op.name, 0))])
+    with tf.control_dependencies([check]):
+      return [tf.identity(other.outputs[0]) for other in ops]
+  return [tf.cond(over_rows, lambda: _combined(ops, layout),
+                  lambda o=other: tf.identity(o.outputs[0]))
+          for other in ops]
+
+
+def _reductions_into_rows(layout, progress, index, is_backward,
+                          spec) -> Dict[str, tuple]:
+  """{tower 0's name: (op, whether into rows)} of tower `index`'s
+  reductions into rows, into the spec's predictions and export outputs, or
+  into a summary off the loss's path, which are then the whole batch's
+  too, in every tower.
+
+  Every op the tower built forward counts, whoever reads it: the spec's
+  outputs, a metric's update reached only through its variable's control
+  edge, a summary, a hook's tensor, `UPDATE_OPS`, or nothing at all; the
+  decision is the op's, not its reader's.
+  """
   tower = layout.towers[index]
   shard = (tower.features, tower.labels)
-  tower_rows = rows_lib.TowerRows(shard, tower_ops)
+  forward = _forward_ops(progress, index, is_backward)
+  tower_rows = rows_lib.TowerRows(shard, forward)
   shard_tensors = _row_values(shard)
-  outputs = [value for value in tf.nest.flatten(
-      [spec.loss, spec.predictions, _export_tensors(spec.export_outputs),
-       spec.eval_metric_ops], expand_composites=True)
-             if isinstance(value, (tf.Tensor, tf.Operation))]
-  forward = set(graph_walk.ops_behind(outputs, within=tower_ops))
+  loss_path = (frozenset(graph_walk.ops_behind([spec.loss], within=forward))
+               if spec.loss is not None else frozenset())
+  outputs = _output_tensors(spec)
   found = {}
   for op in progress.tower_ops[index]:
     if (op not in forward or op.type not in _REDUCTIONS or
-        op in progress.own_ops or _tf.built_in_control_flow(op) or
-        not _reduces_axis0(op) or
-        not _from_row_values(op.inputs[0], shard_tensors, tower_ops)):
+        _tf.built_in_control_flow(op) or
+        over_batch_axis(op) is False or
+        not _from_row_values(op.inputs[0], shard_tensors, forward)):
       continue
-    if _flows_into_rows(op, forward, tower_rows):
-      found[layout_lib.to_tower0_name(op.name, index)] = op
+    into_rows, summarized = _flows_into_rows(op, forward, tower_rows)
+    # On the loss's path a summary's value is the loss rule's: a summary of
+    # the loss reads the combined loss (`replicate.outputs.specs`).
+    summarized = summarized and op not in loss_path
+    if into_rows or summarized or op.outputs[0].ref() in outputs:
+      found[layout_lib.to_tower0_name(op.name, index)] = (op, into_rows)
   return found
+
+
+def _output_tensors(spec) -> frozenset:
+  """The refs of the spec's predictions and export outputs' tensors."""
+  values = [spec.predictions]
+  for output in (spec.export_outputs or {}).values():
+    values.extend(getattr(output, field, None) for field in (
+        "outputs", "scores", "classes", "value"))
+  return frozenset(t.ref() for t in tf.nest.flatten(values)
+                   if isinstance(t, tf.Tensor))
+
+
+def _forward_ops(progress, index, is_backward) -> frozenset:
+  """The ops of tower `index`'s forward pass: not replicate's own, not the
+  update tower 0 built, not a backward pass or what is computed from one."""
+  ops = [op for op in progress.tower_ops[index]
+         if op not in progress.own_ops and op not in progress.update_built]
+  backward = [op for op in ops if is_backward(op)]
+  after = graph_walk.ops_after(backward) if backward else set()
+  return frozenset(op for op in ops if op not in after)
 
 
 def _row_values(shard):
@@ -160,25 +254,27 @@ def _is_position(tensor) -> bool:
   return "shape" in name or "indices" in name or name == "index"
 
 
-def _export_tensors(export_outputs):
-  values = []
-  for output in (export_outputs or {}).values():
-    for field in ("outputs", "scores", "classes", "value"):
-      values.append(getattr(output, field, None))
-  return values
+def over_batch_axis(op) -> Optional[bool]:
+  """Whether the reduction `op` reduces dimension 0 of its input: True or
+  False when its axes and its input's rank are known when built, None when
+  only the run knows (`axis=tf.compat.v1.placeholder_with_default(0, [])`).
 
-
-def _reduces_axis0(op) -> bool:
-  """Whether the reduction's constant axes include dimension 0."""
+  The one check of a reduction's axes: `replicate.gradients.loss_ops` and
+  `replicate.outputs.batch_inputs` ask it too. None is "possibly the rows
+  axis": never taken for "not over the batch".
+  """
   rank = op.inputs[0].shape.rank
   axes = tf.get_static_value(op.inputs[1])
-  if axes is None or rank is None or rank == 0:
+  if rank == 0:
     return False
+  if axes is None or rank is None:
+    return None
   return any(int(axis) % rank == 0 for axis in np.ravel(axes))
 
 
-def _flows_into_rows(op, forward, tower_rows) -> bool:
-  """Whether the op's value reaches an op with rows from elsewhere too."""
+def _flows_into_rows(op, forward, tower_rows) -> Tuple[bool, bool]:
+  """Whether the op's value reaches an op with rows from elsewhere too;
+  whether it reaches a summary (which then shows the whole batch's)."""
   reached = {op}
   pending = [op]
   while pending:
@@ -187,13 +283,27 @@ def _flows_into_rows(op, forward, tower_rows) -> bool:
         if reader in forward and reader not in reached:
           reached.add(reader)
           pending.append(reader)
+  rows = tower_rows.static_count()
+  summarized = any(reader.type in SUMMARY_TYPES for reader in reached)
   for reader in reached - {op}:
     if not any(t.shape.rank != 0 for t in reader.outputs):
       continue  # a scalar: a loss, a denominator, a total
-    if any(t.op not in reached and tower_rows.depend([t])
-           for t in reader.inputs):
-      return True
-  return False
+    if any(t.op not in reached and _may_carry_rows(t, rows) and
+           tower_rows.depend([t]) for t in reader.inputs):
+      return True, summarized
+  return False, summarized
+
+
+def _may_carry_rows(tensor, rows) -> bool:
+  """Whether some axis of `tensor` may be the tower's rows: one of unknown
+  size, or of the shard's size. A shape known when built, on a batch whose
+  size is not (or of other sizes), is not rows: Keras' confusion
+  matrices' `[thresholds]` counts, from which a total is subtracted."""
+  shape = tensor.shape
+  if shape.rank is None:
+    return True
+  return any(tf.compat.dimension_value(size) in (None, rows)
+             for size in shape)
 
 
 def _is_differentiated(op, loss, tower_ops) -> bool:

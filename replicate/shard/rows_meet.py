@@ -91,19 +91,17 @@ def refusal(context, spec: tf.estimator.EstimatorSpec,
                    row_layout.RowLayout(shard, within, rows.depend,
                                         static_rows))
   towers = context.layout.num_towers
-  metrics_only = None  # found when a sum over rows asks (one walk more)
   rules = row_rules.ROW_COMBINING
   known, library = len(row_ops.KEEPS_ROWS_APART) + len(rules), None
+  off_path = _off_the_gradient_path(spec, within)
   for op in graph_walk.ops_behind(_outputs_of(spec), within=within):
     if declared.is_declared(op):
       continue  # the user declared it keeps rows apart (replicate.check)
+    if off_path(op):
+      continue
     rule = rules.get(op.type)
     if rule is not None:
       why = rule(finder, op)
-      if why and index_rules.sums_rows(why):
-        if metrics_only is None:
-          metrics_only = _metrics_only(spec, within)
-        why = None if op in metrics_only else why
       if why:
         fix = _INDEX_FIX if op.type in index_rules.RULES else _FIX
         return _COMBINES.format(op.type, op.name, why, towers) + fix
@@ -119,15 +117,6 @@ def refusal(context, spec: tf.estimator.EstimatorSpec,
             inner[0], "{!r} (inside the function {!r} calls)".format(
                 inner[1], op.name), known, towers)
   return None
-
-
-def _metrics_only(spec, within):
-  """The ops only metrics read (not the loss, not a prediction): a sum
-  over rows there is exact, the metrics' totals adding the towers'."""
-  metrics = [value for value in _outputs_of(spec, metrics=True)]
-  others = [value for value in _outputs_of(spec, metrics=False)]
-  return (set(graph_walk.ops_behind(metrics, within=within)) -
-          set(graph_walk.ops_behind(others, within=within)))
 
 
 _COMBINES = (
@@ -167,6 +156,22 @@ _UNKNOWN = (
     "replicate.rows_apart('OpType'), and verify with replicate.check.")
 
 
+def _off_the_gradient_path(spec, within):
+  """A test of an op: whether it feeds metrics only, not the loss nor a
+  prediction. There an op that combines rows, or that the rule does not
+  know (a `py_func` corpus score, a median), is not refused: a metric's
+  update fed a value over the batch that no combination of the towers'
+  values gives is computed once, on the whole batch's rows
+  (`replicate.outputs.metric_rows`), and one fed per-row values sums them
+  (as under TF 2, where a metric's writes are reached through control
+  edges only, the same decision under TF 1)."""
+  kept = set(graph_walk.ops_behind(
+      [v for v in tf.nest.flatten([spec.loss, spec.predictions],
+                                  expand_composites=True)
+       if isinstance(v, (tf.Tensor, tf.Operation))], within=within))
+  return lambda op: op not in kept
+
+
 def _data_inputs(op):
   """The inputs whose values reach the op's outputs: a TF 1 `Switch` passes
   its data on, not its predicate (a `tf.cond` on a sum of the rows does not
@@ -176,12 +181,10 @@ def _data_inputs(op):
   return op.inputs
 
 
-def _outputs_of(spec, metrics=None):
-  """The loss, predictions and metrics (`metrics`: True only the metrics,
-  False none of them)."""
-  values = [] if metrics else [spec.loss, spec.predictions]
+def _outputs_of(spec):
+  values = [spec.loss, spec.predictions]
   for metric in (spec.eval_metric_ops or {}).values():
-    if isinstance(metric, (tuple, list)) and metrics is not False:
+    if isinstance(metric, (tuple, list)):
       values.extend(metric)
   for value in tf.nest.flatten(values, expand_composites=True):
     if isinstance(value, (tf.Tensor, tf.Operation)):

@@ -5,8 +5,10 @@ Written as their authors write them, for one device:
 weighted by the batch's token count, and the batch's longest target), and a
 corpus score through `py_func` in a `TPUEstimatorSpec`'s `eval_metrics`, as
 google-research/bert's and tensorflow/models' Transformer's `model_fn`s
-feed it (the same score in plain `eval_metric_ops` is refused:
-test_zoo_batch.py).
+feed it, and the same score in plain `eval_metric_ops` on batches of
+unknown size (on a static batch it is refused: test_zoo_batch.py); a
+tf_ner-style tagger whose `tf.sequence_mask(nwords)` weighs its loss and
+metrics, which feed TRAIN summaries.
 
 `ENTRIES`: `oracle_zoo._custom`'s arguments, as in oracle_zoo_losses.py,
 whose token model and data these share; on "batch" (3 + 3 + 1 rows) and
@@ -100,6 +102,62 @@ def corpus_metric_model_fn(features, labels, mode, params):
                                                      train_op=train_op)
 
 
+def plain_corpus_metric_model_fn(features, labels, mode):
+  """corpus_metric_tpu_spec's model as an Estimator user writes it: the
+  metric_fn's metrics returned as `eval_metric_ops`. On batches of unknown
+  size (an input_fn's `.batch()`) the score is computed once on the whole
+  batch's rows; on a batch of known size it is refused (test_zoo_batch.py)."""
+  _, logits = token_logits(features["tokens"])
+  if mode == ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={
+        "outputs": tf.argmax(logits, axis=-1)})
+  xentropy, weights = token_xent(logits, labels)
+  loss = tf.reduce_sum(xentropy) / tf.reduce_sum(weights)
+  if mode == ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(
+        mode, loss=loss, eval_metric_ops=corpus_metric_fn(logits, labels))
+  train_op = replicate.TowerOptimizer(
+      tf.compat.v1.train.AdamOptimizer(0.1)).minimize(
+          loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def sequence_mask_tagger_model_fn(features, labels, mode):
+  """guillaumegenthial/tf_ner's tagger, as written: the tokens' lengths
+  counted, `tf.sequence_mask(nwords)` (the batch's longest, no maxlen) as
+  the loss's and the metrics' weights, and in TRAIN a summary of every
+  metric's update."""
+  tokens = features["tokens"]
+  nwords = tf.reduce_sum(tf.cast(tf.not_equal(tokens, 0), tf.int32), axis=1)
+  _, logits = token_logits(tokens)
+  pred_ids = tf.argmax(logits, axis=-1)
+  if mode == ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={"tags": pred_ids})
+  # Tokens are padded at the end: the first nwords of a row are its own.
+  mask = tf.sequence_mask(nwords)
+  width = tf.shape(mask)[1]
+  tags, logits, pred_ids = (labels[:, :width], logits[:, :width],
+                            pred_ids[:, :width])
+  xentropy = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tags,
+                                                            logits=logits)
+  loss = tf.reduce_mean(tf.boolean_mask(xentropy, mask))
+  weights = tf.sequence_mask(nwords)
+  metrics = {
+      "acc": tf.compat.v1.metrics.accuracy(tags, pred_ids, weights),
+      "fill": tf.compat.v1.metrics.mean(
+          tf.cast(nwords, tf.float32) /
+          tf.cast(tf.maximum(tf.reduce_max(nwords), 1), tf.float32))}
+  if mode == ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                      eval_metric_ops=metrics)
+  for name, (_, update) in metrics.items():
+    tf.compat.v1.summary.scalar(name, update)
+  train_op = replicate.TowerOptimizer(
+      tf.compat.v1.train.AdamOptimizer(0.1)).minimize(
+          loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
 def as_tpu_estimator_on_cpu(model_fn):
   """`model_fn`, its TPUEstimatorSpec converted as TPUEstimator(use_tpu=
   False) converts it on CPU: the oracle's run (Estimator refuses one)."""
@@ -118,6 +176,19 @@ ENTRIES = [
          unwrapped_model_fn=as_tpu_estimator_on_cpu(corpus_metric_model_fn),
          data=tokens_and_targets(25), example_spec=TOKEN_SPEC,
          serving_keys=["tokens"], params={},
+         only={"pipeline": ("batch", "from_tensors"), "towers": MANY_TOWERS,
+               "strategy": ("parameter_server", "replicated"),
+               "mode": LOSS_MODES}),
+    dict(name="corpus_metric_eval_metric_ops",
+         model_fn=plain_corpus_metric_model_fn,
+         data=tokens_and_targets(25), example_spec=TOKEN_SPEC,
+         serving_keys=["tokens"],
+         only={"pipeline": ("batch",), "towers": MANY_TOWERS,
+               "strategy": ("parameter_server", "replicated"),
+               "mode": LOSS_MODES}),
+    dict(name="sequence_mask_tagger", model_fn=sequence_mask_tagger_model_fn,
+         data=tokens_and_targets(26), example_spec=TOKEN_SPEC,
+         serving_keys=["tokens"],
          only={"pipeline": ("batch", "from_tensors"), "towers": MANY_TOWERS,
                "strategy": ("parameter_server", "replicated"),
                "mode": LOSS_MODES}),
