@@ -4,6 +4,8 @@ import pytest
 import tensorflow as tf
 
 from conftest import session_config
+from replicate import _tf
+from replicate.call import colocation
 from replicate.call import devices
 from replicate.variables import strategies
 
@@ -111,3 +113,44 @@ def test_a_device_the_model_fn_sets_itself_is_kept():
       with tf.device("/cpu:0"):
         pinned = tf.constant(1.0)
   assert pinned.op.device == "/device:CPU:0"
+
+
+def test_a_colocation_group_on_two_devices_is_refused_naming_replicate():
+  # What TensorFlow's placer refuses at the first session without soft
+  # placement (reported by the Estimator as a checkpoint mismatch).
+  with tf.Graph().as_default() as graph:
+    with tf.device("/job:localhost/cpu:0"):
+      params = tf.ones([3], name="params")
+    with tf.compat.v1.colocate_with(params):
+      agreeing = tf.identity(params, name="agreeing")
+      with graph.device("/cpu:0"):  # ignored under the colocation
+        shape = tf.shape(params, name="shape")
+    colocation.check_colocations(graph, [params.op, agreeing.op, shape.op])
+    _tf.set_device(shape.op, "/cpu:1")  # as a later placement would
+    with pytest.raises(ValueError, match=(
+        r"replicate_model_fn built ops colocated with 'params' on two "
+        r"devices: 'agreeing' on '/job:localhost/device:CPU:0' and 'shape' "
+        r"on '/cpu:1'.*allow_soft_placement=True")):
+      colocation.check_colocations(graph, [agreeing.op, shape.op])
+
+
+def test_ops_in_a_function_get_a_colocation_group_of_their_function():
+  # A gradient op built in a cond's gradient function is colocated with
+  # its forward op by that op's name; the name is the function's own, so
+  # every tower's would meet in one group (and one device would not).
+  with tf.Graph().as_default() as graph:
+    x = tf.compat.v1.placeholder(tf.float32, [None])
+    with graph.device(devices.tower_device_function("/cpu:1",
+                                                    lambda op: "/cpu:0")):
+      y = tf.cond(tf.reduce_sum(x) > 0,
+                  lambda: tf.gather(tf.reshape(x, [-1]), [0]),
+                  lambda: x[:1])
+      tf.gradients(y, x)
+  groups = {node.name: list(node.attr["_class"].list.s)
+            for function in graph.as_graph_def().library.function
+            if function.signature.name.startswith("cond_true")
+            for node in function.node_def
+            if node.name in ("Reshape", "gradients/GatherV2_grad/Shape")}
+  # The gather's params (the Reshape) and its gradient's Shape.
+  assert groups["Reshape"][0].startswith(b"loc:@cond_true")
+  assert groups["Reshape"][0] in groups["gradients/GatherV2_grad/Shape"]

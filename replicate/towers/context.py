@@ -35,6 +35,7 @@ import contextlib
 import tensorflow as tf
 
 from replicate.call import current
+from replicate.call import colocation
 from replicate.call import layout as layout_lib
 from replicate.call import name_counters
 from replicate.call import progress as progress_lib
@@ -164,6 +165,8 @@ class ReplicationContext:
       self.all_rows.finish(self.layout)
     if self.batch_norm is not None:
       self.batch_norm.finish()
+    colocation.check_colocations(self.layout.graph, [
+        op for ops in self.progress.tower_ops for op in ops])
 
   def _check_summed_regularization(self):
     """With `Reduction.SUM` across tasks, regularization would count once a
