@@ -73,10 +73,14 @@ class VariableViews:
       self._order_tower0()
 
   def reach(self, index: int, variable) -> None:
-    """Tower `index`'s creation resolved to tower 0's `variable`."""
-    position = self._position.get(getattr(variable, "op", None))
-    if index > 0 and position is not None:
-      self._reached[index] = max(self._reached[index], position + 1)
+    """Tower `index`'s creation resolved to tower 0's `variable` (a
+    partitioned variable: to each of its parts)."""
+    if index == 0:
+      return
+    for part in [variable] if hasattr(variable, "op") else _parts(variable):
+      position = self._position.get(part.op)
+      if position is not None:
+        self._reached[index] = max(self._reached[index], position + 1)
 
   def bound(self, index: int) -> int:
     return max(self._reached[index], self._update_bound(index))
@@ -104,6 +108,14 @@ class VariableViews:
         last = max(last, self._position.get(getattr(item, "op", None), -1) + 1)
         shows.append(last)
       self._shows_from[key] = shows
+
+
+def _parts(variable) -> list:
+  """The parts of a partitioned variable (it iterates over them)."""
+  try:
+    return [part for part in variable if hasattr(part, "op")]
+  except TypeError:
+    return []
 
 
 class _TowerView(list):
