@@ -125,13 +125,30 @@ def test_a_colocation_group_on_two_devices_is_refused_naming_replicate():
       agreeing = tf.identity(params, name="agreeing")
       with graph.device("/cpu:0"):  # ignored under the colocation
         shape = tf.shape(params, name="shape")
-    colocation.check_colocations(graph, [params.op, agreeing.op, shape.op])
+    colocation.place_colocated(graph, [params.op, agreeing.op, shape.op])
     _tf.set_device(shape.op, "/cpu:1")  # as a later placement would
     with pytest.raises(ValueError, match=(
-        r"replicate_model_fn built ops colocated with 'params' on two "
-        r"devices: 'agreeing' on '/job:localhost/device:CPU:0' and 'shape' "
-        r"on '/cpu:1'.*allow_soft_placement=True")):
-      colocation.check_colocations(graph, [agreeing.op, shape.op])
+        r"replicate_model_fn built ops colocated with each other on several "
+        r"devices: 'agreeing' on '/job:localhost/device:CPU:0', 'params' on "
+        r"'/job:localhost/device:CPU:0', 'shape' on '/cpu:1'.*"
+        r"allow_soft_placement=True")):
+      colocation.place_colocated(graph, [agreeing.op, shape.op])
+
+
+def test_a_group_split_over_two_devices_goes_where_its_variable_lives():
+  # A tower's op (on /cpu:1) and a variable (on /cpu:0) that one gradient
+  # op is colocated with both, as tf.gradients builds it.
+  with tf.Graph().as_default() as graph:
+    with tf.device("/cpu:0"):
+      variable = tf.compat.v1.Variable([1.0, 2.0], name="table",
+                                       use_resource=False)
+    with tf.device("/cpu:1"):
+      gather = tf.gather(variable, [1], name="gather")
+    with tf.compat.v1.colocate_with(gather.op), \
+        tf.compat.v1.colocate_with(variable.op):
+      shape = tf.shape(variable, name="shape")
+    colocation.place_colocated(graph, [gather.op, shape.op])
+  assert gather.op.device == shape.op.device == variable.op.device
 
 
 def test_ops_in_a_function_get_a_colocation_group_of_their_function():

@@ -7,7 +7,10 @@ an LSTM and a transition matrix read by `tf.gather` in a `cond`, as
 tensorflow-addons' CRF reads it. Without a group of their own, the gather's
 gradient ops in tower 0's and tower 1's `cond` gradient functions fell in
 one colocation group on two devices: "Cannot colocate nodes", reported by
-the Estimator as "Restoring from checkpoint failed ... mismatch".
+the Estimator as "Restoring from checkpoint failed ... mismatch". Under TF
+1 behaviour the gather of the position table's value (on the variable's
+device) by the tower, differentiated by `tf.gradients`, made a group of
+two devices too; it goes where the variable lives.
 """
 
 import shutil
@@ -40,6 +43,12 @@ def _tagger_model_fn(features, labels, mode):
       "embeddings", [VOCABULARY, 4],
       initializer=tf.compat.v1.glorot_uniform_initializer(seed=1))
   embedded = tf.nn.embedding_lookup(embeddings, words)
+  # A table read as google-research/bert reads its own: tf.gather, its
+  # gradients colocated with their ops (as tf.gradients makes them).
+  positions = tf.compat.v1.get_variable(
+      "positions", [STEPS, 4],
+      initializer=tf.compat.v1.glorot_uniform_initializer(seed=3))
+  embedded += tf.gather(positions, tf.range(STEPS))
   outputs, _ = tf.compat.v1.nn.dynamic_rnn(
       tf.compat.v1.nn.rnn_cell.LSTMCell(3), embedded, sequence_length=lengths,
       dtype=tf.float32)
@@ -67,7 +76,8 @@ def _tagger_model_fn(features, labels, mode):
         "accuracy": tf.compat.v1.metrics.accuracy(labels, tags, mask)})
   train_op = replicate.TowerOptimizer(
       tf.compat.v1.train.AdamOptimizer(0.05)).minimize(
-          loss, tf.compat.v1.train.get_global_step())
+          loss, tf.compat.v1.train.get_global_step(),
+          colocate_gradients_with_ops=True)
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 

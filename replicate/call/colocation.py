@@ -7,9 +7,9 @@ devices must not either, or TensorFlow refuses the graph at its first
 session without soft placement ("Cannot colocate nodes"), which the
 Estimator reports as a checkpoint that does not match the graph. The tower
 device function (`replicate.call.devices`) gives each op built in a
-function a group of its function (`own_group`), and the towers' ops are
-checked once built (`check_colocations`), so that a split the wrapper
-makes is said by the wrapper, at the build.
+function a group of its function (`own_group`), and once the towers are
+built each group they split goes where its variable lives
+(`place_colocated`), or is refused, naming the wrapper, at the build.
 """
 
 import tensorflow as tf
@@ -17,46 +17,90 @@ import tensorflow as tf
 from replicate import _tf
 
 
-def check_colocations(graph, ops) -> None:
-  """Refuses a colocation group that the towers' `ops` ask on two devices.
+def place_colocated(graph, ops) -> None:
+  """Puts each colocation group of the towers' `ops` on one device.
 
-  TensorFlow's placer refuses such a group at the first session, without
-  soft placement ("Cannot colocate nodes"), and the Estimator then reports
-  a checkpoint that does not match the graph. One device never meets it:
-  a group of two devices is the towers' doing, said here, at the build.
+  A group the towers split over two devices, e.g. under TF 1 behaviour a
+  tower's `tf.gather` of a variable's value (on the tower) whose gradient
+  `tf.gradients` colocates with both the gather and the value (on the
+  variable's device), goes where its variable lives, as one device has it
+  (and as TensorFlow's soft placement would put it). A split without one
+  variable device to settle it is refused, naming replicate: the placer
+  would refuse it at the first session ("Cannot colocate nodes"), which
+  the Estimator reports as a checkpoint that does not match the graph.
   """
-  asking = {}  # group -> the ops in it that ask for a device
+  groups = {}  # group name -> its ops among `ops`, and the op so named
   for op in ops:
     if not _tf.built_colocated(op):
       continue
     try:
-      groups = op.get_attr("_class")
+      names = op.get_attr("_class")
     except ValueError:
-      continue  # not colocated
-    for group in groups:
-      members = asking.setdefault(group.decode()[len("loc:@"):], [])
-      if op.device:
-        members.append(op)
-  for name, members in asking.items():
+      continue  # not colocated after all
+    for name in names:
+      groups.setdefault(name.decode()[len("loc:@"):], []).append(op)
+  for members in _joined(graph, groups):
+    devices = [op for op in members if op.device]
+    if _all_compatible(devices):
+      continue
+    variables = [op for op in devices if op.type in _VARIABLE_OP_TYPES]
+    if not variables or not _all_compatible(variables):
+      _refuse(devices)
+    target = variables[0].device
+    for op in devices:
+      if not _compatible(tf.DeviceSpec.from_string(op.device),
+                         tf.DeviceSpec.from_string(target)):
+        _tf.set_device(op, target)
+
+
+_VARIABLE_OP_TYPES = frozenset(["Variable", "VariableV2", "VarHandleOp"])
+
+
+def _joined(graph, groups):
+  """The ops of groups that share an op, joined (with the ops the groups
+  are named after), each once."""
+  parent = {}
+
+  def root(name):
+    while parent.setdefault(name, name) != name:
+      name = parent[name]
+    return name
+
+  for op in {op for members in groups.values() for op in members}:
+    names = [n.decode()[len("loc:@"):] for n in op.get_attr("_class")]
+    for name in names[1:]:
+      parent[root(name)] = root(names[0])
+  joined = {}
+  for name, members in groups.items():
+    joined.setdefault(root(name), set()).update(members)
     try:
-      members.append(graph.get_operation_by_name(name))
+      joined[root(name)].add(graph.get_operation_by_name(name))
     except KeyError:
       pass  # a group named after no op of the graph
-    merged, first = tf.DeviceSpec(), None
-    for op in members:
-      spec = tf.DeviceSpec.from_string(op.device)
-      if first is not None and not _compatible(merged, spec):
-        raise ValueError(
-            "replicate_model_fn built ops colocated with {!r} on two "
-            "devices: {!r} on {!r} and {!r} on {!r}. TensorFlow refuses the "
-            "graph at its first session unless soft placement is allowed; "
-            "the unwrapped model_fn, on one device, never meets this: it is "
-            "replicate's placement, please report it. Meanwhile: "
-            "tf.estimator.RunConfig(session_config=tf.compat.v1.ConfigProto("
-            "allow_soft_placement=True)).".format(
-                name, first.name, first.device, op.name, op.device))
-      merged = merged.make_merged_spec(spec)
-      first = first or (op if op.device else None)
+  return [sorted(members, key=lambda op: op.name)
+          for members in joined.values()]
+
+
+def _all_compatible(ops) -> bool:
+  merged = tf.DeviceSpec()
+  for op in ops:
+    spec = tf.DeviceSpec.from_string(op.device)
+    if not _compatible(merged, spec):
+      return False
+    merged = merged.make_merged_spec(spec)
+  return True
+
+
+def _refuse(ops):
+  raise ValueError(
+      "replicate_model_fn built ops colocated with each other on several "
+      "devices: {}. TensorFlow refuses the graph at its first session "
+      "unless soft placement is allowed; the unwrapped model_fn, on one "
+      "device, never meets this: it is replicate's placement, please report "
+      "it. Meanwhile: tf.estimator.RunConfig(session_config="
+      "tf.compat.v1.ConfigProto(allow_soft_placement=True)).".format(
+          ", ".join("{!r} on {!r}".format(op.name, op.device)
+                    for op in ops[:4]) + (", ..." if len(ops) > 4 else "")))
 
 
 _FIELDS = ("job", "replica", "task", "device_type", "device_index")

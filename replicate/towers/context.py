@@ -165,7 +165,7 @@ class ReplicationContext:
       self.all_rows.finish(self.layout)
     if self.batch_norm is not None:
       self.batch_norm.finish()
-    colocation.check_colocations(self.layout.graph, [
+    colocation.place_colocated(self.layout.graph, [
         op for ops in self.progress.tower_ops for op in ops])
 
   def _check_summed_regularization(self):
