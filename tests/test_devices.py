@@ -115,24 +115,41 @@ def test_a_device_the_model_fn_sets_itself_is_kept():
   assert pinned.op.device == "/device:CPU:0"
 
 
-def test_a_colocation_group_on_two_devices_is_refused_naming_replicate():
+def test_a_colocation_group_that_cannot_settle_is_refused_naming_replicate():
   # What TensorFlow's placer refuses at the first session without soft
-  # placement (reported by the Estimator as a checkpoint mismatch).
+  # placement (reported by the Estimator as a checkpoint mismatch): two
+  # ops a group is named after, on two devices.
   with tf.Graph().as_default() as graph:
     with tf.device("/job:localhost/cpu:0"):
       params = tf.ones([3], name="params")
+    with tf.device("/cpu:1"):
+      other = tf.ones([3], name="other")
     with tf.compat.v1.colocate_with(params):
       agreeing = tf.identity(params, name="agreeing")
       with graph.device("/cpu:0"):  # ignored under the colocation
         shape = tf.shape(params, name="shape")
     colocation.place_colocated(graph, [params.op, agreeing.op, shape.op])
-    _tf.set_device(shape.op, "/cpu:1")  # as a later placement would
+    with tf.compat.v1.colocate_with(params), \
+        tf.compat.v1.colocate_with(other):
+      both = tf.identity(other, name="both")
     with pytest.raises(ValueError, match=(
         r"replicate_model_fn built ops colocated with each other on several "
-        r"devices: 'agreeing' on '/job:localhost/device:CPU:0', 'params' on "
-        r"'/job:localhost/device:CPU:0', 'shape' on '/cpu:1'.*"
+        r"devices: 'agreeing' on '/job:localhost/device:CPU:0', 'both' on "
+        r"'/device:CPU:1', 'other' on '/device:CPU:1', 'params' on "
+        r"'/job:localhost/device:CPU:0', \.\.\..*"
         r"allow_soft_placement=True")):
-      colocation.place_colocated(graph, [agreeing.op, shape.op])
+      colocation.place_colocated(graph, [agreeing.op, shape.op, both.op])
+
+
+def test_a_split_group_with_no_variable_goes_where_its_named_op_is():
+  with tf.Graph().as_default() as graph:
+    with tf.device("/cpu:0"):
+      params = tf.ones([3], name="params")
+    with tf.compat.v1.colocate_with(params):
+      shape = tf.shape(params, name="shape")
+    _tf.set_device(shape.op, "/cpu:1")  # as a later placement would
+    colocation.place_colocated(graph, [shape.op])
+  assert shape.op.device == params.op.device
 
 
 def test_a_group_split_over_two_devices_goes_where_its_variable_lives():

@@ -24,10 +24,12 @@ def place_colocated(graph, ops) -> None:
   tower's `tf.gather` of a variable's value (on the tower) whose gradient
   `tf.gradients` colocates with both the gather and the value (on the
   variable's device), goes where its variable lives, as one device has it
-  (and as TensorFlow's soft placement would put it). A split without one
-  variable device to settle it is refused, naming replicate: the placer
-  would refuse it at the first session ("Cannot colocate nodes"), which
-  the Estimator reports as a checkpoint that does not match the graph.
+  (and as TensorFlow's soft placement would put it); with no variable in
+  it, where the op it is named after is. A split that neither settles
+  (variables, or named ops, on several devices) is refused, naming
+  replicate: the placer would refuse it at the first session ("Cannot
+  colocate nodes"), which the Estimator reports as a checkpoint that does
+  not match the graph.
   """
   groups = {}  # group name -> its ops among `ops`, and the op so named
   for op in ops:
@@ -39,14 +41,15 @@ def place_colocated(graph, ops) -> None:
       continue  # not colocated after all
     for name in names:
       groups.setdefault(name.decode()[len("loc:@"):], []).append(op)
-  for members in _joined(graph, groups):
+  for members, named in _joined(graph, groups):
     devices = [op for op in members if op.device]
     if _all_compatible(devices):
       continue
-    variables = [op for op in devices if op.type in _VARIABLE_OP_TYPES]
-    if not variables or not _all_compatible(variables):
+    settling = [op for op in devices if op.type in _VARIABLE_OP_TYPES] or [
+        op for op in named if op.device]
+    if not settling or not _all_compatible(settling):
       _refuse(devices)
-    target = variables[0].device
+    target = settling[0].device
     for op in devices:
       if not _compatible(tf.DeviceSpec.from_string(op.device),
                          tf.DeviceSpec.from_string(target)):
@@ -58,7 +61,8 @@ _VARIABLE_OP_TYPES = frozenset(["Variable", "VariableV2", "VarHandleOp"])
 
 def _joined(graph, groups):
   """The ops of groups that share an op, joined (with the ops the groups
-  are named after), each once."""
+  are named after), each once: (the ops, those the groups are named
+  after)."""
   parent = {}
 
   def root(name):
@@ -70,15 +74,18 @@ def _joined(graph, groups):
     names = [n.decode()[len("loc:@"):] for n in op.get_attr("_class")]
     for name in names[1:]:
       parent[root(name)] = root(names[0])
-  joined = {}
+  joined, named = {}, {}
   for name, members in groups.items():
     joined.setdefault(root(name), set()).update(members)
     try:
-      joined[root(name)].add(graph.get_operation_by_name(name))
+      op = graph.get_operation_by_name(name)
     except KeyError:
-      pass  # a group named after no op of the graph
-  return [sorted(members, key=lambda op: op.name)
-          for members in joined.values()]
+      continue  # a group named after no op of the graph
+    joined[root(name)].add(op)
+    named.setdefault(root(name), []).append(op)
+  return [(sorted(members, key=lambda op: op.name),
+           sorted(named.get(key, []), key=lambda op: op.name))
+          for key, members in joined.items()]
 
 
 def _all_compatible(ops) -> bool:
