@@ -141,6 +141,25 @@ def set_device(op: tf.Operation, device: str) -> None:
   op._set_device(device)
 
 
+def set_colocation_group(op: tf.Operation, group: str) -> None:
+  """Puts `op` in the colocation group `group` (its `_class` attribute).
+
+  Private: colocation is set only by `colocate_with` while an op is made;
+  an op's own group is otherwise its name.
+  """
+  op._set_attr("_class", tf.compat.v1.AttrValue(  # pylint: disable=protected-access
+      list=tf.compat.v1.AttrValue.ListValue(s=[b"loc:@" + group.encode()])))
+
+
+def built_colocated(op: tf.Operation) -> bool:
+  """Whether `op` was built under `colocate_with`, known without reading its
+  attributes (which costs a failed look-up for every other op).
+
+  Private: the graph notes where each op's colocation came from.
+  """
+  return bool(getattr(op, "_colocation_code_locations", None))
+
+
 def colocation_ops(graph) -> list:
   """The ops what is built now is colocated with (`colocate_with`).
 

@@ -6,10 +6,12 @@ can be wrapped like any `model_fn`. Two things would go wrong silently, so
 they are refused with an error that says what to do instead:
 - an estimator that is not trained by gradients through an optimizer
   (k-means, boosted trees) cannot have its batches split across towers;
-- a head that reduces its loss with SUM (every `tf.compat.v1.estimator`
-  canned estimator, by default) needs `loss_reduction=Reduction.SUM`, and a
-  head that averages needs a reduction that averages: otherwise each tower's
-  loss is weighted wrongly;
+- a stated `loss_reduction` unlike the head's (`Reduction.SUM` for a head
+  that averages, `MEAN` for one that sums, as every
+  `tf.compat.v1.estimator` canned estimator does by default) would weight
+  each tower's loss wrongly. The default, `SUM_BY_NONZERO_WEIGHTS`, reads
+  the loss from the graph (`replicate.gradients.loss_rule`), a head's sum
+  as a sum and its mean as a mean, so it is right for every head;
 - a v1 head with a `weight_column` that divides by the weights (`MEAN`,
   `SUM_BY_NONZERO_WEIGHTS`) cannot be reproduced from the towers' losses.
 These look into the estimator's `model_fn` closure: TensorFlow has no public
@@ -54,7 +56,9 @@ def check_canned_model_fn(model_fn: Callable, loss_reduction: str) -> None:
   if head is None:
     return
   head_reduction = _tf.head_loss_reduction(head)
-  if (head_reduction in _SUM_REDUCTIONS) != (loss_reduction == Reduction.SUM):
+  reads_graph = loss_reduction == Reduction.SUM_BY_NONZERO_WEIGHTS
+  if not reads_graph and (head_reduction in _SUM_REDUCTIONS) != (
+      loss_reduction == Reduction.SUM):
     wanted = ("tf.compat.v1.losses.Reduction.SUM"
               if head_reduction in _SUM_REDUCTIONS else
               "tf.compat.v1.losses.Reduction.SUM_BY_NONZERO_WEIGHTS (the "

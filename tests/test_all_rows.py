@@ -405,3 +405,36 @@ def test_a_differentiable_batch_mean_flowing_back_into_rows_is_refused():
     _build(_refused_model_fn(lambda q, y: tf.matmul(
         q, tf.reduce_mean(q, 0, keepdims=True), transpose_b=True)),
            towers=3, rows=7, mode=TRAIN)
+
+
+def normalized_retrieval_model_fn(features, labels, mode, params):
+  """In-batch negatives over documents through a batch norm, which the
+  wrapper synchronizes: its moments are the whole batch's, of a value
+  computed from variables."""
+  del labels
+  q, d = _towers(features)
+  # tanh: else beta only shifts each row's scores, and has no gradient
+  # but rounding's, which Adam would scale up.
+  d = tf.nn.tanh(tf.compat.v1.layers.batch_normalization(
+      d, training=mode == TRAIN, name="bn"))
+  sim = tf.matmul(q, replicate.all_rows(d), transpose_b=True)
+  labels = tf.range(tf.shape(q)[0]) + replicate.row_offset()
+  with tf.control_dependencies(
+      tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+    return _spec(mode, q, sim, labels, params["optimizer"])
+
+
+@pytest.mark.parametrize("towers,rows,optimizer", [
+    (2, 8, "sgd"), (3, 7, "adam")])
+def test_replicated_with_a_synchronized_batch_norm_trains_like_one_device(
+    towers, rows, optimizer):
+  # "replicated" differentiates tower i's loss a second time, towards tower
+  # 0's own variables, which its rows reach only through the batch norm's
+  # whole-batch moments; that pass gets nothing through them. It was
+  # refused as a second backward pass through all_rows in towers 1..N-1
+  # ("tower 0: 1, tower 1: 2"), as TF-Ranking's groupwise scoring met it.
+  expected = _run(normalized_retrieval_model_fn, rows, optimizer=optimizer)
+  actual = _run(normalized_retrieval_model_fn, rows, towers,
+                optimizer=optimizer, variable_strategy=REPLICATED)
+  assert "bn/moving_mean" in expected["variables"]
+  _assert_one_device(expected, actual)

@@ -196,7 +196,7 @@ def test_export_serves_any_batch_size_in_a_fresh_process(kind, family,
 
 
 @pytest.mark.parametrize("family, reduction, expected", [
-    ("v1", Reduction.SUM_BY_NONZERO_WEIGHTS,
+    ("v1", Reduction.MEAN,
      "Pass loss_reduction=tf.compat.v1.losses.Reduction.SUM."),
     ("v2", Reduction.SUM, "Pass loss_reduction=tf.compat.v1.losses.Reduction"
      ".SUM_BY_NONZERO_WEIGHTS"),
@@ -206,6 +206,50 @@ def test_a_loss_reduction_unlike_the_heads_is_refused(family, reduction,
   canned = _make("DNNClassifier", family, str(tmp_path))
   with pytest.raises(ValueError, match=expected):
     replicate.replicate_model_fn(canned.model_fn, loss_reduction=reduction)
+
+
+@pytest.fixture(scope="module")
+def summing_v1(tmp_path_factory):
+  """A compat.v1 DNNClassifier summing its loss, stated, trained one step
+  (the shared start), then as `_outcome` trains it, unwrapped."""
+  def make(model_dir):
+    numeric, _, embedded = _columns()
+    return tf.compat.v1.estimator.DNNClassifier(
+        [6, 4], numeric + [embedded], n_classes=3, model_dir=model_dir,
+        loss_reduction=Reduction.SUM,
+        optimizer=replicate.TowerOptimizer(
+            lambda: tf.compat.v1.train.AdagradOptimizer(0.1)))
+
+  start = str(tmp_path_factory.mktemp("start"))
+  make(start).train(_train_input("DNNClassifier"), steps=1)
+  unwrapped = str(tmp_path_factory.mktemp("unwrapped"))
+  shutil.copytree(start, unwrapped, dirs_exist_ok=True)
+  return make, start, unwrapped, _outcome(make(unwrapped), "DNNClassifier")
+
+
+@pytest.mark.parametrize("towers", [2, 3])
+def test_a_v1_summing_head_trains_like_one_device_with_the_default(
+    summing_v1, towers, tmp_path):
+  # Refused until the loss rule read the graph: the default reduction now
+  # reads the head's sum and counts it as it is. 10 rows in batches of 4:
+  # the last batch of 2 leaves 3 towers uneven, one without rows.
+  make, start, unwrapped, (metrics, predictions, names) = summing_v1
+  shutil.copytree(start, tmp_path, dirs_exist_ok=True)
+  wrapped = tf.estimator.Estimator(
+      replicate.replicate_model_fn(make(str(tmp_path)).model_fn),
+      model_dir=str(tmp_path),
+      config=tf.estimator.RunConfig(session_config=session_config(towers)))
+  got_metrics, got_predictions, got_names = _outcome(wrapped, "DNNClassifier")
+  assert got_names == names
+  assert got_metrics["global_step"] == metrics["global_step"] == 4
+  for name in names:
+    np.testing.assert_allclose(tf.train.load_variable(str(tmp_path), name),
+                               tf.train.load_variable(unwrapped, name),
+                               rtol=1e-5, atol=1e-6, err_msg=name)
+  for key in ("loss", "average_loss", "accuracy"):
+    np.testing.assert_allclose(got_metrics[key], metrics[key], rtol=1e-5)
+  np.testing.assert_allclose(got_predictions, predictions, rtol=1e-5,
+                             atol=1e-6)
 
 
 def test_a_canned_estimator_not_trained_by_gradients_is_refused(tmp_path):
@@ -280,13 +324,14 @@ def test_the_canned_checks_see_through_wrappers(wrap_model_fn, tmp_path):
   with pytest.raises(ValueError, match="KMeansClustering is not trained by "
                      "gradients through an optimizer"):
     replicate.replicate_model_fn(wrap_model_fn(kmeans))
-  # A compat.v1 head sums its loss: the default reduction would weight each
-  # tower's loss wrongly (a 3-tower step off by a factor of about 3).
+  # A compat.v1 head sums its loss: a stated MEAN would weight each
+  # tower's loss by its share (a 3-tower step off by a factor of about 3).
   classifier = _make("DNNClassifier", "v1", str(tmp_path / "dnn"))
   with pytest.raises(ValueError, match="The DNNClassifier head reduces its "
                      "loss with 'weighted_sum'.*Pass loss_reduction=tf.compat"
                      ".v1.losses.Reduction.SUM."):
-    replicate.replicate_model_fn(wrap_model_fn(classifier))
+    replicate.replicate_model_fn(wrap_model_fn(classifier),
+                                 loss_reduction=Reduction.MEAN)
   replicate.replicate_model_fn(wrap_model_fn(classifier),
                                loss_reduction=Reduction.SUM)
 

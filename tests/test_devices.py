@@ -4,6 +4,8 @@ import pytest
 import tensorflow as tf
 
 from conftest import session_config
+from replicate import _tf
+from replicate.call import colocation
 from replicate.call import devices
 from replicate.variables import strategies
 
@@ -111,3 +113,78 @@ def test_a_device_the_model_fn_sets_itself_is_kept():
       with tf.device("/cpu:0"):
         pinned = tf.constant(1.0)
   assert pinned.op.device == "/device:CPU:0"
+
+
+def test_a_colocation_group_that_cannot_settle_is_refused_naming_replicate():
+  # What TensorFlow's placer refuses at the first session without soft
+  # placement (reported by the Estimator as a checkpoint mismatch): two
+  # ops a group is named after, on two devices.
+  with tf.Graph().as_default() as graph:
+    with tf.device("/job:localhost/cpu:0"):
+      params = tf.ones([3], name="params")
+    with tf.device("/cpu:1"):
+      other = tf.ones([3], name="other")
+    with tf.compat.v1.colocate_with(params):
+      agreeing = tf.identity(params, name="agreeing")
+      with graph.device("/cpu:0"):  # ignored under the colocation
+        shape = tf.shape(params, name="shape")
+    colocation.place_colocated(graph, [params.op, agreeing.op, shape.op])
+    with tf.compat.v1.colocate_with(params), \
+        tf.compat.v1.colocate_with(other):
+      both = tf.identity(other, name="both")
+    with pytest.raises(ValueError, match=(
+        r"replicate_model_fn built ops colocated with each other on several "
+        r"devices: 'agreeing' on '/job:localhost/device:CPU:0', 'both' on "
+        r"'/device:CPU:1', 'other' on '/device:CPU:1', 'params' on "
+        r"'/job:localhost/device:CPU:0', \.\.\..*"
+        r"allow_soft_placement=True")):
+      colocation.place_colocated(graph, [agreeing.op, shape.op, both.op])
+
+
+def test_a_split_group_with_no_variable_goes_where_its_named_op_is():
+  with tf.Graph().as_default() as graph:
+    with tf.device("/cpu:0"):
+      params = tf.ones([3], name="params")
+    with tf.compat.v1.colocate_with(params):
+      shape = tf.shape(params, name="shape")
+    _tf.set_device(shape.op, "/cpu:1")  # as a later placement would
+    colocation.place_colocated(graph, [shape.op])
+  assert shape.op.device == params.op.device
+
+
+def test_a_group_split_over_two_devices_goes_where_its_variable_lives():
+  # A tower's op (on /cpu:1) and a variable (on /cpu:0) that one gradient
+  # op is colocated with both, as tf.gradients builds it.
+  with tf.Graph().as_default() as graph:
+    with tf.device("/cpu:0"):
+      variable = tf.compat.v1.Variable([1.0, 2.0], name="table",
+                                       use_resource=False)
+    with tf.device("/cpu:1"):
+      gather = tf.gather(variable, [1], name="gather")
+    with tf.compat.v1.colocate_with(gather.op), \
+        tf.compat.v1.colocate_with(variable.op):
+      shape = tf.shape(variable, name="shape")
+    colocation.place_colocated(graph, [gather.op, shape.op])
+  assert gather.op.device == shape.op.device == variable.op.device
+
+
+def test_ops_in_a_function_get_a_colocation_group_of_their_function():
+  # A gradient op built in a cond's gradient function is colocated with
+  # its forward op by that op's name; the name is the function's own, so
+  # every tower's would meet in one group (and one device would not).
+  with tf.Graph().as_default() as graph:
+    x = tf.compat.v1.placeholder(tf.float32, [None])
+    with graph.device(devices.tower_device_function("/cpu:1",
+                                                    lambda op: "/cpu:0")):
+      y = tf.cond(tf.reduce_sum(x) > 0,
+                  lambda: tf.gather(tf.reshape(x, [-1]), [0]),
+                  lambda: x[:1])
+      tf.gradients(y, x)
+  groups = {node.name: list(node.attr["_class"].list.s)
+            for function in graph.as_graph_def().library.function
+            if function.signature.name.startswith("cond_true")
+            for node in function.node_def
+            if node.name in ("Reshape", "gradients/GatherV2_grad/Shape")}
+  # The gather's params (the Reshape) and its gradient's Shape.
+  assert groups["Reshape"][0].startswith(b"loc:@cond_true")
+  assert groups["Reshape"][0] in groups["gradients/GatherV2_grad/Shape"]

@@ -1,9 +1,12 @@
 """What towers see of LOSSES, REGULARIZATION_LOSSES and UPDATE_OPS."""
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import cpus, replication_context, run_initialized
+import harness
+import replicate
+from conftest import replication_context, run_initialized
 
 Reduction = tf.compat.v1.losses.Reduction
 GraphKeys = tf.compat.v1.GraphKeys
@@ -95,3 +98,50 @@ def test_collections_are_plain_again_when_a_tower_raises(graph):
   tf.compat.v1.add_to_collection(GraphKeys.REGULARIZATION_LOSSES,
                                  tf.constant(1.0))
   assert len(graph.get_collection(GraphKeys.REGULARIZATION_LOSSES)) == 2
+
+
+def _seen_model_fn(seen):
+  """A model_fn that records, at four points, the names it sees in the
+  variable collections; each call (tower) appends one list."""
+
+  def names():
+    return {key: [v.op.name for v in tf.compat.v1.get_collection(key)]
+            for key in (GraphKeys.GLOBAL_VARIABLES,
+                        GraphKeys.TRAINABLE_VARIABLES,
+                        GraphKeys.MOVING_AVERAGE_VARIABLES)}
+
+  def model_fn(features, labels, mode):
+    points = [names()]
+    seen.append(points)
+    hidden = tf.compat.v1.layers.dense(features["x"], 3, name="first")
+    points.append(names())
+    predictions = tf.compat.v1.layers.dense(hidden, 1, name="second")
+    loss = tf.compat.v1.losses.mean_squared_error(labels, predictions)
+    train_op = replicate.TowerOptimizer(
+        tf.compat.v1.train.AdamOptimizer(0.1)).minimize(
+            loss, tf.compat.v1.train.get_global_step())
+    points.append(names())  # Adam's slots and beta powers: tower 0's update
+    ema = tf.compat.v1.train.ExponentialMovingAverage(0.5)
+    with tf.control_dependencies([train_op]):
+      train_op = ema.apply(tf.compat.v1.trainable_variables())
+    points.append(names())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  return model_fn
+
+
+@pytest.mark.parametrize("strategy", ["parameter_server", "replicated"])
+def test_each_tower_sees_the_variable_collections_tower0_saw(strategy):
+  # Seen whole, tower 1's collections at its start would hold all 19 of
+  # tower 0's variables (its averages and Adam's slots too).
+  rng = np.random.RandomState(0)
+  batch = (rng.rand(5, 2).astype(np.float32),
+           rng.rand(5, 1).astype(np.float32))
+  one, wrapped = [], []
+  harness.train(_seen_model_fn(one), [batch])
+  harness.train(_seen_model_fn(wrapped), [batch], 3,
+                variable_strategy=strategy)
+  assert len(wrapped) == 3
+  assert wrapped[1] == wrapped[2] == wrapped[0] == one[0]
+  global_variables = [p[GraphKeys.GLOBAL_VARIABLES] for p in one[0]]
+  assert [len(names) for names in global_variables] == [1, 3, 15, 19]

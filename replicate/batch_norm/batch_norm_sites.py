@@ -66,6 +66,11 @@ class BatchNormSync:
     finally:
       self._backward = previous
 
+  @property
+  def in_extra_pass(self) -> bool:
+    """Whether `"replicated"`'s second pass is being built (`backward`)."""
+    return self._backward == "extra"
+
   def per_tower(self, label: str) -> None:
     """Tower 0 calls the batch norm `label` with its shard's moments."""
     if label not in self.per_tower_labels:

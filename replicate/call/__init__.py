@@ -6,6 +6,8 @@ build step reads. It imports no other sub-package of `replicate`.
   strategy, the graph).
 - `progress`: which tower is being built, and what each tower built.
 - `devices`: device strings, local devices, a tower's device function.
+- `colocation`: colocation groups the towers would split over devices,
+  placed as one device places them.
 - `name_counters`: TensorFlow's name counters, so tower i gets tower 0's
   names.
 - `strategy`: the `VariableStrategy` Protocol, what the build asks of a

@@ -19,6 +19,7 @@ from typing import Callable, List, Optional, Sequence
 import tensorflow as tf
 
 from replicate import _tf
+from replicate.call import colocation
 
 # Op types that create a variable's storage; these are the ops a variable
 # strategy places, everything else follows its tower.
@@ -141,6 +142,7 @@ def tower_device_function(tower_device: str,
 
   def choose(op):
     _pin_reads(op)
+    colocation.own_group(op)
     if op.type in _VARIABLE_OP_TYPES:
       spec = tf.DeviceSpec.from_string(
           choose_variable_device(op) or tower_device)

@@ -42,6 +42,10 @@ class BuildProgress:
     self.is_applying = False
     # The ops of tower 0's update, built by TowerOptimizer (`applying`).
     self.update_built = set()
+    # Per update tower 0 built, how many ops the graph had after it: what
+    # tower i has reached once it made as many optimizer calls
+    # (`replicate.towers.variable_views`).
+    self.update_ends: List[int] = []
     # The local variables and tables there were when tower 0 was built (a
     # `replicate.towers.scaffolds.LocalState`), for a model_fn's own
     # local_init_op.
@@ -94,4 +98,6 @@ class BuildProgress:
       yield
     finally:
       self.is_applying = False
-      self.update_built.update(self._graph.get_operations()[first_op:])
+      ops = self._graph.get_operations()
+      self.update_built.update(ops[first_op:])
+      self.update_ends.append(len(ops))

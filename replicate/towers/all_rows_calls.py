@@ -84,6 +84,8 @@ class AllRows:
     @tf.custom_gradient
     def joined(own, whole):
       def grad(upstream):
+        if _in_extra_pass(context):
+          return None, None
         return self._own_gradient(context, call, upstream), None
       return tf.identity(whole), grad
 
@@ -136,6 +138,19 @@ class AllRows:
         raise _unmatched(counts)
       with tf.name_scope("all_rows_over_towers"):
         _join(calls, layout.cross_task)
+
+
+def _in_extra_pass(context) -> bool:
+  """Whether `"replicated"`'s second pass in tower i (towards tower 0's own
+  variables, `TowerOptimizer._tower_gradients`) is being built.
+
+  A tower's rows reach tower 0's variables only through what joins every
+  tower's values, a synchronized batch norm's moments, which let that pass
+  through with nothing (`BatchNormSync.backward`); through `all_rows` it
+  gets nothing either, and is no backward pass of its own: the first pass
+  already gave the tower's copies the gradient through its rows.
+  """
+  return context.batch_norm is not None and context.batch_norm.in_extra_pass
 
 
 def _join(calls, cross) -> None:

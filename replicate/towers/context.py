@@ -35,6 +35,7 @@ import contextlib
 import tensorflow as tf
 
 from replicate.call import current
+from replicate.call import colocation
 from replicate.call import layout as layout_lib
 from replicate.call import name_counters
 from replicate.call import progress as progress_lib
@@ -63,7 +64,8 @@ class ReplicationContext:
     self._sums_losses = sums_losses
     self.collections = tower_collections.TowerCollections(
         graph, layout.num_towers, sums_losses,
-        copies_variables=layout.is_replicated)
+        copies_variables=layout.is_replicated,
+        update_bound=self._update_bound)
     # Loss weights per tower (1 for SUM, else the tower's share n_i / n,
     # built once, by the layout), and the denominators that may replace them.
     self.weights = weighting.TowerWeights(
@@ -84,6 +86,13 @@ class ReplicationContext:
     self.batch_norm = batch_norm
     # The calls of `replicate.all_rows`, per tower.
     self.all_rows = all_rows_calls.AllRows(layout.num_towers)
+
+  def _update_bound(self, index: int) -> int:
+    """How far in the graph's ops tower 0's updates reach that tower
+    `index`'s optimizer calls so far stand for (0: none)."""
+    calls = min(len(self.records.calls[index]),
+                len(self.progress.update_ends))
+    return self.progress.update_ends[calls - 1] if calls else 0
 
   def tower_name_scope(self, index: int) -> str:
     """The name-scope prefix of tower `index` ('' for tower 0 at top level)."""
@@ -156,6 +165,8 @@ class ReplicationContext:
       self.all_rows.finish(self.layout)
     if self.batch_norm is not None:
       self.batch_norm.finish()
+    colocation.place_colocated(self.layout.graph, [
+        op for ops in self.progress.tower_ops for op in ops])
 
   def _check_summed_regularization(self):
     """With `Reduction.SUM` across tasks, regularization would count once a

@@ -1,10 +1,14 @@
-"""What each tower sees of the graph's loss and update collections.
+"""What each tower sees of the graph's loss, update and variable collections.
 
-On `LOSSES` and `UPDATE_OPS`: each tower sees what it added itself (and
-what was there before the `model_fn` was called), so that
-`tf.compat.v1.losses.get_total_loss()` in tower i sums tower i's losses and
-`tf.control_dependencies(get_collection(UPDATE_OPS))` waits for tower i's
-batch-norm updates only. `replicate.state.train_op` combines the towers' updates.
+On `LOSSES`, `UPDATE_OPS` and `MOVING_AVERAGE_VARIABLES`: each tower sees
+what it added itself (and what was there before the `model_fn` was
+called), so that `tf.compat.v1.losses.get_total_loss()` in tower i sums
+tower i's losses and `tf.control_dependencies(get_collection(UPDATE_OPS))`
+waits for tower i's batch-norm updates only. `replicate.state.train_op`
+combines the towers' updates.
+
+On the variable collections: tower i sees tower 0's as tower 0 saw them at
+the same point (`replicate.towers.variable_views`).
 
 On `REGULARIZATION_LOSSES`: regularization belongs to the variables, not to
 a shard, and must count once per step. With an averaging reduction each
@@ -26,25 +30,32 @@ This module is the only code that swaps a graph collection's list
 (through `replicate._tf.replace_collection`).
 """
 
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import tensorflow as tf
 
 from replicate import _tf
+from replicate.towers import variable_views
 
 GraphKeys = tf.compat.v1.GraphKeys
 LOSSES = GraphKeys.LOSSES
 REGULARIZATION_LOSSES = GraphKeys.REGULARIZATION_LOSSES
 UPDATE_OPS = GraphKeys.UPDATE_OPS
-_KEYS = (LOSSES, REGULARIZATION_LOSSES, UPDATE_OPS)
+MOVING_AVERAGE_VARIABLES = GraphKeys.MOVING_AVERAGE_VARIABLES
+_OWN_KEYS = (LOSSES, UPDATE_OPS, MOVING_AVERAGE_VARIABLES)
+_KEYS = _OWN_KEYS + (REGULARIZATION_LOSSES,)
 
 
 class TowerCollections:
-  """Per-tower views of `LOSSES`, `REGULARIZATION_LOSSES` and `UPDATE_OPS`."""
+  """Per-tower views of the graph's collections (see the docstring)."""
 
   def __init__(self, graph: tf.Graph, num_towers: int, sums_losses: bool,
-               copies_variables: bool = False):
+               copies_variables: bool = False,
+               update_bound: Callable[[int], int] = lambda index: 0):
     self._graph = graph
+    # `update_bound`: see `variable_views.VariableViews`.
+    self._variables = variable_views.VariableViews(graph, num_towers,
+                                                   update_bound)
     self._sums_losses = sums_losses
     # Towers 1..N-1 see their copies' regularization (see the docstring).
     self._own_regularization = copies_variables and not sums_losses
@@ -57,8 +68,9 @@ class TowerCollections:
     """Shows tower `index` its view of each collection."""
     if index == 0:
       return
-    for key in (LOSSES, UPDATE_OPS):
+    for key in _OWN_KEYS:
       self._set(key, list(self._outer[key]))
+    self._variables.enter(index, self._replace)
     if self._own_regularization:
       self._set(REGULARIZATION_LOSSES,
                 list(self._outer[REGULARIZATION_LOSSES]))
@@ -79,6 +91,7 @@ class TowerCollections:
           not self._own_regularization):
         start = len(now)  # towers 1..N-1 add none of their own
       self._added[key][index] = now[start:]
+    self._variables.leave(index)
     own = self._added[REGULARIZATION_LOSSES]
     if (self._own_regularization and index > 0 and
         len(own[index]) != len(own[0])):
@@ -89,6 +102,10 @@ class TowerCollections:
           "regularizers, whatever its data.".format(
               index, len(own[index]), len(own[0])))
 
+  def reach(self, index: int, variable) -> None:
+    """Tower `index`'s variable creation resolved to tower 0's `variable`."""
+    self._variables.reach(index, variable)
+
   def regularization(self) -> list:
     """The regularization losses tower 0 sees."""
     return (list(self._outer[REGULARIZATION_LOSSES]) +
@@ -98,6 +115,7 @@ class TowerCollections:
     """Leaves each collection as the unwrapped model_fn would."""
     for key in _KEYS:
       self._set(key, self._outer[key] + self._added[key][0])
+    self._variables.finish(self._replace)
 
   def update_ops(self, index: int) -> list:
     """What tower `index` added to `UPDATE_OPS`, in order."""
@@ -108,6 +126,9 @@ class TowerCollections:
       return
     if not isinstance(values, _ClosedList):
       values = list(values)
+    self._replace(key, values)
+
+  def _replace(self, key, values):
     _tf.replace_collection(self._graph, key, values)
 
 

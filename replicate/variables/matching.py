@@ -37,6 +37,7 @@ def variable_getter(context, index: int) -> Callable:
       if tower0_name == name:
         raise
       variable = getter(tower0_name, *args, **kwargs)
+    context.collections.reach(index, variable)
     own = context.variables.for_tower(index, variable)
     if own is not variable and kwargs.get("regularizer") is not None:
       _regularize_copy(own, name, kwargs["regularizer"])
@@ -95,6 +96,7 @@ def variable_creator(context, index: int) -> Callable:
       return variable
     tower0_variable = context.tower0_variables.match(
         index, own_name, layout_lib.to_tower0_name(own_name, index), kwargs)
+    context.collections.reach(index, tower0_variable)
     variable = context.variables.for_tower(index, tower0_variable)
     if graph.unique_name(requested, mark_as_used=False) == own_name:
       # Creating the variable would have taken its name, as it did in
