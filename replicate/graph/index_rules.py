@@ -44,8 +44,10 @@ def _gather_reason(layout, op) -> Optional[str]:
   axis, batch_dims = gather_axis(op)
   if params.kind == NONE:
     return None
-  if params.kind == UNKNOWN or axis is None:
-    if axis not in (0, None) or indices.ids in (ROW, BPOS):
+  if params.kind == UNKNOWN:
+    return None  # rows the analysis lost: not refused, as before it
+  if axis is None:
+    if indices.ids in (ROW, BPOS):
       return None
     return ("it takes entries along an axis that may be the rows' by "
             "indices that are not each row's own position")
@@ -65,8 +67,8 @@ def _gather_nd_reason(layout, op) -> Optional[str]:
     return None
   if layout.fact(op.outputs[0]) != UNKNOWN_ROWS:
     return None
-  if params.kind == UNKNOWN and indices.ids in (ROW, BPOS):
-    return None
+  if params.kind == UNKNOWN:
+    return None  # rows the analysis lost: not refused, as before it
   return ("it takes entries of rows by index tuples whose row part is not "
           "each entry's own row")
 

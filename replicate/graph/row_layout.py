@@ -35,8 +35,8 @@ from replicate import graph_walk
 from replicate.graph import layout_ops
 from replicate.graph import loop_layout
 from replicate.graph.row_facts import (
-    ALIGNED, BLOCKED, NONE, NO_ROWS, OTHER, ROW, ROWS, SELECTED,
-    UNKNOWN_ROWS, Fact)
+    ALIGNED, BLOCKED, NONE, NO_ROWS, OTHER, ROW, ROWS, ROWS_K, ROWS_PLUS,
+    SELECTED, SELECTED_COUNT, UNKNOWN_ROWS, Fact)
 
 
 class RowLayout:
@@ -117,7 +117,7 @@ class RowLayout:
     if op.type == "Range" and self._counts_static_rows(op):
       return [Fact(ALIGNED, 0, ids=ROW)]
     inputs = [self.input_fact(t) for t in op.inputs]
-    if not self._depends([op]) and not any(f.carries for f in inputs):
+    if not self._depends([op]) and not any(_about_rows(f) for f in inputs):
       return [_constant_fact(t, self.static_rows) if t.shape.rank in (0, 1)
               else NO_ROWS for t in op.outputs]
     try:
@@ -153,6 +153,8 @@ class RowLayout:
     """Blocks of rows back to rows between known sizes (`[rows * k, w]`
     to `[rows, k, w]`: a dense layer's `Tensordot` on a batch of known
     size), the new first size the tower's known row count."""
+    if op.inputs[0].shape.rank is None or op.outputs[0].shape.rank is None:
+      return UNKNOWN_ROWS
     sizes, dims = op.inputs[0].shape.as_list(), op.outputs[0].shape.as_list()
     if (fact.kind != BLOCKED or fact.axis != 0 or self.static_rows is None or
         not sizes or not dims or None in sizes or None in dims or
@@ -177,6 +179,15 @@ class RowLayout:
     value = tf.get_static_value(op.outputs[0])
     return value is not None and np.array_equal(
         np.ravel(value), np.arange(self.static_rows))
+
+
+def _about_rows(fact: Fact) -> bool:
+  """Whether a fact says something of the rows that an op not computed
+  from their values passes on: rows along an axis, or a shape-like value
+  counting them (a `SparseTensor`'s `dense_shape`, sliced and multiplied
+  by `safe_embedding_lookup_sparse` into the shape it reshapes to)."""
+  return fact.carries or bool(fact.dims and set(fact.dims) & {
+      ROWS, ROWS_K, ROWS_PLUS, SELECTED_COUNT})
 
 
 def _constant_fact(tensor: tf.Tensor, static_rows) -> Fact:

@@ -17,7 +17,9 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from replicate.graph import index_layout
 from replicate.graph import index_rules
+from replicate.graph.row_facts import UNKNOWN
 
 
 def named_inputs(op):
@@ -124,10 +126,29 @@ def _cumulative(finder, op):
       op.inputs[1]), "it accumulates down the batch axis")
 
 
+_SEGMENT_TYPES = frozenset(index_layout.SEGMENT_TYPES +
+                           index_layout.SPARSE_SEGMENT_TYPES)
+
+
 def _index(finder, op):
   """Gathers, scatters and segment ops: `replicate.graph.index_rules`, by
-  where each row goes (`finder.layout`, the row analysis)."""
-  return index_rules.reason(finder.layout, op)
+  where each row goes (`finder.layout`, the row analysis).
+
+  A segment op whose rows the analysis lost (a `SparseTensor` of unknown
+  rank that `safe_embedding_lookup_sparse` flattens by the product of its
+  shape's leading entries; feature columns' lookups on a batch of known
+  size) is refused only when its segment ids come from what the rows hold
+  (per-class sums keyed by labels), as before the analysis: ids made from
+  the rows' positions keep them apart.
+  """
+  why = index_rules.reason(finder.layout, op)
+  if why and op.type in _SEGMENT_TYPES and (
+      finder.layout.fact(op.outputs[0]).kind == UNKNOWN):
+    ids = dict(named_inputs(op)).get("segment_ids")
+    if ids is None or not finder.from_row_values(ids):
+      return None
+    return "its segment ids come from the rows' values"
+  return why
 
 
 def _matrices(finder, op):
