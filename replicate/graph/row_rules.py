@@ -137,17 +137,14 @@ def _index(finder, op):
   A segment op whose rows the analysis lost (a `SparseTensor` of unknown
   rank that `safe_embedding_lookup_sparse` flattens by the product of its
   shape's leading entries; feature columns' lookups on a batch of known
-  size) is refused only when its segment ids come from what the rows hold
-  (per-class sums keyed by labels), as before the analysis: ids made from
-  the rows' positions keep them apart.
+  size; a crossed column of a bucketized one) is not refused, as a gather
+  of lost rows is not: the rule before the analysis refused crossed
+  columns there, keying their ids by the rows' values.
   """
   why = index_rules.reason(finder.layout, op)
   if why and op.type in _SEGMENT_TYPES and (
       finder.layout.fact(op.outputs[0]).kind == UNKNOWN):
-    ids = dict(named_inputs(op)).get("segment_ids")
-    if ids is None or not finder.from_row_values(ids):
-      return None
-    return "its segment ids come from the rows' values"
+    return None
   return why
 
 
