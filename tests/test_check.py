@@ -274,3 +274,17 @@ def test_replicate_check_is_callable_as_the_module_and_the_name():
   assert callable(replicate.check)
   with pytest.raises(ValueError, match="steps=0"):
     module(check_models.plain, check_models.input_fn, steps=0)
+
+
+def test_predictions_of_a_width_each_batch_decides_are_padded_to_compare():
+  # A tagger's batches of sentences of 2 and then 3 words: each batch's
+  # tags padded to the widest batch's (b"" for strings, 0 for numbers), as
+  # the wrapper pads the towers', instead of failing to concatenate.
+  from replicate.check import runs  # pylint: disable=import-outside-toplevel
+  joined = runs._concatenated([  # pylint: disable=protected-access
+      {"tags": np.array([[b"O", b"B"]]), "length": np.array([[1.0, 2.0]])},
+      {"tags": np.array([[b"B", b"I", b"O"]]),
+       "length": np.array([[3.0, 4.0, 5.0]])}])
+  assert joined["tags"].tolist() == [[b"O", b"B", b""], [b"B", b"I", b"O"]]
+  np.testing.assert_array_equal(joined["length"],
+                                [[1.0, 2.0, 0.0], [3.0, 4.0, 5.0]])

@@ -234,7 +234,21 @@ def _scalar_summaries(graph) -> Dict[str, tf.Tensor]:
 
 
 def _concatenated(batches: List[Any]) -> Dict[str, np.ndarray]:
+  """Each key's batches one after another; a width that differs from batch
+  to batch (a tagger's longest sentence, a beam search's length) padded to
+  the widest batch's, as the wrapper pads the towers' (one device's and
+  the towers' runs are padded alike, so they still compare)."""
   if not isinstance(batches[0], dict):
     batches = [{"predictions": value} for value in batches]
-  return {key: np.concatenate([np.asarray(b[key]) for b in batches])
+  return {key: np.concatenate(_padded([np.asarray(b[key]) for b in batches]))
           for key in batches[0]}
+
+
+def _padded(values: List[np.ndarray]) -> List[np.ndarray]:
+  widest = np.max([v.shape[1:] for v in values], axis=0) if (
+      values[0].ndim > 1) else ()
+  fill = b"" if values[0].dtype.kind == "S" else (
+      "" if values[0].dtype.kind in "UO" else 0)
+  return [np.pad(v, [(0, 0)] + [(0, int(w) - size) for w, size in zip(
+      widest, v.shape[1:])], constant_values=fill) if v.ndim > 1 else v
+          for v in values]
