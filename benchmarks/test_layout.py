@@ -110,7 +110,7 @@ COMMANDS = [
     ["-m", "benchmarks.ctr_cost"], ["-m", "benchmarks.plot"],
     ["-m", "benchmarks.profile"], ["-m", "benchmarks.readme"],
     ["-m", "benchmarks.split_cost"], ["-m", "benchmarks.step_trace"],
-    ["-m", "benchmarks.touched_gradients_timing"],
+    ["-m", "benchmarks.touched_gradients_timing"], ["-m", "benchmarks.build_time"],
     ["benchmarks/across_workers_job.py"], ["examples/digits_demo.py"],
     ["examples/cluster_demo.py"], ["-m", "replicate.launch"],
 ]
