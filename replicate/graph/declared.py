@@ -73,11 +73,6 @@ def is_declared(op: tf.Operation) -> bool:
   return op.name in op.graph.get_collection(COLLECTION)
 
 
-def declared_types() -> frozenset:
-  """The op types declared for the process."""
-  return frozenset(_DECLARED_TYPES)
-
-
 def forget_type(op_type: str) -> None:
   """Takes back a declared op type (for tests and `replicate.check`'s
   verification runs)."""
