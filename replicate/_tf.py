@@ -189,6 +189,33 @@ def add_control_input(op: tf.Operation, control: tf.Operation) -> None:
   op._add_control_input(control)
 
 
+def copy_op(op: tf.Operation, inputs: List[tf.Tensor],
+            control_inputs: List[tf.Operation], name: str) -> tf.Operation:
+  """A new op of `op`'s type and attributes, on `op`'s device, reading
+  `inputs` (after `control_inputs`); its shapes are inferred from them.
+
+  Private: TensorFlow builds ops from Python functions, not from another
+  op; `Graph._create_op_internal` is what `tf.raw_ops` calls reach.
+  """
+  graph = op.graph
+  attrs = {key: value for key, value in op.node_def.attr.items()}
+  copy = graph._create_op_internal(
+      op.type, inputs, dtypes=[t.dtype for t in op.outputs], name=name,
+      attrs=attrs, op_def=op.op_def, compute_device=False)
+  copy._set_device(op.device)
+  if control_inputs:
+    copy._add_control_inputs(control_inputs)
+  return copy
+
+
+def is_ref_dtype(dtype: tf.DType) -> bool:
+  """Whether `dtype` is a TF 1 reference (a `tf.Variable`'s, read as a ref).
+
+  Private: `DType._is_ref_dtype` is the only test TensorFlow has.
+  """
+  return dtype._is_ref_dtype
+
+
 def in_control_flow(graph) -> bool:
   """Whether ops built now go inside a TF 1 `cond` or `while_loop`.
 

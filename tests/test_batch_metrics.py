@@ -154,20 +154,39 @@ def _corpus(features, loss, squared, predictions):
   return {"corpus": metrics.mean(score)}
 
 
+def _corpus_weighted(features, loss, squared, predictions):
+  """The Transformer's form (tensorflow/models' metrics.py): a corpus score
+  whose `metrics.mean` is given `weights=tf.constant(1.0)`, so that the
+  count is a sum of weights broadcast to the score's unknown shape, over
+  the axes `tf.range(tf.rank(score))`."""
+  del features, loss, squared
+  score = tf.compat.v1.py_func(
+      lambda p: np.float32(np.median(p) + p[0, 0] - p[-1, 0]),
+      [predictions], tf.float32, stateful=False)
+  return {"corpus": metrics.mean(score, tf.constant(1.0))}
+
+
 def _median(features, loss, squared, predictions):
   del features, loss, predictions
   ordered = tf.sort(tf.reshape(squared, [-1]))
   return {"median": metrics.mean(ordered[tf.size(ordered) // 2])}
 
 
-@pytest.mark.parametrize("metric_fn", [_corpus, _median])
-@pytest.mark.parametrize("towers,batches,static",
-                         [case for case in CASES if not case[2]])
+WHOLE_BATCH_CASES = (
+    [(fn, case) for fn in (_corpus, _corpus_weighted) for case in CASES] +
+    [(_median, case) for case in CASES if not case[2]])
+
+
+@pytest.mark.parametrize("metric_fn,case", WHOLE_BATCH_CASES)
 def test_value_no_combination_gives_is_computed_on_the_whole_batch(
-    metric_fn, towers, batches, static):
+    metric_fn, case):
   """A py_func corpus score (in input order: its first and last rows) and a
-  median, on batches of unknown size (an input_fn's): 52-106 % off on
-  6b12641 (the Transformer's BLEU)."""
+  median: 52-106 % off on 6b12641 on batches of unknown size (the
+  Transformer's BLEU), refused on batches of known size, where its ops had
+  the shard's shapes; its `weights=tf.constant(1.0)` form (the
+  Transformer's) still off on a1c186a. Now built again on the whole
+  batch's rows, shapes and all."""
+  towers, batches, static = case
   model_fn = _model_fn(metric_fn)
   expected = _evaluated(model_fn, batches, static)
   got = _evaluated(replicate.replicate_model_fn(model_fn,
@@ -178,16 +197,19 @@ def test_value_no_combination_gives_is_computed_on_the_whole_batch(
                                err_msg=key)
 
 
-@pytest.mark.parametrize("metric_fn", [_corpus, _median])
-def test_on_a_batch_of_known_size_it_is_refused_with_the_fix(metric_fn):
-  """The metric's ops were built for the shard's rows: they cannot read
-  the whole batch's (test_the_fix_is_exact holds the fix)."""
-  model_fn = replicate.replicate_model_fn(_model_fn(metric_fn),
+def test_a_count_folded_from_the_shards_shape_is_refused_with_the_fix():
+  """The median's `tf.sort` (its `k`, the shard's length) and its
+  `tf.size(ordered)` are, on a batch of known size, constants TensorFlow
+  folded from the shard's shape: no input replicate can gather. Refused,
+  naming the first op that reads one, and the fix (test_the_fix_is_exact
+  holds the fix)."""
+  model_fn = replicate.replicate_model_fn(_model_fn(_median),
                                           devices=cpus(2))
-  key = "corpus" if metric_fn is _corpus else "median"
   with pytest.raises(ValueError, match=(
-      r"eval_metric_ops\['{}'\].*number of rows was known.*TPUEstimatorSpec"
-      r".*eval_metrics.*metric_fn once").format(key)):
+      r"eval_metric_ops\['median'\].*whole batch's rows.*'sort/TopKV2' "
+      r"reads 'sort/strided_slice:0'.*folded to a constant.*"
+      r"TPUEstimatorSpec.*eval_metrics.*"
+      r"metric_fn once")):
     _evaluated(model_fn, [5], True)
 
 

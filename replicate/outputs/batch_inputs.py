@@ -128,6 +128,16 @@ def _check_read_by_the_metric_only(key, value, metric_ops):
             "batch's.".format(key, value.reader.name, consumer.name))
 
 
+def _data_inputs(op):
+  """The inputs of `op` that hold values: not a reduction's axes (on a
+  score of unknown rank, `tf.range(tf.rank(score))`, a vector as long as
+  the rank, is no row tensor, though its length is unknown like a
+  batch's)."""
+  if op.type in _REDUCTIONS and len(op.inputs) == 2:
+    return op.inputs[:1]
+  return op.inputs
+
+
 def _variable_op(tensor):
   op = tensor.op
   while op.type in ("Identity", "ReadVariableOp") and op.inputs:
@@ -248,7 +258,7 @@ class _Finder:
         if _FOLDED_SIZE.fullmatch(op.name.split("/")[-1]):
           found.append(BatchValue(tensor, "sum", reader, position, None))
         continue
-      row_inputs = [t for t in op.inputs
+      row_inputs = [t for t in _data_inputs(op)
                     if self._is_row(t) and self._from_rows(t)]
       if row_inputs:
         # No combination of the towers' values gives one device's:

@@ -7,20 +7,27 @@ that is no sum, count, maximum, minimum, any, all or mean of the rows (a
 does not know). Each tower's value is over its shard only, and no
 combination of them is one device's value.
 
-On how: tower 0's update, and the ops behind it that only metrics read, are
-re-pointed at their inputs from the rows: each such input (a prediction's
-per-row logits, a feature, the labels) reads the towers' tensors
+On how: the ops of tower 0's update that read the rows are built again,
+reading the whole batch's: each of their inputs from the rows (a
+prediction's per-row logits, a feature, the labels) is the towers' tensors
 concatenated along dimension 0 in tower order, each padded to the widest,
 as `replicate.all_rows` and a `TPUEstimatorSpec`'s `eval_metrics`
 (`replicate.outputs.tpu_spec`) give the whole batch, in input order; the
-spec's loss reads the combined spec's loss. Tower 0's update alone runs
+spec's loss is the combined spec's loss. Every op computed from those
+inputs is copied, its shapes inferred again from the whole batch's (so a
+batch of known size works as one of unknown size), up to the metric's
+state: its variables' writes read the copies. Tower 0's update alone runs
 (`replicate.outputs.metrics`). The ops on the loss's and the predictions'
 paths are not touched: they stay per tower, and their per-row values are
 what is gathered. A rows rule refusal of the same op stays where it is on
 those paths (the gradient path, and what is put back together by rows).
 
-An input that has no rows to gather (a value over the tower's shard that
-is not the loss) is refused, naming it, with the fix.
+Refused, naming the value, with the fix: an input that has no rows to
+gather (a value over the tower's shard that is not the loss); a value the
+copies would read that holds the shard's row count itself (a shape
+TensorFlow folded to a constant on a batch of known size: `tf.size(x)`);
+a copy TensorFlow cannot build for the whole batch's shapes (a reshape to
+the shard's rows); and ops inside a TF 1 `while_loop`.
 """
 
 from typing import Any, List, Sequence
@@ -49,23 +56,94 @@ def feed_whole_batch(key: str, updates: Sequence[Any], tower_specs,
       [updates[0]], within=within, follow_control=True)) - kept
   tower0 = layout.towers[0]
   rows = rows_lib.TowerRows((tower0.features, tower0.labels), within)
-  reads = [(op, index, tensor)
+  reads = [tensor
            for op in sorted(metric_ops, key=lambda o: o.name)
-           for index, tensor in enumerate(op.inputs)
+           for tensor in op.inputs
            if tensor.op not in metric_ops and rows.depend([tensor])]
   whole = {}  # tower 0's tensor ref -> the whole batch's
-  for _, _, tensor in reads:
-    if tensor.ref() in whole:
+  for tensor in reads:
+    if tensor.ref() not in whole:
+      whole[tensor.ref()] = _whole_batch(key, tensor, tower_specs, tower_ops,
+                                         layout, combined_loss)
+  order = {op: index for index, op in enumerate(tower_ops[0])}
+  with tf.name_scope("metric_rows_over_towers"):
+    _build_again(key, _inputs_first(metric_ops, order), whole, rows)
+
+
+def _inputs_first(ops, order):
+  """`ops` with each after the ops among them it reads (data or control),
+  else in build order: a TF 1 `cond` rewires its branches' inputs to the
+  `Switch` ops it builds after them. A loop (a TF 1 `while_loop`'s
+  `NextIteration`) leaves its ops in build order."""
+  waiting = {op: {t.op for t in op.inputs} | set(op.control_inputs)
+             for op in ops}
+  waiting = {op: needs & ops for op, needs in waiting.items()}
+  readers = {}
+  for op, needs in waiting.items():
+    for need in needs:
+      readers.setdefault(need, []).append(op)
+  ready = sorted((op for op, needs in waiting.items() if not needs),
+                 key=order.get)
+  ordered = []
+  while ready:
+    op = ready.pop(0)
+    ordered.append(op)
+    for reader in readers.get(op, ()):
+      waiting[reader].discard(op)
+      if not waiting[reader]:
+        ready.append(reader)
+    ready.sort(key=order.get)
+  done = set(ordered)
+  return ordered + sorted((op for op in ops if op not in done), key=order.get)
+
+
+def _build_again(key, metric_ops, whole, rows):
+  """Copies every op of `metric_ops` (in build order) computed from a
+  tensor of `whole`, reading the whole batch's; the metric's state ops
+  read the copies."""
+  copied = {}  # op -> its copy
+  for op in metric_ops:
+    if _keeps_state(op) or not any(t.ref() in whole for t in op.inputs):
       continue
-    value = _whole_batch(key, tensor, tower_specs, tower_ops, layout,
-                         combined_loss)
-    if not tensor.shape.is_compatible_with(value.shape):
-      # The metric's ops were built for the shard's rows, known then: no
-      # input of the whole batch's can replace them.
-      raise ValueError(_STATIC.format(key=key, tensor=tensor))
-    whole[tensor.ref()] = value
-  for op, index, tensor in reads:
-    _tf.update_input(op, index, whole[tensor.ref()])
+    if op.type in _LOOP_TYPES:
+      raise ValueError(_LOOP.format(key=key, op=op.name))
+    inputs = [whole.get(t.ref(), t) for t in op.inputs]
+    for old, new in zip(op.inputs, inputs):
+      if new is old and rows.depend([old]):
+        raise ValueError(_SHARD_VALUE.format(key=key, tensor=old.name,
+                                             op=op.name))
+    try:
+      copy = _tf.copy_op(op, inputs,
+                         [copied.get(c, c) for c in op.control_inputs],
+                         op.name.replace("/", "_"))
+    except (ValueError, tf.errors.InvalidArgumentError) as error:
+      raise ValueError(_STATIC.format(key=key, op=op.name,
+                                      error=str(error).split("\n")[0]))
+    copied[op] = copy
+    for old, new in zip(op.outputs, copy.outputs):
+      whole[old.ref()] = new
+  for op in metric_ops:
+    if op in copied:
+      continue
+    for index, tensor in enumerate(op.inputs):
+      new = whole.get(tensor.ref())
+      if new is None:
+        continue
+      if not tensor.shape.is_compatible_with(new.shape):
+        raise ValueError(_STATIC.format(
+            key=key, op=op.name, error="it holds {} where the whole batch "
+            "gives {}".format(tensor.shape, new.shape)))
+      _tf.update_input(op, index, new)
+    for control in op.control_inputs:
+      if control in copied:
+        _tf.add_control_input(op, copied[control])
+
+
+def _keeps_state(op):
+  """A metric op that reads or writes a variable: it is not built again."""
+  return (op.type in _STATE_TYPES or
+          any(t.dtype == tf.resource or _tf.is_ref_dtype(t.dtype)
+              for t in op.inputs))
 
 
 def _path_outputs(spec):
@@ -118,19 +196,32 @@ def _counterpart(tensor, index, ops, layout):
       "tower).".format(index, tensor.name))
 
 
+_STATE_TYPES = frozenset(["VarHandleOp", "VariableV2", "Variable",
+                          "ReadVariableOp"])
+# A TF 1 while loop's frame: its ops cannot be copied one by one.
+_LOOP_TYPES = frozenset(["Enter", "RefEnter", "Exit", "RefExit",
+                         "NextIteration", "RefNextIteration", "LoopCond"])
 _FIX = (
     "Fix: return a tf.compat.v1.estimator.tpu.TPUEstimatorSpec whose "
     "eval_metrics=(metric_fn, tensors) passes the per-row tensors (one row "
     "per input row) and computes this value in metric_fn; replicate calls "
     "metric_fn once, on the whole batch's tensors. Or feed the metric "
     "per-row values.")
-_STATIC = (
+_INTRO = (
     "eval_metric_ops[{key!r}] is fed a value over each tower's rows that no "
     "combination of the towers' values gives (a py_func corpus score, a "
-    "median), computed from {tensor!r}, whose number of rows was known when "
-    "the metric was built: the metric cannot be computed again on the whole "
-    "batch's rows (it is, on a batch of unknown size, as an input_fn's "
-    "Dataset.batch() gives). " + _FIX)
+    "median), so replicate computes it again on the whole batch's rows, ")
+_STATIC = _INTRO + (
+    "but the op {op!r} cannot be built for the whole batch's rows: "
+    "{error}. " + _FIX)
+_SHARD_VALUE = _INTRO + (
+    "but the op {op!r} reads {tensor!r}, computed from the tower's shard "
+    "alone and no input replicate can gather: a shape TensorFlow folded to "
+    "a constant on a batch of known size (tf.size(x), tf.shape(x), "
+    "tf.ones_like(x)), or a value computed from one. " + _FIX)
+_LOOP = _INTRO + (
+    "but the op {op!r} is part of a TF 1 tf.while_loop, which cannot be "
+    "built again op by op. " + _FIX)
 _NO_ROWS = (
     "eval_metric_ops[{key!r}] is computed, once, on the whole batch's rows "
     "(its value over the batch is no sum, count, maximum, minimum or mean "

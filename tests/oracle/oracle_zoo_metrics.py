@@ -6,7 +6,7 @@ weighted by the batch's token count, and the batch's longest target), and a
 corpus score through `py_func` in a `TPUEstimatorSpec`'s `eval_metrics`, as
 google-research/bert's and tensorflow/models' Transformer's `model_fn`s
 feed it, and the same score in plain `eval_metric_ops` on batches of
-unknown size (on a static batch it is refused: test_zoo_batch.py); a
+unknown and known size alike; a
 tf_ner-style tagger whose `tf.sequence_mask(nwords)` weighs its loss and
 metrics, which feed TRAIN summaries.
 
@@ -104,9 +104,9 @@ def corpus_metric_model_fn(features, labels, mode, params):
 
 def plain_corpus_metric_model_fn(features, labels, mode):
   """corpus_metric_tpu_spec's model as an Estimator user writes it: the
-  metric_fn's metrics returned as `eval_metric_ops`. On batches of unknown
-  size (an input_fn's `.batch()`) the score is computed once on the whole
-  batch's rows; on a batch of known size it is refused (test_zoo_batch.py)."""
+  metric_fn's metrics returned as `eval_metric_ops`. The score is computed
+  once on the whole batch's rows, on batches of unknown size (an
+  input_fn's `.batch()`) and of known size (`from_tensors`) alike."""
   _, logits = token_logits(features["tokens"])
   if mode == ModeKeys.PREDICT:
     return tf.estimator.EstimatorSpec(mode, predictions={
@@ -183,7 +183,7 @@ ENTRIES = [
          model_fn=plain_corpus_metric_model_fn,
          data=tokens_and_targets(25), example_spec=TOKEN_SPEC,
          serving_keys=["tokens"],
-         only={"pipeline": ("batch",), "towers": MANY_TOWERS,
+         only={"pipeline": ("batch", "from_tensors"), "towers": MANY_TOWERS,
                "strategy": ("parameter_server", "replicated"),
                "mode": LOSS_MODES}),
     dict(name="sequence_mask_tagger", model_fn=sequence_mask_tagger_model_fn,

@@ -1,11 +1,11 @@
 """The zoo's batch-level models as written for one device, where no exact
 form exists without the fix: refused, naming the op and the fix.
 
-The zoo (oracle_zoo_metrics.py, oracle_zoo_rows.py) holds the fixed forms,
+The zoo (oracle_zoo_metrics.py, oracle_zoo_rows.py) holds the exact forms,
 each exact in its cells: the corpus score in a `TPUEstimatorSpec`'s
-`eval_metrics`, in-batch negatives through `replicate.all_rows`. Here the
-same models as a user first writes them: the corpus score in plain
-`eval_metric_ops`, the negatives of the tower's own rows.
+`eval_metrics` and in plain `eval_metric_ops`, in-batch negatives through
+`replicate.all_rows`. Here the negatives of the tower's own rows, as a user
+first writes them.
 """
 
 import itertools
@@ -27,9 +27,6 @@ def _devices(count):
   return ["/cpu:{}".format(index) for index in range(count)]
 
 
-plain_corpus_metric_model_fn = metrics.plain_corpus_metric_model_fn
-
-
 def _build(model_fn, mode, features, labels, towers=2, params=None):
   with tf.Graph().as_default():
     tf.compat.v1.train.get_or_create_global_step()
@@ -40,24 +37,10 @@ def _build(model_fn, mode, features, labels, towers=2, params=None):
                    mode=mode, **kwargs)
 
 
-@pytest.mark.parametrize("towers", [2, 3])
-def test_a_corpus_score_in_eval_metric_ops_of_a_static_batch_is_refused(
-    towers):
-  """On a batch of unknown size it is exact (the zoo's
-  corpus_metric_eval_metric_ops); of a known size the metric's ops were
-  built for the shard's rows."""
-  (features, labels) = oracle_zoo.ZOO["corpus_metric_tpu_spec"].data
-  with pytest.raises(ValueError, match=(
-      r"eval_metric_ops\['approx_bleu_score'\].*number of rows was known.*"
-      r"tf\.compat\.v1\.estimator\.tpu\.TPUEstimatorSpec.*"
-      r"eval_metrics=\(metric_fn, tensors\).*metric_fn once")):
-    _build(plain_corpus_metric_model_fn, ModeKeys.EVAL, features, labels,
-           towers)
-
-
 def test_the_corpus_score_is_not_a_mean_of_the_towers_scores():
-  """Why the refusal: on the zoo's first batch split 2 + 1 (2 towers), the
-  towers' scores do not average to the batch's."""
+  """Why the score is computed again on the whole batch's rows: on the
+  zoo's first batch split 2 + 1 (2 towers), the towers' scores do not
+  average to the batch's."""
   _, targets = oracle_zoo.ZOO["corpus_metric_tpu_spec"].data
   guess = (targets + 1) % losses.VOCAB * (targets != 0)
   batch = metrics.corpus_score(guess[:3], targets[:3])
