@@ -15,6 +15,7 @@ built each group they split goes where its variable lives
 import tensorflow as tf
 
 from replicate import _tf
+from replicate.graph import op_types
 
 
 def place_colocated(graph, ops) -> None:
@@ -45,7 +46,7 @@ def place_colocated(graph, ops) -> None:
     devices = [op for op in members if op.device]
     if _all_compatible(devices):
       continue
-    settling = [op for op in devices if op.type in _VARIABLE_OP_TYPES] or [
+    settling = [op for op in devices if op.type in op_types.VARIABLE_TYPES] or [
         op for op in named if op.device]
     if not settling or not _all_compatible(settling):
       _refuse(devices)
@@ -56,7 +57,6 @@ def place_colocated(graph, ops) -> None:
         _tf.set_device(op, target)
 
 
-_VARIABLE_OP_TYPES = frozenset(["Variable", "VariableV2", "VarHandleOp"])
 
 
 def _joined(graph, groups):

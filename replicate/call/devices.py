@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from replicate import _tf
 from replicate.call import colocation
+from replicate.graph import op_types
 
 # Op types that create a variable's storage; these are the ops a variable
 # strategy places, everything else follows its tower.
@@ -27,12 +28,6 @@ _VARIABLE_OP_TYPES = frozenset(
     ["Variable", "VariableV2", "VarHandleOp", "AutoReloadVariable"])
 
 
-# Ops that run functions (tf.cond, tf.while_loop, RNNs, tf.function calls).
-# They take the handles of the variables their functions capture only to
-# pass them on: they run on the tower wherever the variables live.
-_CONTROL_FLOW_OP_TYPES = frozenset([
-    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
-    "PartitionedCall", "StatefulPartitionedCall"])
 
 # Ops that pass a handle on unchanged (identities, v1 control flow): the
 # resource a handle is of is found through them.
@@ -146,7 +141,9 @@ def tower_device_function(tower_device: str,
     if op.type in _VARIABLE_OP_TYPES:
       spec = tf.DeviceSpec.from_string(
           choose_variable_device(op) or tower_device)
-    elif op.type in _CONTROL_FLOW_OP_TYPES:
+    elif op.type in op_types.FUNCTION_CALL_TYPES:
+      # They take the handles of the variables their functions capture only
+      # to pass them on: they run on the tower wherever the variables live.
       spec = tf.DeviceSpec.from_string(tower_device)
     elif any(t.dtype == tf.resource for t in op.inputs):
       device = _resource_device(op)

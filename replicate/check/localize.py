@@ -30,6 +30,7 @@ from replicate.check import randoms
 from replicate.check import report as report_lib
 from replicate.check import runs
 from replicate.graph import declared
+from replicate.graph import op_types
 
 # Frames of these are not the user's: TensorFlow's, Keras's, ours.
 _LIBRARY_PARTS = ("/tensorflow/", "/tensorflow_estimator/", "/keras/",
@@ -205,8 +206,6 @@ def _candidates(built, mode, what):
   return found
 
 
-# Ops whose values are sizes, not rows' values.
-_SHAPE_TYPES = frozenset(["Shape", "ShapeN", "Size", "Rank"])
 # Ops that change state (a metric's totals): what is computed after them
 # in the same run is not compared.
 _WRITE_PARTS = ("Assign", "Scatter", "Apply")
@@ -223,7 +222,7 @@ def _compared(graph, ordered):
   sizes, state = set(), set()
   for op in ordered:
     inputs = [t.op for t in op.inputs]
-    if op.type in _SHAPE_TYPES or (inputs and all(
+    if op.type in op_types.SHAPE_TYPES or (inputs and all(
         i in sizes or i.type == "Const" for i in inputs)):
       sizes.add(op)
     if (any(part in op.type for part in _WRITE_PARTS) or

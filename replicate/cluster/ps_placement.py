@@ -26,6 +26,7 @@ from replicate import _tf
 from replicate.cluster.hybrid import PS_JOB
 from replicate.cluster.hybrid import check_updated_once
 from replicate.cluster.hybrid import on_ps
+from replicate.graph import op_types
 
 
 # How a partitioned variable is read (`PsPlacement.settle`): by rows (a
@@ -42,9 +43,6 @@ _NO_READS = frozenset(["VarIsInitializedOp", "IsVariableInitialized",
                        "DestroyResourceOp"])
 _WRITES = ("Assign", "ResourceScatter", "Scatter", "ResourceSparseApply",
            "SparseApply", "ResourceApply", "Apply")
-_FUNCTIONS = frozenset(["If", "StatelessIf", "While", "StatelessWhile",
-                        "Case", "StatelessCase", "PartitionedCall",
-                        "StatefulPartitionedCall"])
 ROWS, WHOLE, IN_FUNCTION = "rows", "whole", "function"
 # Where the placements of the call wait for tower 0's build to be read.
 _PLACEMENTS = "replicate_ps_placements"
@@ -59,7 +57,7 @@ def reads_of(tensor) -> Set[str]:
       found.add(ROWS)
     elif op.type in _VALUE_READS:
       found |= reads_of(op.outputs[0])
-    elif op.type in _FUNCTIONS:
+    elif op.type in op_types.FUNCTION_CALL_TYPES:
       found.add(IN_FUNCTION)
     elif not (op.type in _NO_READS or op.type.startswith(_WRITES)):
       found.add(WHOLE)

@@ -13,6 +13,9 @@
   their bodies, and TensorLists).
 - `index_rules`: index ops (gathers, scatters, segment ops, ...) keep rows
   apart exactly when they map each row to itself (read from `row_layout`).
+- `op_types`: op types by family (variables and their writes, reductions,
+  shapes, Python functions, samplers, TF 1 loops, function calls), written
+  once for every module that asks what an op is.
 - `declared`: the ops the user declares keep rows apart
   (`replicate.rows_apart`), which the rows rule trusts.
 """

@@ -27,6 +27,8 @@ apart exactly when they map each row to itself. A gather of a variable
 
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
+from replicate.graph import op_types
+
 
 def _ops(text: str) -> FrozenSet[str]:
   return frozenset(text.split())
@@ -190,9 +192,7 @@ FAMILIES: Dict[str, Tuple[str, FrozenSet[str]]] = {
 }
 
 # Function calls: their bodies' op types are checked (`unknown_in_calls`).
-CALLS = FAMILIES["control flow"][1] & frozenset([
-    "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
-    "PartitionedCall", "StatefulPartitionedCall"])
+CALLS = FAMILIES["control flow"][1] & op_types.FUNCTION_CALL_TYPES
 
 KEEPS_ROWS_APART: FrozenSet[str] = frozenset().union(
     *(types for _, types in FAMILIES.values()))

@@ -33,13 +33,10 @@ import tensorflow as tf
 
 from replicate import _tf
 from replicate import graph_walk
+from replicate.graph import op_types
 from replicate.shard import batch_reductions
 from replicate.shard import sharding
 
-_WRITE_TYPES = frozenset([
-    "AssignAddVariableOp", "AssignVariableOp", "AssignSubVariableOp",
-    "AssignAdd", "Assign", "AssignSub"])
-_VARIABLE_TYPES = frozenset(["VarHandleOp", "VariableV2", "Variable"])
 # What a write may add directly and still be summed over towers.
 _ADDITIVE = frozenset(["Sum", "Size", "UnsortedSegmentSum", "SegmentSum"])
 # Counts scattered by row values (`metrics.mean_iou`'s confusion matrix):
@@ -54,13 +51,8 @@ _COMBINED = {"Sum": "sum", "Size": "sum", "Max": "max", "Min": "min",
              "Any": "any", "All": "all", "Mean": "mean"}
 _OVER_TOWERS = {"max": tf.reduce_max, "min": tf.reduce_min,
                 "any": tf.reduce_any, "all": tf.reduce_all}
-_REDUCTIONS = frozenset(["Sum", "Mean", "Max", "Min", "Prod", "Any", "All",
-                         "EuclideanNorm"])
 _FOLDED_SIZE = re.compile(r"Size(_[0-9]+)?")
 _FOLDED_SHAPE = re.compile(r"Shape(_[0-9]+)?")
-# Ops whose output, of a shape unknown when built, may be anything made of
-# the rows (a `py_func` corpus score): never taken for a sum's parts.
-_OPAQUE = frozenset(["PyFunc", "PyFuncStateless", "EagerPyFunc"])
 
 
 def _is_shape(tensor):
@@ -97,7 +89,7 @@ def find(key, update, variables, rows, row_count, loss,
   behind = set(graph_walk.ops_behind([update], within=order,
                                      follow_control=True))
   writes = [op for op in behind
-            if op.type in _WRITE_TYPES and op.inputs and
+            if op.type in op_types.VARIABLE_WRITE_TYPES and op.inputs and
             _variable_op(op.inputs[0]) in variable_ops]
   finder = _Finder(key, rows, row_count, loss)
   found = []
@@ -133,7 +125,7 @@ def _data_inputs(op):
   score of unknown rank, `tf.range(tf.rank(score))`, a vector as long as
   the rank, is no row tensor, though its length is unknown like a
   batch's)."""
-  if op.type in _REDUCTIONS and len(op.inputs) == 2:
+  if op.type in op_types.REDUCTION_TYPES and len(op.inputs) == 2:
     return op.inputs[:1]
   return op.inputs
 
@@ -142,7 +134,7 @@ def _variable_op(tensor):
   op = tensor.op
   while op.type in ("Identity", "ReadVariableOp") and op.inputs:
     op = op.inputs[0].op
-  return op if op.type in _VARIABLE_TYPES else None
+  return op if op.type in op_types.VARIABLE_TYPES else None
 
 
 class _Finder:
@@ -166,7 +158,7 @@ class _Finder:
     # A reduction over dimension 0 of a row tensor is over the batch, even
     # when its width happens to be the shard's rows.
     op = tensor.op
-    if op.type in _REDUCTIONS and len(op.inputs) == 2:
+    if op.type in op_types.REDUCTION_TYPES and len(op.inputs) == 2:
       # Axes known only when run are possibly the batch's.
       over = batch_reductions.over_batch_axis(op)
       if over is None or (over and self._is_row(op.inputs[0])):
@@ -201,7 +193,9 @@ class _Finder:
       if t.ref() in seen or t.shape.rank is not None:
         continue
       seen.add(t.ref())
-      if t.op.type in _OPAQUE:
+      # A `py_func`: its output is anything made of the rows (a corpus
+      # score), never taken for a sum's parts.
+      if t.op.type in op_types.PY_FUNC_TYPES:
         return True
       pending.extend(t.op.inputs)
     return False

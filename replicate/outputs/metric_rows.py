@@ -37,6 +37,7 @@ import tensorflow as tf
 from replicate import _tf
 from replicate import graph_walk
 from replicate.call import layout as layout_lib
+from replicate.graph import op_types
 from replicate.outputs import predictions as predictions_lib
 from replicate.shard import rows as rows_lib
 
@@ -105,7 +106,7 @@ def _build_again(key, metric_ops, whole, rows):
   for op in metric_ops:
     if _keeps_state(op) or not any(t.ref() in whole for t in op.inputs):
       continue
-    if op.type in _LOOP_TYPES:
+    if op.type in op_types.TF1_LOOP_TYPES:
       raise ValueError(_LOOP.format(key=key, op=op.name))
     inputs = [whole.get(t.ref(), t) for t in op.inputs]
     for old, new in zip(op.inputs, inputs):
@@ -141,7 +142,8 @@ def _build_again(key, metric_ops, whole, rows):
 
 def _keeps_state(op):
   """A metric op that reads or writes a variable: it is not built again."""
-  return (op.type in _STATE_TYPES or
+  return (op.type in op_types.VARIABLE_TYPES or
+          op.type == "ReadVariableOp" or
           any(t.dtype == tf.resource or _tf.is_ref_dtype(t.dtype)
               for t in op.inputs))
 
@@ -196,11 +198,6 @@ def _counterpart(tensor, index, ops, layout):
       "tower).".format(index, tensor.name))
 
 
-_STATE_TYPES = frozenset(["VarHandleOp", "VariableV2", "Variable",
-                          "ReadVariableOp"])
-# A TF 1 while loop's frame: its ops cannot be copied one by one.
-_LOOP_TYPES = frozenset(["Enter", "RefEnter", "Exit", "RefExit",
-                         "NextIteration", "RefNextIteration", "LoopCond"])
 _FIX = (
     "Fix: return a tf.compat.v1.estimator.tpu.TPUEstimatorSpec whose "
     "eval_metrics=(metric_fn, tensors) passes the per-row tensors (one row "

@@ -34,13 +34,12 @@ from typing import Dict, List
 import tensorflow as tf
 
 from replicate import graph_walk
+from replicate.graph import op_types
 from replicate.outputs import batch_inputs
 from replicate.outputs import metric_rows
 from replicate.shard import rows as rows_lib
 from replicate.shard import sharding
 
-# Op types that own a variable's storage: a metric's value leads back to these.
-_VARIABLE_OP_TYPES = frozenset(["VarHandleOp", "VariableV2", "Variable"])
 
 
 def combine_metrics(tower_specs, layout, variables, *, tower_ops=None,
@@ -150,7 +149,7 @@ class _MetricVariables:
   def __call__(self, value) -> List[tf.Variable]:
     behind = set(graph_walk.ops_behind(
         (t for t in tf.nest.flatten(value) if isinstance(t, tf.Tensor)),
-        stop_at_types=_VARIABLE_OP_TYPES))
+        stop_at_types=op_types.VARIABLE_TYPES))
     return [variable for op, variable in self._in_order if op in behind]
 
 

@@ -57,12 +57,9 @@ from replicate import _tf
 from replicate import graph_walk
 from replicate.shard import rows as rows_lib
 from replicate.call import layout as layout_lib
+from replicate.graph import op_types
 
-_REDUCTIONS = frozenset(["Sum", "Mean", "Max", "Min", "Prod", "Any", "All"])
 _NOT_DIFFERENTIATED = frozenset(["StopGradient", "PreventGradient"])
-_VARIABLE_OPS = frozenset(["VarHandleOp", "VariableV2", "Variable"])
-# A tensor's shape is not its rows: `tf.reduce_prod(tf.shape(x)[1:])`.
-_SHAPE_OPS = frozenset(["Shape", "ShapeN", "Size", "Rank"])
 # What `tf.compat.v1.summary.*` builds: a value over the batch it shows is
 # the whole batch's (a tensor with rows stays tower 0's).
 SUMMARY_TYPES = frozenset([
@@ -171,7 +168,7 @@ def _reductions_into_rows(layout, progress, index, is_backward,
   outputs = _output_tensors(spec)
   found = {}
   for op in progress.tower_ops[index]:
-    if (op not in forward or op.type not in _REDUCTIONS or
+    if (op not in forward or op.type not in _COMBINABLE or
         _tf.built_in_control_flow(op) or
         over_batch_axis(op) is False or
         not _from_row_values(op.inputs[0], shard_tensors, forward)):
@@ -233,7 +230,8 @@ def _from_row_values(tensor, shard_tensors, tower_ops) -> bool:
       return True
     op = current.op
     if (current.ref() in seen or op not in tower_ops or
-        op.type in _SHAPE_OPS or _is_position(current)):
+        # A tensor's shape is not its rows: `tf.reduce_prod(tf.shape(x)[1:])`.
+        op.type in op_types.SHAPE_TYPES or _is_position(current)):
       continue
     seen.add(current.ref())
     pending.extend(op.inputs)
@@ -310,7 +308,7 @@ def _is_differentiated(op, loss, tower_ops) -> bool:
   """Whether tower 0's loss is differentiated through the reduction."""
   if loss is None or not op.outputs[0].dtype.is_floating:
     return False
-  if not any(behind.type in _VARIABLE_OPS
+  if not any(behind.type in op_types.VARIABLE_TYPES
              for behind in graph_walk.ops_behind([op.inputs[0]])):
     return False
   loss_op = tf.convert_to_tensor(loss).op
@@ -371,6 +369,9 @@ def _combined(ops: List[tf.Operation], layout) -> tf.Tensor:
 _REDUCE = {"Sum": tf.reduce_sum, "Prod": tf.reduce_prod,
            "Max": tf.reduce_max, "Min": tf.reduce_min,
            "Any": tf.reduce_any, "All": tf.reduce_all}
+# The reductions whose towers' partial results combine into the batch's
+# (a mean from sums and counts); not `EuclideanNorm`.
+_COMBINABLE = frozenset(_REDUCE) | {"Mean"}
 _COLLECTIVE_DTYPES = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 

@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from replicate import graph_walk
 from replicate.graph import index_rules
+from replicate.graph import op_types
 from replicate.graph import row_facts
 from replicate.graph import row_layout
 from replicate.graph import row_ops
@@ -41,16 +42,9 @@ from replicate.graph import row_rules
 from replicate.graph import declared
 from replicate.shard import rows as rows_lib
 
-# Ops whose outputs are random draws or positions, not the rows' values.
-_SAMPLER_OP_TYPES = frozenset([
-    "LogUniformCandidateSampler", "UniformCandidateSampler",
-    "FixedUnigramCandidateSampler", "LearnedUnigramCandidateSampler",
-    "AllCandidateSampler", "ThreadUnsafeUnigramCandidateSampler",
-])
 # Ops whose outputs are positions (row indices), not values: segment ids
 # made from them are keyed by row, not by what a row holds.
-_POSITION_OP_TYPES = frozenset(["Shape", "ShapeN", "Size", "Rank", "Where",
-                                "Const"])
+_POSITION_OP_TYPES = op_types.SHAPE_TYPES | {"Where", "Const"}
 
 
 def check(context, spec: tf.estimator.EstimatorSpec,
@@ -81,7 +75,7 @@ def refusal(context, spec: tf.estimator.EstimatorSpec,
   stops = (set(context.all_rows.own_ops) | set(whole_batch) |
            set(context.progress.own_ops))
   tower_ops = [op for op in context.progress.tower_ops[0]
-               if op not in stops and op.type not in _SAMPLER_OP_TYPES]
+               if op not in stops and op.type not in op_types.SAMPLER_TYPES]
   within = frozenset(tower_ops)
   shard = (tower.features, tower.labels)
   rows = rows_lib.TowerRows(shard, within, inputs_of=_data_inputs)
@@ -233,7 +227,7 @@ class _Finder:
   def sampled(self, tensor: tf.Tensor) -> bool:
     """Computed from a candidate sampler's draws (`sampled_softmax_loss`'s
     and `nce_loss`'s sampled classes, one set per batch, drawn at random)."""
-    return any(op.type in _SAMPLER_OP_TYPES for op in graph_walk.ops_behind(
+    return any(op.type in op_types.SAMPLER_TYPES for op in graph_walk.ops_behind(
         [tensor], within=self._all_ops))
 
   def from_row_values(self, tensor: tf.Tensor) -> bool:

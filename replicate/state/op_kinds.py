@@ -55,7 +55,6 @@ ALLOWED_TYPES = frozenset([
     "AnonymousSeedGenerator", "Placeholder", "PlaceholderWithDefault",
     "_Arg", "_Retval", "NoOp",
 ])
-PY_FUNC_TYPES = frozenset(["PyFunc", "EagerPyFunc"])
 # Ops a variable's handle or ref passes through on its way to a write.
 PASSING_TYPES = frozenset(["Enter", "RefEnter", "Identity", "RefIdentity",
                             "Switch", "RefSwitch"])

@@ -33,6 +33,7 @@ from typing import Dict, List, NamedTuple, Optional
 import tensorflow as tf
 
 from replicate import graph_walk
+from replicate.graph import op_types
 from replicate.state import op_kinds
 from replicate.shard import rows as rows_lib
 from replicate import _tf
@@ -167,7 +168,7 @@ class _Classifier:
   def _effect_kind(self, op) -> str:
     if op.type in op_kinds.ALLOWED_TYPES:
       return ALLOWED
-    if op.type in op_kinds.PY_FUNC_TYPES and any(
+    if op.type in op_types.PY_FUNC_TYPES and any(
         output.consumers() for output in op.outputs):
       return ALLOWED  # a computation on the tower's rows, like a map
     variable = self._variables.get(written_op(op)) if op.inputs else None
@@ -222,7 +223,8 @@ class _Classifier:
   def _call_kind(self, op, function_types, from_rows) -> str:
     """A function call (`tf.function`, TF 2 `tf.cond`/`tf.while_loop`)."""
     stateful = {t for t in function_types
-                if t not in op_kinds.ALLOWED_TYPES and t not in op_kinds.PY_FUNC_TYPES}
+                if t not in op_kinds.ALLOWED_TYPES and
+                t not in op_types.PY_FUNC_TYPES}
     if not stateful:
       return ALLOWED
     declared = [self._variables.get(t.op) for t in op.inputs
