@@ -47,6 +47,17 @@ def with_dropout(features, labels, mode):
   return _spec(mode, hidden, labels)
 
 
+def with_dropout_per_item(features, labels, mode):
+  # Each row's 2 items through one layer, as a ranking model scores a
+  # list's items: flattened to [rows * 2, 2], so the dropout draws 2
+  # entries per row.
+  items = tf.reshape(features["x"], [-1, 2])
+  hidden = tf.compat.v1.layers.dense(items, 8, tf.nn.relu)
+  hidden = tf.compat.v1.layers.dropout(
+      hidden, 0.5, training=mode == tf.estimator.ModeKeys.TRAIN)
+  return _spec(mode, tf.reshape(hidden, [-1, 16]), labels)
+
+
 def _doubled(x):
   return (2 * x).astype(np.float32)  # row by row: keeps rows apart
 

@@ -73,6 +73,16 @@ def test_a_model_with_dropout_is_exact_fed_one_devices_draws():
   assert "fed the one-device draw's rows" in str(report)
 
 
+def test_a_dropout_over_each_rows_items_is_fed_each_towers_rows():
+  # A draw of [rows * 2, 8]: tower i is fed its rows' 2 entries each (on
+  # a1c186a the whole draw was fed: TF-Ranking's LibSVM example failed to
+  # run in the check).
+  report = _check(check_models.with_dropout_per_item, towers=(2, 3),
+                  modes=("train",))
+  assert report.exact, str(report)
+  assert any("dropout" in name for name in report.random_ops)
+
+
 def test_without_feeding_draws_dropout_would_differ():
   # The feeding is what makes it exact: the towers' own draws differ.
   from replicate.check import randoms  # pylint: disable=import-outside-toplevel

@@ -143,6 +143,26 @@ def test_index_idioms_that_keep_rows_apart_train_exactly(name, towers,
               if "all_rows" in op.name.lower()]
 
 
+def test_groupwise_scatter_of_long_lists_of_known_size_trains_exactly():
+  """TF-Ranking's index tuples `tf.ones_like(items) * tf.expand_dims(
+  tf.range(batch_size), 1)` on lists as long as its LibSVM example's (100
+  items): of a known shape with 1000 entries or more, TensorFlow builds
+  `tf.ones_like` as a `Fill` rather than a constant, whose ones the
+  analysis must still see (refused on a1c186a: the row part was taken for
+  each row's start `row * k`)."""
+  rng = np.random.RandomState(36)
+  items = rng.randn(8, 250, 2).astype(np.float32)
+  items[[1, 6], 200:] = 0.0  # two lists of 200 items
+  batch = {"items": items, "y": (items[:, :, 0] > 0).astype(np.float32)}
+  expected, actual = harness.train_both(zoo_rows.ranking_model_fn, 2,
+                                        [batch, batch], static=True)
+  np.testing.assert_allclose(actual.per_step("loss"),
+                             expected.per_step("loss"), rtol=1e-5)
+  for variable, value in expected.variables.items():
+    np.testing.assert_allclose(actual.variables[variable], value, rtol=1e-5,
+                               atol=1e-6, err_msg=variable)
+
+
 def _gather_indexes(sequence_tensor, positions):
   """google-research/bert's masked-LM gather, as written there: the batch
   size from the static shape when known (a Python number), else the run's."""

@@ -5,7 +5,8 @@ a model with dropout would never equal one device. Graph mode lets a
 session feed any tensor: one device's run records what each random op on
 the path to the spec's outputs drew at each step, and tower i's copy of
 the op (`tower_i/<name>`, tower 0 under the op's own name) is fed the
-rows of that draw for its shard (its first dimension is the batch's), or
+rows of that draw for its shard (its first dimension is the batch's, or
+k entries per row, as a dropout over a `[rows * k, ...]` reshape draws), or
 the whole draw (a value for the batch, e.g. a sampler's classes).
 """
 
@@ -67,7 +68,24 @@ def feeds(graph: tf.Graph, draws: Dict[str, List[np.ndarray]], rows: int,
         continue
       for tensor, value in zip(op.outputs, values):
         value = np.asarray(value)
-        if towers > 1 and value.ndim and value.shape[0] == rows:
-          value = value[starts[tower]:starts[tower] + sizes[tower]]
+        block = _rows_block(tensor, value, rows, sizes[tower])
+        if towers > 1 and block:
+          value = value[starts[tower] * block:
+                        (starts[tower] + sizes[tower]) * block]
         found[tensor.name] = value
   return found
+
+
+def _rows_block(tensor, value, rows, tower_rows):
+  """How many entries of the draw's first dimension each row has (1: the
+  rows themselves; k: a draw over a `[rows * k, ...]` reshape of the rows,
+  TF-Ranking's dropout on each list's items flattened), or 0 when it is a
+  value for the batch. The tower's own shape tells when it is known: a
+  draw of the batch's size is then `tower_rows * k` long there."""
+  if not value.ndim or not rows or value.shape[0] % rows:
+    return 0
+  block = value.shape[0] // rows
+  first = tensor.shape[0] if tensor.shape.rank else None
+  if first is None:
+    return block
+  return block if first == tower_rows * block != value.shape[0] else 0

@@ -36,7 +36,7 @@ from replicate.graph import layout_ops
 from replicate.graph import loop_layout
 from replicate.graph.row_facts import (
     ALIGNED, BLOCKED, NONE, NO_ROWS, OTHER, ROW, ROWS, ROWS_K, ROWS_PLUS,
-    SELECTED, SELECTED_COUNT, UNKNOWN_ROWS, Fact)
+    SELECTED, SELECTED_COUNT, UNKNOWN_ROWS, Fact, static)
 
 
 class RowLayout:
@@ -119,7 +119,7 @@ class RowLayout:
     inputs = [self.input_fact(t) for t in op.inputs]
     if not self._depends([op]) and not any(_about_rows(f) for f in inputs):
       return [_constant_fact(t, self.static_rows) if t.shape.rank in (0, 1)
-              else NO_ROWS for t in op.outputs]
+              else _filled_fact(t) for t in op.outputs]
     try:
       facts = (loop_layout.loop_facts(self._of_body, op, inputs)
                if op.type in loop_layout.LOOPS else
@@ -188,6 +188,18 @@ def _about_rows(fact: Fact) -> bool:
   by `safe_embedding_lookup_sparse` into the shape it reshapes to)."""
   return fact.carries or bool(fact.dims and set(fact.dims) & {
       ROWS, ROWS_K, ROWS_PLUS, SELECTED_COUNT})
+
+
+def _filled_fact(tensor: tf.Tensor) -> Fact:
+  """A value without rows of rank 2 or more: whether it is all ones.
+
+  `tf.ones_like(x)` and `tf.ones(shape)` of a known shape are a constant
+  below 1000 entries and a `Fill` of the number 1 from there on (TF-Ranking's
+  index tuples `tf.ones_like(indices) * tf.expand_dims(tf.range(rows), 1)`
+  on lists of 100 items): either way x * it is x. The fill's value is read,
+  not the filled tensor (which may be large)."""
+  value = static(tensor.op.inputs[1]) if tensor.op.type == "Fill" else None
+  return Fact(ones=value == [1])
 
 
 def _constant_fact(tensor: tf.Tensor, static_rows) -> Fact:

@@ -243,7 +243,9 @@ def decoder_data():
 # TF-Ranking's groupwise scoring (`make_groupwise_ranking_fn`, group size
 # 2): each list's items are scored in rolling groups of its valid items,
 # gathered by index tuples whose row part is `tf.range(batch_size)`, and
-# the groups' scores scattered back to their own list's row.
+# the groups' scores scattered back to their own list's row; its metrics
+# weighted per list (`weights_feature_name`), a list without relevant
+# items by the batch's mean list weight.
 
 LIST, GROUP = 3, 2
 
@@ -287,6 +289,41 @@ def _group_indices(is_valid):
   return tf.gather_nd(_valid_first(is_valid), tf.concat([rows, windows], 3))
 
 
+def _per_list_weights(weights, relevance):
+  """[batch, 1]: each list's weight, its items' weights averaged over its
+  relevant ones (`weights_feature_name` in the metrics); a list with no
+  relevant item gets the mean weight of the batch's lists that have one
+  (sums over axis 0: a value over the batch, in a metric's weights)."""
+  has_weight = tf.reduce_sum(weights, axis=1, keepdims=True) > 0.0
+  list_relevance = tf.reduce_sum(relevance, axis=1, keepdims=True)
+  counted = tf.compat.v1.where(
+      has_weight, tf.cast(list_relevance > 0.0, tf.float32),
+      tf.zeros_like(list_relevance))
+  per_list = tf.compat.v1.math.divide_no_nan(
+      tf.reduce_sum(weights * relevance, axis=1, keepdims=True),
+      list_relevance)
+  mean = tf.compat.v1.math.divide_no_nan(
+      tf.reduce_sum(per_list, axis=0, keepdims=True),
+      tf.reduce_sum(counted, axis=0, keepdims=True))
+  return tf.compat.v1.where(
+      has_weight,
+      tf.where(list_relevance > 0.0, per_list,
+               tf.ones_like(per_list) * mean),
+      tf.zeros_like(per_list))
+
+
+def _reciprocal_rank(logits, labels, is_valid):
+  """[batch, 1]: 1 / the rank of each list's first relevant item by score
+  (padding last), 0 for a list without one."""
+  list_size = tf.shape(logits)[1]
+  scores = tf.where(is_valid, logits,
+                    tf.reduce_min(logits) - 1.0 + tf.zeros_like(logits))
+  _, order = tf.math.top_k(scores, k=list_size)
+  relevant = tf.gather(labels, order, batch_dims=1)
+  ranks = tf.cast(tf.range(1, list_size + 1), tf.float32)
+  return tf.reduce_max(relevant / ranks, axis=1, keepdims=True)
+
+
 def ranking_model_fn(features, labels, mode):
   items = features["items"]  # [batch, LIST, 2]; an all-zero item is padding
   is_valid = tf.reduce_any(tf.not_equal(items, 0.0), axis=2)
@@ -314,8 +351,13 @@ def ranking_model_fn(features, labels, mode):
   loss = tf.compat.v1.losses.sigmoid_cross_entropy(labels, logits,
                                                    weights=weights)
   if mode == ModeKeys.EVAL:
+    list_weights = _per_list_weights(features["weight"] * weights, labels)
     return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
-        "mean_logit": tf.compat.v1.metrics.mean(logits, weights=weights)})
+        "mean_logit": tf.compat.v1.metrics.mean(logits, weights=weights),
+        "weighted_mrr": tf.compat.v1.metrics.mean(
+            _reciprocal_rank(logits, labels, is_valid),
+            weights=list_weights),
+        "list_weight": tf.compat.v1.metrics.mean(list_weights)})
   train_op = replicate.TowerOptimizer(
       tf.compat.v1.train.AdagradOptimizer(0.3)).minimize(
           loss, global_step=tf.compat.v1.train.get_global_step())
@@ -326,8 +368,9 @@ def ranking_data():
   rng = np.random.RandomState(35)
   items = rng.randn(ROWS, LIST, 2).astype(np.float32)
   items[[1, 4], 2] = 0.0  # two lists of 2 items
-  labels = (items[:, :, 0] > 0).astype(np.float32)
-  return {"items": items}, labels
+  labels = (items[:, :, 0] > 0).astype(np.float32)  # lists 0, 4: none
+  weight = rng.randint(1, 4, (ROWS, LIST)).astype(np.float32)
+  return {"items": items, "weight": weight}, labels
 
 
 # ---------------------------------------------------------------------------
@@ -455,7 +498,8 @@ _SEQUENCE_SPEC = {"tokens": _fixed([WIDTH], tf.int64),
                   "length": _fixed([], tf.int64),
                   "label": _fixed([WIDTH], tf.int64)}
 
-_RANKING_SPEC = {"items": _fixed([LIST, 2]), "label": _fixed([LIST])}
+_RANKING_SPEC = {"items": _fixed([LIST, 2]), "weight": _fixed([LIST]),
+                 "label": _fixed([LIST])}
 
 ENTRIES = [
     dict(name="ranking_groupwise_scatter", model_fn=ranking_model_fn,
