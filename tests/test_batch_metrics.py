@@ -172,9 +172,36 @@ def _median(features, loss, squared, predictions):
   return {"median": metrics.mean(ordered[tf.size(ordered) // 2])}
 
 
+def _in_batch_top1(features, loss, squared, predictions):
+  """A retrieval metric over in-batch candidates, the rows' similarity
+  matrix (off the loss's path, so not refused): the share of rows whose
+  most similar row is their own. Its inputs are per row, so its sum over
+  towers was taken, each tower's over its own shard's candidates (a1c186a:
+  silently 1.0 on 1-row shards)."""
+  del loss, squared, predictions
+  x = features["x"]
+  similarity = tf.matmul(x, x * 0.5 + 0.1, transpose_b=True)
+  own = tf.range(tf.shape(x)[0])
+  best = tf.argmax(similarity, axis=1, output_type=tf.int32)
+  return {"in_batch_top1": metrics.mean(tf.cast(tf.equal(best, own),
+                                                tf.float32))}
+
+
+def _median_across(features, loss, squared, predictions):
+  """The median of the rows laid along dimension 1: on a batch of known
+  size its shape, folded to a constant, is [1, rows]."""
+  del features, loss, predictions
+  across = tf.sort(tf.transpose(squared), axis=1)
+  return {"median": metrics.mean(across[0, tf.shape(across)[1] // 2])}
+
+
+# On (3, [2], True) every tower with rows holds one: a shape folded from
+# the shard's cannot be told from a shape of something else.
+ONE_ROW = (3, [2], True)
 WHOLE_BATCH_CASES = (
     [(fn, case) for fn in (_corpus, _corpus_weighted) for case in CASES] +
-    [(_median, case) for case in CASES if not case[2]])
+    [(fn, case) for fn in (_in_batch_top1, _median, _median_across)
+     for case in CASES if case != ONE_ROW])
 
 
 @pytest.mark.parametrize("metric_fn,case", WHOLE_BATCH_CASES)
@@ -184,8 +211,8 @@ def test_value_no_combination_gives_is_computed_on_the_whole_batch(
   median: 52-106 % off on 6b12641 on batches of unknown size (the
   Transformer's BLEU), refused on batches of known size, where its ops had
   the shard's shapes; its `weights=tf.constant(1.0)` form (the
-  Transformer's) still off on a1c186a. Now built again on the whole
-  batch's rows, shapes and all."""
+  Transformer's) and an in-batch retrieval metric still off on a1c186a.
+  Now built again on the whole batch's rows, shapes and all."""
   towers, batches, static = case
   model_fn = _model_fn(metric_fn)
   expected = _evaluated(model_fn, batches, static)
@@ -197,20 +224,20 @@ def test_value_no_combination_gives_is_computed_on_the_whole_batch(
                                err_msg=key)
 
 
-def test_a_count_folded_from_the_shards_shape_is_refused_with_the_fix():
-  """The median's `tf.sort` (its `k`, the shard's length) and its
-  `tf.size(ordered)` are, on a batch of known size, constants TensorFlow
-  folded from the shard's shape: no input replicate can gather. Refused,
-  naming the first op that reads one, and the fix (test_the_fix_is_exact
-  holds the fix)."""
+def test_a_folded_shape_the_towers_cannot_tell_is_refused_with_the_fix():
+  """On a batch of known size TensorFlow folds `tf.shape(x)` to a constant;
+  replicate reads the whole batch's off the towers' constants (the median,
+  the in-batch `tf.range` above). With one row in every tower a [1] shape
+  cannot be told from a shape of something else: refused, naming the
+  first (`tf.size(ordered)`), and the fix (test_the_fix_is_exact holds the
+  fix)."""
   model_fn = replicate.replicate_model_fn(_model_fn(_median),
-                                          devices=cpus(2))
+                                          devices=cpus(ONE_ROW[0]))
   with pytest.raises(ValueError, match=(
-      r"eval_metric_ops\['median'\].*whole batch's rows.*'sort/TopKV2' "
-      r"reads 'sort/strided_slice:0'.*folded to a constant.*"
-      r"TPUEstimatorSpec.*eval_metrics.*"
-      r"metric_fn once")):
-    _evaluated(model_fn, [5], True)
+      r"eval_metric_ops\['median'\].*whole batch's rows.*reads "
+      r"'Size:0'.*folded to a constant.*every tower holds one row.*"
+      r"TPUEstimatorSpec.*eval_metrics.*metric_fn once")):
+    _evaluated(model_fn, ONE_ROW[1], True)
 
 
 def _tpu_model_fn(features, labels, mode):

@@ -168,7 +168,8 @@ FAMILIES: Dict[str, Tuple[str, FrozenSet[str]]] = {
         InitializeTable InitializeTableV2 InitializeTableFromTextFile
         InitializeTableFromTextFileV2""")),
     "sparse and ragged": ("a sparse or ragged tensor's entries, each kept "
-                          "at its row (embedding and crossed columns)",
+                          "at its row (embedding and crossed columns; "
+                          "tf.sets along the last axis)",
                           _ops("""
         SparseReshape SparseFillEmptyRows SparseToDense SparseSlice
         SparseReorder SparseConcat SparseSplit SparseAdd SparseCross
@@ -177,7 +178,8 @@ FAMILIES: Dict[str, Tuple[str, FrozenSet[str]]] = {
         SparseSoftmax SerializeSparse SerializeManySparse DeserializeSparse
         DeserializeManySparse RaggedTensorToTensor RaggedTensorToSparse
         RaggedTensorFromVariant RaggedTensorToVariant RaggedGather
-        RaggedRange RaggedCross RaggedFillEmptyRows""")),
+        RaggedRange RaggedCross RaggedFillEmptyRows DenseToDenseSetOperation
+        DenseToSparseSetOperation SparseToSparseSetOperation SetSize""")),
     "input": ("the input pipeline: gives the batch, does not compute on it",
               _ops("""
         IteratorGetNext IteratorGetNextSync IteratorV2 Iterator

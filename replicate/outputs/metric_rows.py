@@ -32,6 +32,7 @@ the shard's rows); and ops inside a TF 1 `while_loop`.
 
 from typing import Any, List, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from replicate import _tf
@@ -61,11 +62,20 @@ def feed_whole_batch(key: str, updates: Sequence[Any], tower_specs,
            for op in sorted(metric_ops, key=lambda o: o.name)
            for tensor in op.inputs
            if tensor.op not in metric_ops and rows.depend([tensor])]
+  folded = {t.ref(): t for t in reads if rows_lib.folded_shape_kind(t.op)}
+  folded.update((op.outputs[0].ref(), op.outputs[0])
+                for op in sorted(metric_ops, key=lambda o: o.name)
+                if rows_lib.folded_shape_kind(op) and rows.depend([op]))
   whole = {}  # tower 0's tensor ref -> the whole batch's
   for tensor in reads:
-    if tensor.ref() not in whole:
+    if tensor.ref() not in whole and tensor.ref() not in folded:
       whole[tensor.ref()] = _whole_batch(key, tensor, tower_specs, tower_ops,
                                          layout, combined_loss)
+  # On a batch of unknown size no shape of the rows is folded (a folded
+  # `tf.size` of a scalar is no count of rows).
+  if isinstance(layout.shards.sizes, list):
+    for tensor in folded.values():
+      whole[tensor.ref()] = _whole_count(key, tensor, tower_ops, layout)
   order = {op: index for index, op in enumerate(tower_ops[0])}
   with tf.name_scope("metric_rows_over_towers"):
     _build_again(key, _inputs_first(metric_ops, order), whole, rows)
@@ -148,6 +158,43 @@ def _keeps_state(op):
               for t in op.inputs))
 
 
+def _whole_count(key, tensor, tower_ops, layout):
+  """The whole batch's value of a shape TensorFlow folded to a constant
+  from tower 0's (`tf.shape(x)`, `tf.size(x)` on a batch of known size),
+  read off the towers' constants: an entry that is each tower's rows times
+  one `k` is the whole batch's rows times `k`; one the same in every tower
+  of unequal shards stays. Refused where the towers cannot tell (every
+  shard one row), and for other folded values (`tf.ones_like(x)`)."""
+  sizes = layout.shards.sizes
+  kind = rows_lib.folded_shape_kind(tensor.op)
+  if kind in ("Shape", "Size"):
+    towers = [index for index in range(layout.num_towers) if sizes[index]]
+    values = [tf.get_static_value(
+        _counterpart(tensor, index, tower_ops[index], layout))
+              for index in towers]
+    rows = np.array([sizes[index] for index in towers])
+    if all(value is not None for value in values):
+      stacked = np.stack([np.reshape(value, [-1]) for value in values])
+      whole = [_whole_entry(stacked[:, entry], rows)
+               for entry in range(stacked.shape[1])]
+      if all(entry is not None for entry in whole):
+        value = np.reshape(np.array(whole), np.shape(values[0]))
+        return tf.constant(value.astype(values[0].dtype), tensor.dtype)
+  raise ValueError(_FOLDED.format(key=key, tensor=tensor.name))
+
+
+def _whole_entry(values, rows):
+  """One entry of a folded shape over the towers with rows: the whole
+  batch's, or None when the towers cannot tell."""
+  same = (values == values[0]).all()
+  if same and ((rows != rows[0]).any() or values[0] % rows[0]):
+    return int(values[0])  # not the rows: unequal shards would differ
+  if (values % rows == 0).all() and len(set(values // rows)) == 1 and (
+      rows > 1).any():
+    return int(values[0] // rows[0] * rows.sum())
+  return None
+
+
 def _path_outputs(spec):
   """What the loss's and the predictions' paths end in."""
   values = [spec.loss, spec.predictions]
@@ -213,9 +260,14 @@ _STATIC = _INTRO + (
     "{error}. " + _FIX)
 _SHARD_VALUE = _INTRO + (
     "but the op {op!r} reads {tensor!r}, computed from the tower's shard "
-    "alone and no input replicate can gather: a shape TensorFlow folded to "
-    "a constant on a batch of known size (tf.size(x), tf.shape(x), "
-    "tf.ones_like(x)), or a value computed from one. " + _FIX)
+    "alone (from a shape TensorFlow folded to a constant on a batch of "
+    "known size) and no input replicate can gather. " + _FIX)
+_FOLDED = _INTRO + (
+    "but it reads {tensor!r}, a shape of the tower's shard TensorFlow "
+    "folded to a constant on a batch of known size (tf.size(x), "
+    "tf.shape(x), tf.ones_like(x)), of which replicate cannot tell the "
+    "whole batch's (every tower holds one row, or it is no shape or "
+    "size). " + _FIX)
 _LOOP = _INTRO + (
     "but the op {op!r} is part of a TF 1 tf.while_loop, which cannot be "
     "built again op by op. " + _FIX)

@@ -43,20 +43,23 @@ from replicate.shard import sharding
 
 
 def combine_metrics(tower_specs, layout, variables, *, tower_ops=None,
-                    loss=None) -> Dict[str, tuple]:
+                    loss=None, combining=frozenset()) -> Dict[str, tuple]:
   """`eval_metric_ops` over the whole batch: tower 0's values, one update.
 
   `layout` is the call's `replicate.call.layout.TowerLayout`, `variables`
   its `replicate.variables.tower_variables.TowerVariables`, `tower_ops` the
   ops each tower built (None: values over the batch are not looked for),
-  `loss` the combined spec's loss.
+  `loss` the combined spec's loss, `combining` tower 0's ops that only
+  metrics read and that combine rows (an in-batch similarity, an op the
+  rows rule does not know): a metric computed from one is computed on the
+  whole batch's rows, even when what it adds up is per row.
   """
   keys = sorted(tower_specs[0].eval_metric_ops or {})
   if not keys:
     return {}
   variables_of = _MetricVariables(tf.compat.v1.get_default_graph())
   fed_once = _feed_batch_values(keys, tower_specs, layout, tower_ops, loss,
-                                variables_of)
+                                variables_of, combining)
   paired = {}  # tower i variable ref -> (key, index, variable, tower 0's)
   for key in keys:
     tower0_variables = variables_of(tower_specs[0].eval_metric_ops[key][0])
@@ -91,7 +94,7 @@ def combine_metrics(tower_specs, layout, variables, *, tower_ops=None,
 
 
 def _feed_batch_values(keys, tower_specs, layout, tower_ops, loss,
-                       variables_of):
+                       variables_of, combining):
   """The keys whose tower 0 update is fed values over the whole batch, and
   alone runs (see `replicate.outputs.batch_inputs`)."""
   if tower_ops is None:
@@ -110,7 +113,9 @@ def _feed_batch_values(keys, tower_specs, layout, tower_ops, loss,
         batch_inputs.find(key, update, variables_of(value), rules[i],
                           row_counts[i], tower_specs[i].loss, orders[i])
         for i, (value, update) in enumerate(pairs)]
-    if any(value.kind == "rows" for value in found[0]):
+    if any(value.kind == "rows" for value in found[0]) or (
+        combining and not combining.isdisjoint(graph_walk.ops_behind(
+            [pairs[0][1]], within=orders[0], follow_control=True))):
       metric_rows.feed_whole_batch(key, [u for _, u in pairs], tower_specs,
                                    tower_ops, layout, loss)
       fed_once.add(key)

@@ -34,7 +34,8 @@ ModeKeys = tf.estimator.ModeKeys
 
 def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
                   *, layout, progress, records, weights,
-                  variables, whole_values=None) -> tf.estimator.EstimatorSpec:
+                  variables, whole_values=None,
+                  combining=frozenset()) -> tf.estimator.EstimatorSpec:
   """The EstimatorSpec of the whole batch, from one spec per tower.
 
   The hand-off to step 6, after the towers are built and finished.
@@ -52,6 +53,9 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
     whole_values: the towers' reductions over the batch axis made the
       whole batch's (`replicate.shard.batch_reductions.combine`'s), which a
       prediction or export output that is one of them is instead.
+    combining: tower 0's ops that only metrics read and that combine rows
+      (`replicate.shard.rows_meet.check`'s): a metric computed from one is
+      computed on the whole batch's rows.
 
   Returns:
     One `EstimatorSpec`: the batch's loss, the one `train_op` (every
@@ -81,7 +85,7 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
   elif mode == ModeKeys.EVAL:
     fields["eval_metric_ops"] = metrics.combine_metrics(
         tower_specs, layout, variables, tower_ops=progress.tower_ops,
-        loss=fields.get("loss"))
+        loss=fields.get("loss"), combining=combining)
   # PREDICT: predictions and export outputs are done for every mode.
   fields["scaffold"] = scaffolds.initializing_towers(
       fields["scaffold"], progress.local_state_after_tower0, layout.graph)

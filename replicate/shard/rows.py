@@ -128,9 +128,19 @@ class TowerRows:
     return False
 
   def _is_folded_shape(self, op: tf.Operation) -> bool:
-    return (self._count_folded and op.type == "Const" and
+    return (self._count_folded and
             (self._tower_ops is None or op in self._tower_ops) and
-            _FOLDED_SHAPE.fullmatch(op.name.split("/")[-1]) is not None)
+            folded_shape_kind(op) is not None)
+
+
+def folded_shape_kind(op: tf.Operation) -> Optional[str]:
+  """"Size", "Shape", "ones_like" or "zeros_like": what TensorFlow folded
+  to the constant `op` from a shape known when the graph was built; None
+  for any other op."""
+  if op.type != "Const":
+    return None
+  match = _FOLDED_SHAPE.fullmatch(op.name.split("/")[-1])
+  return match.group(1) if match else None
 
 
 def _ops_of(values):

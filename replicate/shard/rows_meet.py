@@ -28,7 +28,7 @@ from its rows (`replicate.shard.rows`' rule), stopping at `all_rows`' values
 Reductions over the batch pass here: they are combined elsewhere.
 """
 
-from typing import Iterable, Optional
+from typing import FrozenSet, Iterable, Optional
 
 import tensorflow as tf
 
@@ -48,7 +48,8 @@ _POSITION_OP_TYPES = op_types.SHAPE_TYPES | {"Where", "Const"}
 
 
 def check(context, spec: tf.estimator.EstimatorSpec,
-          whole_batch: Iterable[tf.Operation] = ()) -> None:
+          whole_batch: Iterable[tf.Operation] = ()
+          ) -> FrozenSet[tf.Operation]:
   """Refuses an op of tower 0 on the path from its rows to `spec`'s loss,
   predictions or metrics that combines rows, or whose type is unknown
   (`refusal` says why).
@@ -57,17 +58,27 @@ def check(context, spec: tf.estimator.EstimatorSpec,
   `TPUEstimatorSpec`'s stand-ins for its `eval_metrics` tensors), where the
   walk from the rows stops, as at `all_rows`'s and at replicate's own ops.
   """
-  message = refusal(context, spec, whole_batch)
+  message, combining = _judged(context, spec, whole_batch)
   if message:
     raise ValueError(message)
+  return combining
 
 
 def refusal(context, spec: tf.estimator.EstimatorSpec,
             whole_batch: Iterable[tf.Operation] = ()) -> Optional[str]:
   """The message refusing the first op on the path that combines rows or
   is unknown, or None: the decision, apart from raising it."""
+  return _judged(context, spec, whole_batch)[0]
+
+
+def _judged(context, spec, whole_batch):
+  """The refusal's message (or None), and the ops off the loss's and the
+  predictions' paths, which only metrics read, that would be refused on
+  them: what a metric computed from them is, is the whole batch's only if
+  computed on the whole batch's rows (`replicate.outputs.metric_rows`)."""
+  combining = set()
   if not context.layout.combines:
-    return None
+    return None, frozenset()
   tower = context.layout.towers[0]
   # Values replicate made the whole batch's: all_rows's, a TPUEstimatorSpec's
   # stand-ins, and every op it built itself (a batch-norm site's moments
@@ -88,28 +99,43 @@ def refusal(context, spec: tf.estimator.EstimatorSpec,
   rules = row_rules.ROW_COMBINING
   known, library = len(row_ops.KEEPS_ROWS_APART) + len(rules), None
   off_path = _off_the_gradient_path(spec, within)
-  for op in graph_walk.ops_behind(_outputs_of(spec), within=within):
+  for op in _judged_ops(spec, within):
     if declared.is_declared(op):
       continue  # the user declared it keeps rows apart (replicate.check)
-    if off_path(op):
-      continue
-    rule = rules.get(op.type)
-    if rule is not None:
-      why = rule(finder, op)
-      if why:
-        fix = _INDEX_FIX if op.type in index_rules.RULES else _FIX
-        return _COMBINES.format(op.type, op.name, why, towers) + fix
-    elif not row_ops.keeps_rows_apart(op.type) and rows.depend([op]):
-      return _UNKNOWN.format(op.type, repr(op.name), known, towers)
-    elif op.type in row_ops.CALLS and rows.depend([op]):
+    message = _why(op, rules, finder, rows, towers, known)
+    if message is None and op.type in row_ops.CALLS and rows.depend([op]):
       if library is None:
         library = {f.signature.name: f
                    for f in op.graph.as_graph_def().library.function}
       inner = row_ops.unknown_in_calls(op, library, rules)
       if inner:
-        return _UNKNOWN.format(
+        message = _UNKNOWN.format(
             inner[0], "{!r} (inside the function {!r} calls)".format(
                 inner[1], op.name), known, towers)
+    if message is None:
+      continue
+    if not off_path(op):
+      return message, frozenset()
+    if any(finder.layout.fact(t).kind != row_facts.NONE for t in op.outputs):
+      # Its rows meet other rows (`a @ b^T`): a metric's per-row values
+      # from it are the whole batch's only if computed on its rows. One
+      # that reduces the rows away (a confusion matrix scattered by value)
+      # is a sum or a value over the batch: `replicate.outputs.metrics`'.
+      combining.add(op)
+  return None, frozenset(combining)
+
+
+def _why(op, rules, finder, rows, towers, known):
+  """Why `op` would be refused on the path to the loss, or None (a call
+  of functions is looked into by the caller)."""
+  rule = rules.get(op.type)
+  if rule is not None:
+    why = rule(finder, op)
+    if why:
+      fix = _INDEX_FIX if op.type in index_rules.RULES else _FIX
+      return _COMBINES.format(op.type, op.name, why, towers) + fix
+  elif not row_ops.keeps_rows_apart(op.type) and rows.depend([op]):
+    return _UNKNOWN.format(op.type, repr(op.name), known, towers)
   return None
 
 
@@ -175,11 +201,24 @@ def _data_inputs(op):
   return op.inputs
 
 
-def _outputs_of(spec):
-  values = [spec.loss, spec.predictions]
-  for metric in (spec.eval_metric_ops or {}).values():
-    if isinstance(metric, (tuple, list)):
-      values.extend(metric)
+def _judged_ops(spec, within):
+  """The ops the spec's outputs are computed from (data edges), then those
+  only a metric's update reaches through control edges (under TF 2 its
+  variables' writes are: what they add is the metric's too)."""
+  seen = set()
+  for op in graph_walk.ops_behind(_outputs_of(spec), within=within):
+    seen.add(op)
+    yield op
+  metrics = [value for value in _outputs_of(spec, (spec.eval_metric_ops,))]
+  for op in graph_walk.ops_behind(metrics, within=within,
+                                  follow_control=True):
+    if op not in seen:
+      yield op
+
+
+def _outputs_of(spec, values=None):
+  if values is None:
+    values = [spec.loss, spec.predictions, spec.eval_metric_ops]
   for value in tf.nest.flatten(values, expand_composites=True):
     if isinstance(value, (tf.Tensor, tf.Operation)):
       yield value
@@ -227,8 +266,9 @@ class _Finder:
   def sampled(self, tensor: tf.Tensor) -> bool:
     """Computed from a candidate sampler's draws (`sampled_softmax_loss`'s
     and `nce_loss`'s sampled classes, one set per batch, drawn at random)."""
-    return any(op.type in op_types.SAMPLER_TYPES for op in graph_walk.ops_behind(
-        [tensor], within=self._all_ops))
+    return any(op.type in op_types.SAMPLER_TYPES
+               for op in graph_walk.ops_behind([tensor],
+                                               within=self._all_ops))
 
   def from_row_values(self, tensor: tf.Tensor) -> bool:
     """Computed from what rows hold (not only from positions of rows)."""
