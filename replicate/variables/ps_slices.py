@@ -103,10 +103,12 @@ def settled(spec: tf.estimator.EstimatorSpec, cross,
         "Slices of the ps tasks' variables: %d straight to the ps, %d "
         "gathered to every task (read between compute_gradients and "
         "apply_gradients).", len(ways), len(records) - len(ways))
-  waited = straight(cross, ways, cross.group.is_chief)
+  waited, hooks = straight(cross, ways, cross.group.is_chief)
   if not waited:
     return spec
-  return spec._replace(train_op=tf.group(spec.train_op, *waited))
+  return spec._replace(train_op=tf.group(spec.train_op, *waited),
+                       training_chief_hooks=list(
+                           spec.training_chief_hooks) + hooks)
 
 
 def local_slices(grads: Sequence[Any], has_rows: Sequence[Any], variable,
@@ -150,11 +152,12 @@ def goes_straight(record: Pending) -> bool:
 
 
 def straight(cross, records: Sequence[Pending], is_chief: bool
-            ) -> List[tf.Operation]:
+            ) -> Tuple[List[tf.Operation], List["EmptiedAtStart"]]:
   """Each record's slices added to its accumulator on the ps; on the chief,
   the sum taken there and given to the update. The ops the step's
-  train_op must wait for."""
-  waited = []
+  train_op must wait for, and (the chief's) the hook that empties the
+  accumulators as its session starts."""
+  waited, accumulators = [], []
   for number, record in enumerate(records):
     variable = record.variable
     device = variable.device
@@ -174,13 +177,38 @@ def straight(cross, records: Sequence[Pending], is_chief: bool
       waited.append(added)
       if not is_chief:
         continue
+      accumulators.append(accumulator)
       with tf.control_dependencies([added]):
         summed = accumulator.take_indexed_slices_grad(
             num_required=cross.group.size)
     stand_ins.connect(record.stand_in, tf.IndexedSlices(
         summed.values, summed.indices, record.stand_in.dense_shape))
     _on_the_ps(record.stand_in, device)
-  return waited
+  return waited, [EmptiedAtStart(accumulators)] if accumulators else []
+
+
+class EmptiedAtStart(tf.compat.v1.train.SessionRunHook):
+  """The chief's: empties the accumulators as its session starts.
+
+  An accumulator lives on its ps task as long as the task does; slices a
+  task added in a step that never ended (a task that died in it) would
+  join the next run's first step, when the ps tasks outlive the training
+  tasks (a cluster manager restarting only those). No task of this run
+  adds any before the chief's first step, which runs after this.
+  """
+
+  def __init__(self, accumulators):
+    with tf.name_scope("ps_slices_emptied"):
+      self._counts = [a.num_accumulated() for a in accumulators]
+      self._required = tf.compat.v1.placeholder(tf.int32, [])
+      self._takes = [a.take_indexed_slices_grad(self._required).indices
+                     for a in accumulators]
+
+  def after_create_session(self, session, coord):
+    del coord
+    for count, take in zip(session.run(self._counts), self._takes):
+      if count:
+        session.run(take, {self._required: count})
 
 
 def gathered(cross, records: Sequence[Pending]) -> None:
