@@ -4,7 +4,7 @@
       [--optimizer {adam,adagrad,sgd,ftrl}] [--towers N[,N...]]
       [--shards S] [--canned | --canned-dnn] [--fields F] [--vocabulary V] [--dimension D]
       [--report-memory] [--partitioned-statistic] [--save-every N]
-      [--clip NORM]
+      [--clip NORM [--clip-by {code,transformer}]]
 
 A CTR model as its users write it: `FIELDS` categorical fields (or
 `--fields`), each an
@@ -12,7 +12,8 @@ embedding table made by `get_variable(..., partitioner=
 fixed_size_partitioner(S))` and looked up with `embedding_lookup`
 (sparse gradients), a dense feature, a hidden layer and a logistic loss,
 trained by one optimizer (`--clip`: its gradients clipped by their
-global norm between `compute_gradients` and `apply_gradients`). `--canned`: `tf.compat.v1.estimator.
+global norm between `compute_gradients` and `apply_gradients`, or with
+`--clip-by transformer` by TowerOptimizer's `gradient_transformers`). `--canned`: `tf.compat.v1.estimator.
 DNNLinearCombinedClassifier`'s model_fn with `input_layer_partitioner`;
 `--canned-dnn`: `DNNClassifier`'s, whose hidden layers TensorFlow
 partitions too (read whole: replicated).
@@ -100,7 +101,16 @@ def model_fn(features, labels, mode, params):
       hidden, 1, name="logits",
       kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
   loss = tf.compat.v1.losses.sigmoid_cross_entropy(labels, logits)
-  optimizer = params["wrap"](OPTIMIZERS[params["optimizer"]]())
+  if params.get("clip_by") == "transformer":
+    norm = params["clip"]
+    clip = lambda pairs: list(zip(  # noqa: E731
+        tf.clip_by_global_norm([g for g, _ in pairs], norm)[0],
+        [v for _, v in pairs]))
+    optimizer = params["wrap"](OPTIMIZERS[params["optimizer"]](),
+                               gradient_transformers=[clip])
+    params = dict(params, clip=0.0)
+  else:
+    optimizer = params["wrap"](OPTIMIZERS[params["optimizer"]]())
   step = tf.compat.v1.train.get_or_create_global_step()
   if not params.get("clip"):
     train_op = optimizer.minimize(loss, step)
@@ -232,6 +242,10 @@ def main(argv):
                       help="columns of each table")
   parser.add_argument("--clip", type=float, default=0.0,
                       help="clip the gradients by this global norm")
+  parser.add_argument("--clip-by", default="code",
+                      choices=["code", "transformer"],
+                      help="--clip in the model_fn's code, or as "
+                      "TowerOptimizer's gradient_transformers")
   parser.add_argument("--save-every", type=int, default=1000,
                       help="the chief's checkpoints, every this many steps")
   parser.add_argument("--partitioned-statistic", action="store_true",
@@ -269,7 +283,7 @@ def main(argv):
       params={"optimizer": arguments.optimizer, "shards": arguments.shards,
               "vocabulary": arguments.vocabulary,
               "dimension": arguments.dimension,
-              "clip": arguments.clip,
+              "clip": arguments.clip, "clip_by": arguments.clip_by,
               "partitioned_statistic": arguments.partitioned_statistic,
               "wrap": replicate.TowerOptimizer})
   path = os.path.join(arguments.model_dir,

@@ -191,18 +191,21 @@ def test_tables_on_ps_train_as_one_device(tmp_path, optimizer, workers,
     assert slot not in _task_values(tmp_path / "cluster", "worker", 0)
 
 
-@pytest.mark.parametrize("clip,straight,gathered", [
-    (0.0, 6, 0), (0.05, 0, 6)])
+@pytest.mark.parametrize("clip,clip_by,straight,gathered", [
+    (0.0, "code", 6, 0), (0.05, "code", 0, 6), (0.05, "transformer", 0, 6)])
 def test_slices_go_straight_to_the_ps_unless_the_model_fn_reads_them(
-    tmp_path, clip, straight, gathered):
+    tmp_path, clip, clip_by, straight, gathered):
   # Without a clip, each task's slices of the 6 parts go straight to the
-  # ps, which applies their sum once; with a clip by global norm, which
-  # reads them on every task, every task gathers every task's. Either way
-  # one device's step: 3 tasks, uneven, empty and 1-row batches, rows
-  # repeating within and across tasks, 2 towers on a task.
+  # ps, which applies their sum once; with a clip by global norm (in the
+  # model_fn's code, or TowerOptimizer's gradient_transformers, which
+  # every task runs), which reads them on every task, every task gathers
+  # every task's. Either way one device's step: 3 tasks, uneven, empty
+  # and 1-row batches, rows repeating within and across tasks, 2 towers
+  # on a task.
   batches = "5,2,4;3,6,0;1,0,7"
   log = _run(tmp_path / "cluster", 3, 3, batches, "--optimizer", "adam",
-             "--towers", "1,2,1", "--clip", str(clip), num_ps=2)
+             "--towers", "1,2,1", "--clip", str(clip), "--clip-by", clip_by,
+             num_ps=2)
   said = ("Slices of the ps tasks' variables: {} straight to the ps, {} "
           "gathered to every task".format(straight, gathered))
   assert log.text().count(said) == 3, log.text()[-3000:]

@@ -21,13 +21,13 @@ them is the whole batch's on every task, duplicate rows as one device has
 them (a global norm counts each slice: summing them first would change
 it); the chief applies them.
 
-On the choice: made once the `model_fn` is built (`settle`), per
+On the choice: made once the `model_fn` is built (`settled`), per
 variable, from what reads the summed gradient: only the optimizer's update
-of the variable itself (ops built in the update, on the ps) lets it go
-straight. Every task builds the same graph, so every task chooses alike
-(the chief has the update's ops, which do not count; a task that chose
-otherwise would have other collectives, which the start's check of the
-model refuses).
+(ops `TowerOptimizer` built applying, not its `gradient_transformers`)
+lets it go straight. Every task builds the same graph but that update,
+which only the chief builds (a worker's update leaves out what lives on a
+ps task), so every task chooses alike; a task that chose otherwise would
+have other collectives, which the start's check of the model refuses.
 
 On the step: the accumulator's `take` waits for every task's slices; a
 task's `apply` runs after the check that every input goes on (so an
@@ -58,7 +58,9 @@ class Pending(NamedTuple):
   stand_in: tf.IndexedSlices  # what the update (and user code) reads
   local: tf.IndexedSlices  # this task's towers' slices, concatenated
   variable: Any
-  update_built: Any  # the ops built in the optimizer's updates (a set)
+  # The call's `replicate.call.progress.Progress`: which ops the
+  # optimizer's updates built, and their gradient_transformers.
+  progress: Any
 
 
 def held_apart(per_tower: Sequence[list], has_rows: Sequence[Any],
@@ -77,14 +79,14 @@ def held_apart(per_tower: Sequence[list], has_rows: Sequence[Any],
                     for tower in per_tower])
   if not sliced:
     return summed, []
-  update_built = current.current_context().progress.update_built
+  progress = current.current_context().progress
   records, by_variable = [], {}
   for position in sliced:
     variable = per_tower[0][position][1]
     local = local_slices([tower[position][0] for tower in per_tower],
                          has_rows, variable, tower_devices[0])
     records.append(Pending(stand_ins.stand_in(local, "ps_slices"), local,
-                           variable, update_built))
+                           variable, progress))
     by_variable[variable.ref()] = records[-1].stand_in
   return [(by_variable.get(variable.ref(), grad), variable)
           for grad, variable in summed], records
@@ -133,8 +135,9 @@ def local_slices(grads: Sequence[Any], has_rows: Sequence[Any], variable,
 
 
 def goes_straight(record: Pending) -> bool:
-  """Whether only the variable's own update (built on the ps) reads the
-  sum: through replicate's stand-ins, every reader."""
+  """Whether only the optimizer's update reads the sum (through
+  replicate's stand-ins, every reader): no user code, no
+  gradient_transformers."""
   readers, stack, seen = [], [record.stand_in.values,
                                record.stand_in.indices], set()
   while stack:
@@ -147,7 +150,8 @@ def goes_straight(record: Pending) -> bool:
         stack.extend(consumer.outputs)
       else:
         readers.append(consumer)
-  return all(op in record.update_built and hybrid.on_ps(op)
+  return all(op in record.progress.update_built and
+             op not in record.progress.transformers_built
              for op in readers)
 
 
