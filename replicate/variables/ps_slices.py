@@ -162,11 +162,12 @@ def straight(cross, records: Sequence[Pending], is_chief: bool
   train_op must wait for, and (the chief's) the hook that empties the
   accumulators as its session starts."""
   waited, accumulators = [], []
-  for number, record in enumerate(records):
+  with tf.device(cross.device), tf.name_scope("ps_slices"):
+    owns = [hybrid.duplicates_summed(record.local) for record in records]
+  arrived = _on_their_ps(cross, records, owns)
+  for number, (record, own) in enumerate(zip(records, arrived)):
     variable = record.variable
     device = variable.device
-    with tf.device(cross.device), tf.name_scope("ps_slices"):
-      own = hybrid.duplicates_summed(record.local)
     with tf.compat.v1.colocate_with(None, ignore_existing=True), \
         tf.device(device), tf.name_scope("ps_slices"):
       accumulator = tf.compat.v1.SparseConditionalAccumulator(
@@ -213,6 +214,38 @@ class EmptiedAtStart(tf.compat.v1.train.SessionRunHook):
     for count, take in zip(session.run(self._counts), self._takes):
       if count:
         session.run(take, {self._required: count})
+
+
+def _on_their_ps(cross, records: Sequence[Pending],
+                 owns: Sequence[tf.IndexedSlices]) -> List[tf.IndexedSlices]:
+  """Each of `owns` (this task's slices of a record's variable) on the ps
+  task of its variable: those of one ps task, one dtype and row shape
+  travel as one tensor of values and one of indices (and their lengths),
+  split there: a CTR model has a table part per field and ps task."""
+  groups = {}
+  for position, (record, own) in enumerate(zip(records, owns)):
+    rows = own.values.shape[1:]
+    groups.setdefault((record.variable.device, own.values.dtype.base_dtype,
+                       tuple(rows.as_list()) if rows.is_fully_defined()
+                       else position), []).append(position)
+  arrived = list(owns)
+  for (device, _, _), group in groups.items():
+    if len(group) == 1:
+      continue
+    with tf.device(cross.device), tf.name_scope("ps_slices_packed"):
+      values = tf.concat([owns[p].values for p in group], axis=0)
+      indices = tf.concat([tf.cast(owns[p].indices, tf.int64)
+                           for p in group], axis=0)
+      lengths = tf.stack([tf.shape(owns[p].values, out_type=tf.int64)[0]
+                          for p in group])
+    with tf.compat.v1.colocate_with(None, ignore_existing=True), \
+        tf.device(device), tf.name_scope("ps_slices_unpacked"):
+      for p, part_values, part_indices in zip(
+          group, tf.split(values, lengths, num=len(group)),
+          tf.split(indices, lengths, num=len(group))):
+        arrived[p] = tf.IndexedSlices(part_values, part_indices,
+                                      owns[p].dense_shape)
+  return arrived
 
 
 def gathered(cross, records: Sequence[Pending]) -> None:
