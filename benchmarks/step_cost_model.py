@@ -209,8 +209,9 @@ def step(arrangement: Arrangement, gradient_bytes: float,
 #   x rows x (4d + 8) B, the MLP all-reduced beside it.
 # - `hybrid`: the table sharded over P ps tasks (own machines, own links,
 #   rows spread evenly over them), the MLP all-reduced among the workers.
-#   Each worker sends its distinct ids to the ps (8 B each), gets its rows
-#   back (4d B each), and after backward its slices reach the ps one of two
+#   Each worker sends every id it looks up to the ps (8 B each, as
+#   `embedding_lookup` does: measured), gets a row back for each (4d B),
+#   and after backward its distinct rows' slices reach the ps one of two
 #   ways: `gathered`, all-gathered among the workers, then the chief pushes
 #   all K workers' slices to the ps and applies them there, or `straight`,
 #   each worker sends its own slices to the ps that hold their rows (as
@@ -304,9 +305,13 @@ def all_gather(ctr: Ctr, workers: int, rows: int,
 def hybrid(ctr: Ctr, workers: int, ps: int, gathered: bool) -> Traffic:
   """The hybrid's step, its slices `gathered` (the chief pushes them) or
   sent straight to the ps by each worker."""
-  rows, k = ctr.touched, workers
-  ids, looked_up = rows * INDEX_BYTES, rows * FLOAT32_BYTES * ctr.dim
-  slices, mlp = rows * ctr.slice_bytes, ring_bytes_per_member(
+  k = workers
+  # The lookups send every id and get a row back for each (as
+  # `embedding_lookup` does, measured on the CTR benchmark: no unique
+  # first); the slices are the distinct rows' (each task sums its
+  # duplicates before they leave it).
+  ids, looked_up = ctr.ids * INDEX_BYTES, ctr.ids * FLOAT32_BYTES * ctr.dim
+  slices, mlp = ctr.touched * ctr.slice_bytes, ring_bytes_per_member(
       ctr.mlp_bytes, k)
   lookup = (max(ids, k * ids / ps), max(looked_up, k * looked_up / ps))
   ps_in = k * (ids + slices) / ps

@@ -566,23 +566,24 @@ def test_ctr_traffic_by_hand_at_2_workers():
   assert model.all_gather(ctr, 2, ctr.ids).sent == 6 * 16 + 28
   assert (gather.collectives, gather.rounds, gather.worker_memory) == (
       6, 3, 340)
-  # Hybrid, 1 ps, straight: ids up 3 x 8 = 24, rows down 3 x 8 = 24,
-  # slices 48 out. The ps takes both workers' ids (48) and slices (96):
-  # its link is the busiest, 144 B in.
+  # Hybrid, 1 ps, straight: every id up, 6 x 8 = 48 (the lookups send
+  # them all, as measured), a row down for each 6 x 8 = 48, the 3 distinct
+  # rows' slices 48 out. The ps takes both workers' ids (96) and slices
+  # (96): its link is the busiest, 192 B in.
   straight = model.hybrid(ctr, 2, 1, gathered=False)
-  assert (straight.sent, straight.received) == (24 + 48 + 28, 24 + 28)
-  assert straight.phases == (48, 48, 96)
-  assert (straight.busiest, straight.busiest_bytes) == ("a ps", 144)
-  assert (straight.worker_memory, straight.ps_memory) == (84 + 48, 160 + 96)
+  assert (straight.sent, straight.received) == (48 + 48 + 28, 48 + 28)
+  assert straight.phases == (96, 96, 96)
+  assert (straight.busiest, straight.busiest_bytes) == ("a ps", 192)
+  assert (straight.worker_memory, straight.ps_memory) == (84 + 96, 160 + 96)
   # Gathered: the workers all-gather their slices (48 + the MLP's 28),
   # then the chief pushes both workers' 96 B to the ps.
   gathered = model.hybrid(ctr, 2, 1, gathered=True)
-  assert (gathered.sent, gathered.received) == (24 + 76, 24 + 76)
-  assert gathered.phases == (48, 48, 76, 96)
-  assert (gathered.busiest, gathered.busiest_bytes) == ("the chief", 196)
+  assert (gathered.sent, gathered.received) == (48 + 76, 48 + 76)
+  assert gathered.phases == (96, 96, 76, 96)
+  assert (gathered.busiest, gathered.busiest_bytes) == ("the chief", 220)
   assert (gathered.collectives, gathered.rounds) == (7, 4)
   # Half the workers' rows on each of 2 ps: the ps links carry half.
-  assert model.hybrid(ctr, 2, 2, gathered=False).phases == (24, 24, 76)
+  assert model.hybrid(ctr, 2, 2, gathered=False).phases == (48, 48, 76)
 
 
 def test_a_ctr_step_predicted_by_hand():
@@ -598,9 +599,9 @@ def test_a_ctr_step_predicted_by_hand():
   assert dense.efficiency == pytest.approx(1 / 2.098)
   straight = model.ctr_step(model.hybrid(ctr, 2, 1, gathered=False), 2,
                             100.0, 0.001, overhead, ctr.compute)
-  # 192 B in 3 phases; 3 rounds x 2 hops + 2 exchanges x 2 hops; 4
+  # 288 B in 3 phases; 3 rounds x 2 hops + 2 exchanges x 2 hops; 4
   # collectives and 2 ps transfers: 0.01 + 5 x 0.002.
-  assert straight.transfer == pytest.approx(1.92)
+  assert straight.transfer == pytest.approx(2.88)
   assert straight.latency == pytest.approx(0.010)
   assert straight.overhead == pytest.approx(0.020)
   alone = model.ctr_step(model.all_gather(ctr, 1, 3), 1, 100.0, 0.001,

@@ -4,13 +4,16 @@
       [--optimizer {adam,adagrad,sgd,ftrl}] [--towers N[,N...]]
       [--shards S] [--canned | --canned-dnn] [--fields F] [--vocabulary V] [--dimension D]
       [--report-memory] [--partitioned-statistic] [--save-every N]
+      [--clip NORM [--clip-by {code,transformer}]]
 
 A CTR model as its users write it: `FIELDS` categorical fields (or
 `--fields`), each an
 embedding table made by `get_variable(..., partitioner=
 fixed_size_partitioner(S))` and looked up with `embedding_lookup`
 (sparse gradients), a dense feature, a hidden layer and a logistic loss,
-trained by one optimizer. `--canned`: `tf.compat.v1.estimator.
+trained by one optimizer (`--clip`: its gradients clipped by their
+global norm between `compute_gradients` and `apply_gradients`, or with
+`--clip-by transformer` by TowerOptimizer's `gradient_transformers`). `--canned`: `tf.compat.v1.estimator.
 DNNLinearCombinedClassifier`'s model_fn with `input_layer_partitioner`;
 `--canned-dnn`: `DNNClassifier`'s, whose hidden layers TensorFlow
 partitions too (read whole: replicated).
@@ -98,9 +101,25 @@ def model_fn(features, labels, mode, params):
       hidden, 1, name="logits",
       kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
   loss = tf.compat.v1.losses.sigmoid_cross_entropy(labels, logits)
-  optimizer = params["wrap"](OPTIMIZERS[params["optimizer"]]())
-  train_op = optimizer.minimize(
-      loss, tf.compat.v1.train.get_or_create_global_step())
+  if params.get("clip_by") == "transformer":
+    norm = params["clip"]
+    clip = lambda pairs: list(zip(  # noqa: E731
+        tf.clip_by_global_norm([g for g, _ in pairs], norm)[0],
+        [v for _, v in pairs]))
+    optimizer = params["wrap"](OPTIMIZERS[params["optimizer"]](),
+                               gradient_transformers=[clip])
+    params = dict(params, clip=0.0)
+  else:
+    optimizer = params["wrap"](OPTIMIZERS[params["optimizer"]]())
+  step = tf.compat.v1.train.get_or_create_global_step()
+  if not params.get("clip"):
+    train_op = optimizer.minimize(loss, step)
+  else:
+    # Code between compute_gradients and apply_gradients that reads the
+    # tables' gradients too: their norm scales every gradient.
+    grads, variables = zip(*optimizer.compute_gradients(loss))
+    clipped, _ = tf.clip_by_global_norm(grads, params["clip"])
+    train_op = optimizer.apply_gradients(zip(clipped, variables), step)
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
@@ -221,6 +240,12 @@ def main(argv):
                       help="rows of each table")
   parser.add_argument("--dimension", type=int, default=DIMENSION,
                       help="columns of each table")
+  parser.add_argument("--clip", type=float, default=0.0,
+                      help="clip the gradients by this global norm")
+  parser.add_argument("--clip-by", default="code",
+                      choices=["code", "transformer"],
+                      help="--clip in the model_fn's code, or as "
+                      "TowerOptimizer's gradient_transformers")
   parser.add_argument("--save-every", type=int, default=1000,
                       help="the chief's checkpoints, every this many steps")
   parser.add_argument("--partitioned-statistic", action="store_true",
@@ -258,6 +283,7 @@ def main(argv):
       params={"optimizer": arguments.optimizer, "shards": arguments.shards,
               "vocabulary": arguments.vocabulary,
               "dimension": arguments.dimension,
+              "clip": arguments.clip, "clip_by": arguments.clip_by,
               "partitioned_statistic": arguments.partitioned_statistic,
               "wrap": replicate.TowerOptimizer})
   path = os.path.join(arguments.model_dir,

@@ -91,7 +91,7 @@ def _concatenated(batches, steps, start=0, fields=hybrid_job.FIELDS):
 
 
 def _one_machine(model_dir, batches, steps, optimizer="adam", towers=1,
-                 start=0, model="ctr", fields=hybrid_job.FIELDS):
+                 start=0, model="ctr", fields=hybrid_job.FIELDS, clip=0.0):
   """The model on one device, unwrapped (or on one machine's `towers`,
   "replicated"), on the concatenated batches; the checkpoint's values."""
   model_fn = hybrid_job.MODEL_FNS[model]
@@ -106,7 +106,8 @@ def _one_machine(model_dir, batches, steps, optimizer="adam", towers=1,
         device_count={"CPU": towers}))
   estimator = tf.estimator.Estimator(
       model_fn, config=config,
-      params={"optimizer": optimizer, "shards": 2, "wrap": wrap})
+      params={"optimizer": optimizer, "shards": 2, "wrap": wrap,
+              "clip": clip})
   estimator.train(_concatenated(batches, steps, start, fields),
                   max_steps=steps)
   reader = tf.train.load_checkpoint(str(model_dir))
@@ -188,6 +189,29 @@ def test_tables_on_ps_train_as_one_device(tmp_path, optimizer, workers,
     slot = "table_0/part_0/" + slots[optimizer]
     assert slot in _task_values(tmp_path / "cluster", "chief", 0)
     assert slot not in _task_values(tmp_path / "cluster", "worker", 0)
+
+
+@pytest.mark.parametrize("clip,clip_by,straight,gathered", [
+    (0.0, "code", 6, 0), (0.05, "code", 0, 6), (0.05, "transformer", 0, 6)])
+def test_slices_go_straight_to_the_ps_unless_the_model_fn_reads_them(
+    tmp_path, clip, clip_by, straight, gathered):
+  # Without a clip, each task's slices of the 6 parts go straight to the
+  # ps, which applies their sum once; with a clip by global norm (in the
+  # model_fn's code, or TowerOptimizer's gradient_transformers, which
+  # every task runs), which reads them on every task, every task gathers
+  # every task's. Either way one device's step: 3 tasks, uneven, empty
+  # and 1-row batches, rows repeating within and across tasks, 2 towers
+  # on a task.
+  batches = "5,2,4;3,6,0;1,0,7"
+  log = _run(tmp_path / "cluster", 3, 3, batches, "--optimizer", "adam",
+             "--towers", "1,2,1", "--clip", str(clip), "--clip-by", clip_by,
+             num_ps=2)
+  said = ("Slices of the ps tasks' variables: {} straight to the ps, {} "
+          "gathered to every task".format(straight, gathered))
+  assert log.text().count(said) == 3, log.text()[-3000:]
+  expected = _one_machine(tmp_path / "reference", batches, 3, "adam",
+                          clip=clip)
+  _assert_every_task_like(tmp_path / "cluster", 3, expected)
 
 
 def test_no_task_holds_a_copy_of_a_table(tmp_path):

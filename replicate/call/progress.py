@@ -42,6 +42,10 @@ class BuildProgress:
     self.is_applying = False
     # The ops of tower 0's update, built by TowerOptimizer (`applying`).
     self.update_built = set()
+    # Those of them its `gradient_transformers` built: every task builds
+    # them, where a ps-held variable's update is the chief's alone
+    # (`replicate.variables.ps_slices`).
+    self.transformers_built = set()
     # Per update tower 0 built, how many ops the graph had after it: what
     # tower i has reached once it made as many optimizer calls
     # (`replicate.towers.variable_views`).

@@ -11,11 +11,12 @@ sharded over the ps tasks (the parts in turn, in creation order, as
 `replica_device_setter` places them). No task holds a copy of them: a
 tower's lookups read only its rows from the ps tasks.
 
-On the step: every task sums the gradients of a ps-held variable over its
-towers and across tasks as it sums any other (a sparse one as slices), so
-every task has the whole step's; only the chief applies them, with the
-optimizer's update on the ps tasks (slots live beside their variable).
-Then every task meets at a barrier (a 1-float sum across tasks) that waits
+On the step: every task sends its slices of a ps-held variable's gradient
+to the ps task that holds it, where the chief takes their sum and applies
+it with the optimizer's update (slots live beside their variable); where
+the `model_fn` reads those gradients, every task all-gathers every task's
+slices instead and the chief applies them
+(`replicate.variables.ps_slices`). Then every task meets at a barrier (a 1-float sum across tasks) that waits
 for its whole step, the chief's ps update included: no task's next step,
 its lookups, can start before that update is done. The barrier also keeps
 every ps op of a step upstream of the task's last collective: the tasks'

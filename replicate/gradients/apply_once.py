@@ -190,10 +190,14 @@ class TowerOptimizerCore:
         per_tower.append(copies)
         standing_in.extend(copies)
     with progress.applying():
+      first_op = len(tf.compat.v1.get_default_graph().get_operations())
+      transformed = [pair for tower in per_tower
+                     for pair in self._transformed(tower)]
+      progress.transformers_built.update(
+          tf.compat.v1.get_default_graph().get_operations()[first_op:])
       # What lives on a ps task only the first task updates.
-      update = apply(self.optimizer, [
-          pair for tower in per_tower for pair in self._transformed(tower)
-          if variables.updates(pair[1])])
+      update = apply(self.optimizer, [pair for pair in transformed
+                                      if variables.updates(pair[1])])
     records.record(0, self, grads_and_vars, update,
                    stand_in_pairs=standing_in, whole=whole,
                    touched=touched_here)

@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from replicate.gradients import aggregation
 from replicate.communication import allreduce
+from replicate.variables import ps_slices
 from replicate.cluster import empty_batch
 from replicate.cluster import hybrid
 from replicate.cluster import ps_cluster
@@ -160,26 +161,32 @@ class HybridCluster(SyncCluster):
   def __init__(self, cross_task, compact: bool, num_ps: int):
     super().__init__(cross_task, compact)
     self._placement = ps_placement.PsPlacement(num_ps)
+    # The ps-held variables' summed slices `for_session` settles.
+    self._pending: List[ps_slices.Pending] = []
 
   def variable_device(self, op: tf.Operation) -> Optional[str]:
     return self._placement.device(op)
 
   def combine(self, per_tower, has_rows, tower_devices) -> GradsAndVars:
-    """As `SyncCluster`'s; on the chief, which applies them, a ps-held
-    variable's slices have their duplicates summed before they go to the
-    ps task, as its optimizer would sum them there."""
-    summed = super().combine(per_tower, has_rows, tower_devices)
-    if not self.is_first_task:
-      return summed
-    with tf.device(self.cross_task.device):
-      return [(hybrid.duplicates_summed(grad) if hybrid.on_ps(variable)
-               else grad, variable) for grad, variable in summed]
+    """As `SyncCluster`'s, but a ps-held variable's slices: this task's
+    own, summed over its towers, behind a stand-in that `for_session`
+    settles, straight to the ps or gathered to every task
+    (`replicate.variables.ps_slices`)."""
+    summed, records = ps_slices.held_apart(
+        per_tower, has_rows, tower_devices,
+        lambda others: super(HybridCluster, self).combine(
+            others, has_rows, tower_devices))
+    self._pending.extend(records)
+    return summed
 
   def for_session(self, spec: tf.estimator.EstimatorSpec, config,
                   mode: str) -> tf.estimator.EstimatorSpec:
     """As `SyncCluster`'s, and in TRAIN with variables on the ps tasks, a
     hook that ends this task in seconds when one of them dies
     (`replicate.cluster.ps_watch`)."""
+    if mode == tf.estimator.ModeKeys.TRAIN:
+      records, self._pending = self._pending, []
+      spec = ps_slices.settled(spec, self.cross_task, records)
     spec = super().for_session(spec, config, mode)
     if (mode != tf.estimator.ModeKeys.TRAIN or
         not hybrid.ps_held(tf.compat.v1.global_variables())):
