@@ -1,0 +1,205 @@
+"""Summaries and logged tensors of values over the batch are one device's.
+
+Issue 38, item 4: a `tf.compat.v1.summary.*`, a TF 2 `tf.summary.*` or a
+`LoggingTensorHook` tensor of a value over the batch (the loss, a term of
+it, a metric's update in TRAIN, a mean or maximum over the rows, a count of
+rows `tf.shape(x)[0]`) shows the whole batch's value, so TensorBoard's
+curves and the logged lines are one device's. On 6b12641 (and a1c186a) a
+term of the loss, a metric's update, a count, every TF 2 summary and every
+`LoggingTensorHook` tensor but the loss were tower 0's shard's.
+
+Each test trains the `model_fn` wrapped (2 and 3 towers) and unwrapped (one
+device) with an Estimator on the same batches, static (7 rows a step) and
+of unknown size (`Dataset.batch(3)` of 7 rows: 3, 3 and a remainder of 1,
+which leaves towers without rows), and compares, step by step, the events
+written under `model_dir` and the values the hook logged. Run under TF 1
+behaviour too (`REPLICATE_TF1_BEHAVIOR=1`).
+"""
+
+import glob
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from conftest import cpus, session_config
+
+ROWS, FEATURES, CLASSES = 7, 3, 4
+X = np.random.RandomState(1).randn(ROWS, FEATURES).astype(np.float32)
+Y = np.random.RandomState(2).randint(0, CLASSES, size=ROWS).astype(np.int32)
+W0 = np.random.RandomState(3).randn(FEATURES, CLASSES).astype(np.float32)
+STEPS = 3
+
+# Values over the batch, written by v1 and TF 2 summaries and logged.
+V1_TAGS = ("loss", "data_loss", "reg", "acc", "rows", "max_logit",
+           "mean_acc")
+V2_TAGS = ("v2/data_loss", "v2/acc", "v2/rows", "v2/mean_acc")
+LOGGED = ("loss", "data_loss", "acc", "rows", "mean_acc", "step")
+
+
+class _V2Summaries(tf.compat.v1.train.SessionRunHook):
+  """Runs TF 2 summary ops each step, as a model_fn with its own writer
+  must (the Estimator runs only v1 summaries)."""
+
+  def __init__(self, init, writes, flush):
+    self._init, self._writes, self._flush = init, writes, flush
+
+  def after_create_session(self, session, coord):
+    del coord
+    session.run(self._init)
+
+  def before_run(self, run_context):
+    return tf.compat.v1.train.SessionRunArgs(self._writes)
+
+  def end(self, session):
+    session.run(self._flush)
+
+
+def _model_fn_logging_to(logged, v2_dir):
+  """The model_fn; its LoggingTensorHook appends what it logs to `logged`."""
+
+  def formatter(values):
+    logged.append(dict(values))
+    return ""
+
+  def model_fn(features, labels, mode):
+    x = features["x"]
+    weight = tf.compat.v1.get_variable(
+        "weight", initializer=tf.constant(W0))
+    logits = tf.matmul(x, weight)
+    xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                          logits=logits)
+    data_loss = tf.reduce_mean(xent)  # a term of the loss
+    reg = 0.05 * tf.nn.l2_loss(weight)
+    loss = tf.add_n([data_loss, reg])
+    predicted = tf.argmax(logits, 1, output_type=tf.int32)
+    accuracy = tf.compat.v1.metrics.accuracy(labels, predicted)
+    mean_acc = tf.reduce_mean(tf.cast(tf.equal(predicted, labels),
+                                      tf.float32))
+    rows = tf.shape(x)[0]
+    step = tf.compat.v1.train.get_global_step()
+    tf.compat.v1.summary.scalar("data_loss", data_loss)
+    tf.compat.v1.summary.scalar("reg", reg)
+    tf.compat.v1.summary.scalar("acc", accuracy[1])  # as tf_ner does
+    tf.compat.v1.summary.scalar("rows", rows)
+    tf.compat.v1.summary.scalar("max_logit", tf.reduce_max(logits))
+    tf.compat.v1.summary.scalar("mean_acc", mean_acc)
+    tf.compat.v1.summary.histogram("logits", logits)  # rows: tower 0's
+    writer = tf.summary.create_file_writer(v2_dir)
+    with writer.as_default(step=step), tf.summary.record_if(True), \
+        tf.name_scope("v2"):
+      writes = [tf.summary.scalar("data_loss", data_loss),
+                tf.summary.scalar("acc", accuracy[1]),
+                tf.summary.scalar("rows", rows),
+                tf.summary.scalar("mean_acc", mean_acc)]
+    hooks = [
+        tf.compat.v1.train.LoggingTensorHook(
+            {"loss": loss, "data_loss": data_loss.name, "acc": accuracy[1],
+             "rows": rows, "mean_acc": mean_acc, "step": step},
+            every_n_iter=1, formatter=formatter),
+        _V2Summaries(writer.init(), writes, writer.flush())]
+    train_op = replicate.TowerOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.5)).minimize(
+            loss, global_step=step)
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
+                                      training_hooks=hooks)
+
+  return model_fn
+
+
+def _input_fn(dynamic):
+  if dynamic:  # batches of 3, 3 and 1 rows, of unknown size
+    return lambda: tf.data.Dataset.from_tensor_slices(
+        ({"x": X}, Y)).batch(3)
+  return lambda: tf.data.Dataset.from_tensors(({"x": X}, Y)).repeat(STEPS)
+
+
+def _events(directory):
+  """{(tag, step): value} of every summary written under `directory`."""
+  found = {}
+  for path in glob.glob(os.path.join(directory, "events.out.tfevents.*")):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        if value.HasField("simple_value"):
+          found[(value.tag, event.step)] = value.simple_value
+        elif value.HasField("tensor"):
+          found[(value.tag, event.step)] = tf.make_ndarray(value.tensor)
+        else:
+          found[(value.tag, event.step)] = None  # a histogram: its tag
+  return found
+
+
+def _train(towers, dynamic, directory):
+  """Trains on the batches; returns the v1 events, the TF 2 events and the
+  logged values, step by step."""
+  logged = []
+  model_dir = os.path.join(directory, "model")
+  v2_dir = os.path.join(directory, "v2")
+  model_fn = _model_fn_logging_to(logged, v2_dir)
+  if towers:
+    model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(towers))
+  tf.estimator.Estimator(model_fn, model_dir=model_dir, config=(
+      tf.estimator.RunConfig(session_config=session_config(towers or 1),
+                             save_summary_steps=1, log_step_count_steps=None,
+                             save_checkpoints_steps=None,
+                             save_checkpoints_secs=None))).train(
+                                 _input_fn(dynamic), max_steps=STEPS)
+  return _events(model_dir), _events(v2_dir), logged
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """One training per (towers, dynamic): 0 towers is the unwrapped one."""
+  return {(towers, dynamic): _train(towers, dynamic, str(
+      tmp_path_factory.mktemp("run_{}_{}".format(towers, int(dynamic)))))
+          for dynamic in (False, True) for towers in (0, 2, 3)}
+
+
+def _values(events, tags):
+  return {key: value for key, value in events.items() if key[0] in tags}
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("towers", [2, 3])
+def test_v1_summaries_of_values_over_the_batch(runs, towers, dynamic):
+  expected, _, _ = runs[(0, dynamic)]
+  got, _, _ = runs[(towers, dynamic)]
+  assert sorted({tag for tag, _ in got}) == sorted({tag for tag, _ in
+                                                    expected})
+  expected_values = _values(expected, V1_TAGS)
+  assert len(expected_values) == len(V1_TAGS) * STEPS
+  if dynamic:  # the remainder's step counts 1 row, the others 3
+    assert [expected[("rows", step)] for step in (1, 2, 3)] == [3, 3, 1]
+  for key, value in expected_values.items():
+    np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,
+                               err_msg=str(key))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("towers", [2, 3])
+def test_tf2_summaries_of_values_over_the_batch(runs, towers, dynamic):
+  _, expected, _ = runs[(0, dynamic)]
+  _, got, _ = runs[(towers, dynamic)]
+  expected_values = _values(expected, V2_TAGS)
+  assert len(expected_values) == len(V2_TAGS) * STEPS
+  # Tower 0's writes alone: no tower_i/... tags.
+  assert sorted(got) == sorted(expected)
+  for key, value in expected_values.items():
+    np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,
+                               err_msg=str(key))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("towers", [2, 3])
+def test_logging_tensor_hook_logs_the_batch(runs, towers, dynamic):
+  _, _, expected = runs[(0, dynamic)]
+  _, _, got = runs[(towers, dynamic)]
+  assert len(expected) == STEPS and len(got) == STEPS
+  for step, (values, got_values) in enumerate(zip(expected, got)):
+    assert sorted(got_values) == sorted(LOGGED)
+    for tag in LOGGED:
+      np.testing.assert_allclose(got_values[tag], values[tag], rtol=1e-5,
+                                 atol=1e-6, err_msg="{} step {}".format(
+                                     tag, step))
