@@ -292,6 +292,25 @@ def keras_optimizer_name(optimizer) -> Optional[str]:
   return getattr(optimizer, "_name", None)
 
 
+# Hooks ------------------------------------------------------------------------
+
+
+def logging_hook_tensors(hook) -> dict:
+  """A `LoggingTensorHook`'s {tag: tensor or tensor name}, as given.
+
+  Private: the hook keeps them unexposed, and resolves names in `begin`.
+  """
+  return dict(hook._tensors)
+
+
+def set_logging_hook_tensor(hook, tag, tensor: tf.Tensor) -> None:
+  """The hook logs `tensor` under `tag` from its next `begin` on.
+
+  Private: as `logging_hook_tensors`.
+  """
+  hook._tensors[tag] = tensor
+
+
 # Function graphs and stateful ops ---------------------------------------------
 
 # Attributes of the call ops that name the functions they run.
