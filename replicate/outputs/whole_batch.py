@@ -1,0 +1,282 @@
+"""Tower 0's values over the batch built again on the whole batch's rows.
+
+On what: a value tower 0 computed that has no axis of rows but depends on
+them (the loss, a term of it, a reduction over the rows, a count, a ratio
+of them, a `py_func` of the rows) is its shard's. `WholeBatch.of` builds
+the whole batch's, once, for a reader that is not on the loss's path (a
+summary, a logging hook, see `replicate.outputs.summaries`):
+- the spec's loss: the combined spec's loss (`replicate.outputs.specs`);
+- otherwise the ops from the value back to the tower's per-row tensors are
+  built again: each per-row tensor (rows along a known axis,
+  `replicate.graph.row_layout`; the shard's tensors) is read as the
+  towers' concatenated along it in tower order (input order), each count
+  of rows (`tf.shape(x)[0]`) as the towers' sum, the rest (variables,
+  constants, the global step, values replicate made the batch's already)
+  as it is. An op the analysis does not place rows through is built again
+  too, on its inputs' whole batch's values, back to rows it places. A mean
+  over the rows is then the mean over every row, a ratio of sums the
+  batch's ratio, a `py_func` of the rows is called on every row;
+- a metric's update in TRAIN (`tf.compat.v1.metrics.*` whose `acc[1]` a
+  summary shows, as tf_ner does): tower 0's metric variable writes that the
+  value waits for are fed the whole batch's increments (each built again as
+  above), so its update and value ops report the metric over every row
+  seen, as one device's. In EVAL the metrics are `replicate.outputs.
+  metrics`'s, which fold the towers' variables after every update.
+A tower on a stand-in row (no rows of its own) adds no rows and counts 0.
+
+What it cannot build again, and leaves tower 0's: a value reached through
+TF 1 control flow (`Switch`, `Merge`, loops), a stateful op other than a
+`py_func` or a function call, a backward pass the user built with
+`tf.gradients` (`TowerOptimizer`'s gradients are the batch's already), a
+shape made for the tower's rows when built (`tf.reshape(x, [4, -1])` from
+`x.shape`, refused by shape inference; a Python count `x.shape[0]` in
+arithmetic is a constant, and stays the tower's), a tensor whose tower i
+counterpart it cannot find, a metric update the `train_op` also runs (each
+tower updates its own variables there). In a synchronous cluster of
+several tasks, the concatenations and the sums cover the task's towers
+(the loss is every task's).
+"""
+
+import re
+from typing import Optional
+
+import tensorflow as tf
+
+from replicate import _tf
+from replicate import graph_walk
+from replicate.call import layout as layout_lib
+from replicate.graph import row_layout
+from replicate.graph.row_facts import ROWS, ROWS_K, SELECTED_COUNT, UNKNOWN
+from replicate.outputs import predictions as predictions_lib
+from replicate.shard import rows as rows_lib
+from replicate.shard import sharding
+
+_WRITES = frozenset(["AssignAddVariableOp", "AssignAdd", "AssignVariableOp",
+                     "Assign", "AssignSubVariableOp", "AssignSub"])
+_VARIABLES = frozenset(["VarHandleOp", "VariableV2", "Variable"])
+# A count of rows (or of entries of rows) sums over towers.
+_COUNTS = ((ROWS,), (ROWS_K,), (SELECTED_COUNT,))
+# Stateful ops that are still a function of their inputs.
+_CALLED_AGAIN = frozenset(["PyFunc", "EagerPyFunc", "StatefulPartitionedCall"])
+_UNIQUIFIED = re.compile(r"_[0-9]+$")
+_NO_COPY = frozenset(["Placeholder", "PlaceholderWithDefault", "Switch",
+                      "Merge", "Enter", "Exit", "NextIteration", "LoopCond",
+                      "RefSwitch", "RefMerge", "RefEnter"])
+
+
+class _Unknown(Exception):
+  """A value whose whole batch's cannot be built: it stays tower 0's."""
+
+
+class WholeBatch:
+  """Builds, once each, the whole batch's value of tower 0's tensors."""
+
+  def __init__(self, mode, tower_specs, layout, progress, combined_loss,
+               is_backward):
+    ops = [op for op in progress.tower_ops[0]
+           if op not in progress.own_ops and op not in progress.update_built]
+    backward = [op for op in ops if is_backward(op)]
+    after = graph_walk.ops_after(backward) if backward else set()
+    self.forward = frozenset(op for op in ops if op not in after)
+    self._layout = layout
+    self._progress = progress
+    self._towers = layout.towers
+    tower0 = self._towers[0]
+    shard = (tower0.features, tower0.labels)
+    self._rows = rows_lib.TowerRows(shard, self.forward)
+    self._facts = row_layout.RowLayout(shard, self.forward, self._rows.depend,
+                                       self._rows.static_count())
+    spec = tower_specs[0]
+    self._loss = (tf.convert_to_tensor(spec.loss)
+                  if spec.loss is not None else None)
+    self._combined_loss = combined_loss
+    self._metric_writes = mode == tf.estimator.ModeKeys.TRAIN
+    self._step = set(graph_walk.ops_behind(
+        [s.train_op for s in tower_specs if s.train_op is not None] +
+        [s.loss for s in tower_specs if s.loss is not None],
+        follow_control=True))
+    graph = layout.graph
+    self._metric_variables = {v.op for key in (
+        tf.compat.v1.GraphKeys.LOCAL_VARIABLES,
+        tf.compat.v1.GraphKeys.METRIC_VARIABLES)
+                              for v in graph.get_collection(key)}
+    self._alike = [_Alike(progress.tower_ops[index], index, progress)
+                   for index in range(layout.num_towers)]
+    self._leaves = [_row_leaves(shard, (tower.features, tower.labels))
+                    for tower in self._towers]
+    self._values = {}  # tower 0's tensor ref -> the whole batch's
+    self._copies = {}  # tower 0's op -> its copy on the whole batch
+    self._fed = set()  # metric writes fed the whole batch's increments
+
+  def of(self, tensor: tf.Tensor) -> tf.Tensor:
+    """The whole batch's value of tower 0's `tensor`, or `tensor` itself
+    (a per-row tensor, one not from the rows, one it cannot build)."""
+    if tensor.op not in self.forward:
+      return tensor
+    try:
+      with self._progress.building_own_ops(), \
+          tf.name_scope("summary_over_towers"):
+        self._feed_metric_writes(tensor)
+        fact = self._facts.fact(tensor)
+        if tensor is not self._loss and (fact.carries or (
+            fact.kind == UNKNOWN and tensor.shape.rank != 0)):
+          return tensor  # rows (or possibly): tower 0's
+        return self._whole(tensor)
+    except _Unknown:
+      return tensor
+
+  def _feed_metric_writes(self, tensor):
+    """Tower 0's metric variable writes `tensor` waits for, outside the
+    step, add the whole batch's increments (TRAIN)."""
+    if not self._metric_writes:
+      return
+    for op in graph_walk.ops_behind([tensor], within=self.forward,
+                                    follow_control=True):
+      if (op in self._fed or op.type not in _WRITES or op in self._step or
+          _variable_op(op.inputs[0]) not in self._metric_variables):
+        continue
+      self._fed.add(op)
+      try:
+        value = self._whole(op.inputs[1])
+      except _Unknown:
+        continue
+      if value is not op.inputs[1]:
+        _tf.update_input(op, 1, value)
+
+  def _whole(self, tensor: tf.Tensor) -> tf.Tensor:
+    key = tensor.ref()
+    if key not in self._values:
+      self._values[key] = self._build(tensor)
+    return self._values[key]
+
+  def _build(self, tensor):
+    op = tensor.op
+    if self._loss is not None and tensor is self._loss:
+      return tf.cast(self._combined_loss, tensor.dtype)
+    if tensor.ref() in self._leaves[0]:
+      return self._concatenated(tensor, 0)  # the shard's: the batch's
+    if op not in self.forward or not self._rows.depend([tensor]):
+      return tensor  # the same in every tower
+    if op.type in _WRITES or op.type in _VARIABLES or (
+        op.type == "ReadVariableOp"):
+      return tensor  # state: a metric's, fed above
+    fact = self._facts.fact(tensor)
+    if fact.carries:
+      return self._concatenated(tensor, fact.axis)
+    # Rows along no axis the analysis knows (an op it does not model):
+    # built again on its inputs' whole batch's values, back to the rows.
+    if tensor.shape.rank == 0 and fact.dims in _COUNTS:
+      return tf.math.add_n([
+          sharding.zero_unless_rows(self._counterpart(tensor, index),
+                                    tower.has_rows)
+          for index, tower in enumerate(self._towers)
+          if tower.has_rows is not False])
+    return self._copy(op).outputs[tensor.value_index]
+
+  def _copy(self, op) -> tf.Operation:
+    """`op` again, on its inputs' whole batch's values."""
+    if op in self._copies:
+      return self._copies[op]
+    if (op.type in _NO_COPY or _tf.built_in_control_flow(op) or
+        (_tf.is_stateful(op) and op.type not in _CALLED_AGAIN)):
+      raise _Unknown()
+    inputs = [self._whole(t) for t in op.inputs]
+    if all(new is old for new, old in zip(inputs, op.inputs)):
+      copy = op
+    else:
+      attrs = {name: value for name, value in op.node_def.attr.items()
+               if name != "_class"}  # not colocated with tower 0's ops
+      try:
+        with tf.control_dependencies(op.control_inputs):
+          copy = self._layout.graph.create_op(
+              op.type, inputs, [t.dtype for t in op.outputs],
+              name=op.name.split("/")[-1], attrs=attrs)
+      except (ValueError, TypeError, tf.errors.InvalidArgumentError):
+        # A shape made for the tower's rows, known when built
+        # (`tf.reshape(x, [4, -1])` from `x.shape`): not the batch's.
+        raise _Unknown()
+    self._copies[op] = copy
+    return copy
+
+  def _counterpart(self, tensor, index) -> tf.Tensor:
+    """Tower `index`'s tensor for tower 0's `tensor`."""
+    leaf = self._leaves[index].get(tensor.ref())
+    if leaf is not None:
+      return leaf
+    if index == 0:
+      return tensor
+    other = self._alike[index].op(self._alike[0].key(tensor.op))
+    if (other is None or other.type != tensor.op.type or
+        len(other.outputs) != len(tensor.op.outputs)):
+      raise _Unknown()
+    return other.outputs[tensor.value_index]
+
+  def _concatenated(self, tensor, axis) -> tf.Tensor:
+    """The towers' tensors along their rows' `axis`, in tower order; a
+    tower on a stand-in row adds none."""
+    parts = []
+    for index, tower in enumerate(self._towers):
+      if tower.has_rows is False:
+        continue
+      part = self._counterpart(tensor, index)
+      if part.shape.rank is None:
+        raise _Unknown()
+      if not isinstance(tower.has_rows, bool):
+        count = tf.where(tower.has_rows, tf.shape(part)[axis], 0)
+        part = tf.gather(part, tf.range(count), axis=axis)
+      parts.append(part)
+    if axis == 0:
+      return predictions_lib.concat_padded(parts)
+    return tf.concat(parts, axis=axis)
+
+
+class _Alike:
+  """Tower `index`'s ops by what makes them tower 0's counterparts: their
+  scope, type and base name (tower 0's names, without TensorFlow's `_N`),
+  and their rank among the tower's ops of that key, in build order.
+
+  Not by full name: a name TensorFlow made unique counts the ops of that
+  name built before, and tower 0, built in the outer scope, counts the
+  split's own (`strided_slice_6` there is `tower_1/strided_slice`).
+  """
+
+  def __init__(self, ops, index, progress):
+    self._keys = {}
+    self._ops = {}
+    counts = {}
+    for op in ops:
+      if op in progress.own_ops or op in progress.update_built:
+        continue
+      name = layout_lib.to_tower0_name(op.name, index)
+      scope, _, base = name.rpartition("/")
+      group = (scope, _UNIQUIFIED.sub("", base), op.type)
+      rank = counts.get(group, 0)
+      counts[group] = rank + 1
+      self._keys[op] = group + (rank,)
+      self._ops[group + (rank,)] = op
+
+  def key(self, op):
+    return self._keys.get(op)
+
+  def op(self, key) -> Optional[tf.Operation]:
+    return self._ops.get(key)
+
+
+def _row_leaves(shard, other) -> dict:
+  """{tower 0's shard tensor ref: tower i's}: dense leaves, a sparse
+  tensor's values (its indices and shape are positions, not rows)."""
+  found = {}
+  for leaf, counterpart in zip(tf.nest.flatten(shard),
+                               tf.nest.flatten(other)):
+    if isinstance(leaf, tf.SparseTensor):
+      leaf, counterpart = leaf.values, counterpart.values
+    if isinstance(leaf, tf.Tensor) and leaf.shape.rank != 0:
+      found[leaf.ref()] = counterpart
+  return found
+
+
+def _variable_op(tensor):
+  op = tensor.op
+  while op.type in ("Identity", "ReadVariableOp") and op.inputs:
+    op = op.inputs[0].op
+  return op
