@@ -37,6 +37,7 @@ V1_TAGS = ("loss", "data_loss", "reg", "acc", "rows", "max_logit",
            "mean_acc")
 V2_TAGS = ("v2/data_loss", "v2/acc", "v2/rows", "v2/mean_acc")
 LOGGED = ("loss", "data_loss", "acc", "rows", "mean_acc", "step")
+LOGGED_IN_EVAL = ("loss", "data_loss", "rows", "mean_acc")
 
 
 class _V2Summaries(tf.compat.v1.train.SessionRunHook):
@@ -80,6 +81,13 @@ def _model_fn_logging_to(logged, v2_dir):
                                       tf.float32))
     rows = tf.shape(x)[0]
     step = tf.compat.v1.train.get_global_step()
+    if mode == tf.estimator.ModeKeys.EVAL:
+      return tf.estimator.EstimatorSpec(
+          mode, loss=loss, eval_metric_ops={"acc": accuracy},
+          evaluation_hooks=[tf.compat.v1.train.LoggingTensorHook(
+              {"loss": loss, "data_loss": data_loss, "rows": rows,
+               "mean_acc": mean_acc}, every_n_iter=1,
+              formatter=formatter)])
     tf.compat.v1.summary.scalar("data_loss", data_loss)
     tf.compat.v1.summary.scalar("reg", reg)
     tf.compat.v1.summary.scalar("acc", accuracy[1])  # as tf_ner does
@@ -88,12 +96,14 @@ def _model_fn_logging_to(logged, v2_dir):
     tf.compat.v1.summary.scalar("mean_acc", mean_acc)
     tf.compat.v1.summary.histogram("logits", logits)  # rows: tower 0's
     writer = tf.summary.create_file_writer(v2_dir)
-    with writer.as_default(step=step), tf.summary.record_if(True), \
-        tf.name_scope("v2"):
-      writes = [tf.summary.scalar("data_loss", data_loss),
-                tf.summary.scalar("acc", accuracy[1]),
-                tf.summary.scalar("rows", rows),
-                tf.summary.scalar("mean_acc", mean_acc)]
+    with writer.as_default(step=step), tf.name_scope("v2"):
+      with tf.summary.record_if(True):
+        writes = [tf.summary.scalar("data_loss", data_loss),
+                  tf.summary.scalar("acc", accuracy[1])]
+      # Recorded on a condition only the run knows: inside a cond.
+      with tf.summary.record_if(step >= 0):
+        writes += [tf.summary.scalar("rows", rows),
+                   tf.summary.scalar("mean_acc", mean_acc)]
     hooks = [
         tf.compat.v1.train.LoggingTensorHook(
             {"loss": loss, "data_loss": data_loss.name, "acc": accuracy[1],
@@ -136,21 +146,25 @@ def _events(directory):
 
 
 def _train(towers, dynamic, directory):
-  """Trains on the batches; returns the v1 events, the TF 2 events and the
-  logged values, step by step."""
+  """Trains on the batches, then evaluates on them; returns the v1 events,
+  the TF 2 events, the logged values of training and of evaluation, step
+  by step."""
   logged = []
   model_dir = os.path.join(directory, "model")
   v2_dir = os.path.join(directory, "v2")
   model_fn = _model_fn_logging_to(logged, v2_dir)
   if towers:
     model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(towers))
-  tf.estimator.Estimator(model_fn, model_dir=model_dir, config=(
+  estimator = tf.estimator.Estimator(model_fn, model_dir=model_dir, config=(
       tf.estimator.RunConfig(session_config=session_config(towers or 1),
                              save_summary_steps=1, log_step_count_steps=None,
                              save_checkpoints_steps=None,
-                             save_checkpoints_secs=None))).train(
-                                 _input_fn(dynamic), max_steps=STEPS)
-  return _events(model_dir), _events(v2_dir), logged
+                             save_checkpoints_secs=None)))
+  estimator.train(_input_fn(dynamic), max_steps=STEPS)
+  trained = list(logged)
+  del logged[:]
+  estimator.evaluate(_input_fn(dynamic), steps=STEPS)
+  return _events(model_dir), _events(v2_dir), trained, list(logged)
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +182,8 @@ def _values(events, tags):
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("towers", [2, 3])
 def test_v1_summaries_of_values_over_the_batch(runs, towers, dynamic):
-  expected, _, _ = runs[(0, dynamic)]
-  got, _, _ = runs[(towers, dynamic)]
+  expected = runs[(0, dynamic)][0]
+  got = runs[(towers, dynamic)][0]
   assert sorted({tag for tag, _ in got}) == sorted({tag for tag, _ in
                                                     expected})
   expected_values = _values(expected, V1_TAGS)
@@ -184,8 +198,8 @@ def test_v1_summaries_of_values_over_the_batch(runs, towers, dynamic):
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("towers", [2, 3])
 def test_tf2_summaries_of_values_over_the_batch(runs, towers, dynamic):
-  _, expected, _ = runs[(0, dynamic)]
-  _, got, _ = runs[(towers, dynamic)]
+  expected = runs[(0, dynamic)][1]
+  got = runs[(towers, dynamic)][1]
   expected_values = _values(expected, V2_TAGS)
   assert len(expected_values) == len(V2_TAGS) * STEPS
   # Tower 0's writes alone: no tower_i/... tags.
@@ -197,13 +211,16 @@ def test_tf2_summaries_of_values_over_the_batch(runs, towers, dynamic):
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("towers", [2, 3])
-def test_logging_tensor_hook_logs_the_batch(runs, towers, dynamic):
-  _, _, expected = runs[(0, dynamic)]
-  _, _, got = runs[(towers, dynamic)]
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_logging_tensor_hook_logs_the_batch(runs, towers, dynamic, mode):
+  position = 2 if mode == "train" else 3
+  expected = runs[(0, dynamic)][position]
+  got = runs[(towers, dynamic)][position]
+  tags = LOGGED if mode == "train" else LOGGED_IN_EVAL
   assert len(expected) == STEPS and len(got) == STEPS
   for step, (values, got_values) in enumerate(zip(expected, got)):
-    assert sorted(got_values) == sorted(LOGGED)
-    for tag in LOGGED:
+    assert sorted(got_values) == sorted(tags)
+    for tag in tags:
       np.testing.assert_allclose(got_values[tag], values[tag], rtol=1e-5,
                                  atol=1e-6, err_msg="{} step {}".format(
                                      tag, step))
