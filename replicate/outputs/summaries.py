@@ -47,20 +47,22 @@ def make_whole(mode, tower_specs, *, layout, progress, combined_loss,
   if not layout.combines:
     return
   spec = tower_specs[0]
+  reads = _summary_reads(progress.tower_ops[0])
+  hooks = [hook for hook in (list(spec.training_hooks or ()) +
+                             list(spec.evaluation_hooks or ()) +
+                             list(spec.prediction_hooks or ()))
+           if isinstance(hook, tf.compat.v1.train.LoggingTensorHook)]
+  if not reads and not hooks:
+    return  # nothing to analyse: the build costs nothing more
   whole = whole_batch.WholeBatch(mode, tower_specs, layout, progress,
                                  combined_loss, is_backward)
-  for reader, index in _summary_reads(progress.tower_ops[0], whole.forward):
+  for reader, index in reads:
     value = whole.of(reader.inputs[index])
     if value is not reader.inputs[index]:
       _tf.update_input(reader, index, value)
-  graph = layout.graph
-  for hook in (list(spec.training_hooks or ()) +
-               list(spec.evaluation_hooks or ()) +
-               list(spec.prediction_hooks or ())):
-    if not isinstance(hook, tf.compat.v1.train.LoggingTensorHook):
-      continue
+  for hook in hooks:
     for tag, given in _tf.logging_hook_tensors(hook).items():
-      tensor = _graph_tensor(graph, given)
+      tensor = _graph_tensor(layout.graph, given)
       if tensor is None:
         continue
       value = whole.of(tensor)
@@ -68,13 +70,11 @@ def make_whole(mode, tower_specs, *, layout, progress, combined_loss,
         _tf.set_logging_hook_tensor(hook, tag, value)
 
 
-def _summary_reads(ops, forward):
+def _summary_reads(ops):
   """(op, input index) of each value tower 0's summaries show: the summary
   op's own input, or where a `record_if` cond captured it."""
   reads = []
   for op in ops:
-    if op not in forward:
-      continue
     if op.type in SUMMARY_INPUTS and len(op.inputs) > SUMMARY_INPUTS[op.type]:
       reader, index = op, SUMMARY_INPUTS[op.type]
       # TF 1 control flow: the value enters the cond through a Switch.

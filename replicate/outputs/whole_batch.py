@@ -91,17 +91,14 @@ class WholeBatch:
                   if spec.loss is not None else None)
     self._combined_loss = combined_loss
     self._metric_writes = mode == tf.estimator.ModeKeys.TRAIN
-    self._step = set(graph_walk.ops_behind(
-        [s.train_op for s in tower_specs if s.train_op is not None] +
-        [s.loss for s in tower_specs if s.loss is not None],
-        follow_control=True))
+    self._specs = tower_specs
+    self._step = None  # what the step runs, when first asked
     graph = layout.graph
     self._metric_variables = {v.op for key in (
         tf.compat.v1.GraphKeys.LOCAL_VARIABLES,
         tf.compat.v1.GraphKeys.METRIC_VARIABLES)
                               for v in graph.get_collection(key)}
-    self._alike = [_Alike(progress.tower_ops[index], index, progress)
-                   for index in range(layout.num_towers)]
+    self._alike = {}  # tower index -> its _Alike, when first asked
     self._leaves = [_row_leaves(shard, (tower.features, tower.labels))
                     for tower in self._towers]
     self._values = {}  # tower 0's tensor ref -> the whole batch's
@@ -132,8 +129,9 @@ class WholeBatch:
       return
     for op in graph_walk.ops_behind([tensor], within=self.forward,
                                     follow_control=True):
-      if (op in self._fed or op.type not in _WRITES or op in self._step or
-          _variable_op(op.inputs[0]) not in self._metric_variables):
+      if (op in self._fed or op.type not in _WRITES or
+          _variable_op(op.inputs[0]) not in self._metric_variables or
+          self._in_step(op)):
         continue
       self._fed.add(op)
       try:
@@ -205,11 +203,26 @@ class WholeBatch:
       return leaf
     if index == 0:
       return tensor
-    other = self._alike[index].op(self._alike[0].key(tensor.op))
+    other = self._alike_of(index).op(self._alike_of(0).key(tensor.op))
     if (other is None or other.type != tensor.op.type or
         len(other.outputs) != len(tensor.op.outputs)):
       raise _Unknown()
     return other.outputs[tensor.value_index]
+
+  def _alike_of(self, index) -> "_Alike":
+    if index not in self._alike:
+      self._alike[index] = _Alike(self._progress.tower_ops[index], index,
+                                  self._progress)
+    return self._alike[index]
+
+  def _in_step(self, op) -> bool:
+    """Whether the step (the towers' train_ops and losses) runs `op`."""
+    if self._step is None:
+      self._step = set(graph_walk.ops_behind(
+          [s.train_op for s in self._specs if s.train_op is not None] +
+          [s.loss for s in self._specs if s.loss is not None],
+          follow_control=True))
+    return op in self._step
 
   def _concatenated(self, tensor, axis) -> tf.Tensor:
     """The towers' tensors along their rows' `axis`, in tower order; a
