@@ -30,7 +30,8 @@ TF 1 control flow (`Switch`, `Merge`, loops), a stateful op other than a
 `tf.gradients` (`TowerOptimizer`'s gradients are the batch's already), a
 shape made for the tower's rows when built (`tf.reshape(x, [4, -1])` from
 `x.shape`, refused by shape inference; a Python count `x.shape[0]` in
-arithmetic is a constant, and stays the tower's), a tensor whose tower i
+arithmetic is a constant, and stays the tower's), a value that needs more
+than `_MOST_COPIES` ops built again, a tensor whose tower i
 counterpart it cannot find, a metric update the `train_op` also runs (each
 tower updates its own variables there). In a synchronous cluster of
 several tasks, the concatenations and the sums cover the task's towers
@@ -38,7 +39,6 @@ several tasks, the concatenations and the sums cover the task's towers
 """
 
 import re
-from typing import Optional
 
 import tensorflow as tf
 
@@ -53,11 +53,17 @@ from replicate.shard import sharding
 
 _WRITES = frozenset(["AssignAddVariableOp", "AssignAdd", "AssignVariableOp",
                      "Assign", "AssignSubVariableOp", "AssignSub"])
-_VARIABLES = frozenset(["VarHandleOp", "VariableV2", "Variable"])
+# State: a metric's writes are fed below; reads are what is there.
+_STATE = _WRITES | {"VarHandleOp", "VariableV2", "Variable", "ReadVariableOp"}
 # A count of rows (or of entries of rows) sums over towers.
 _COUNTS = ((ROWS,), (ROWS_K,), (SELECTED_COUNT,))
 # Stateful ops that are still a function of their inputs.
 _CALLED_AGAIN = frozenset(["PyFunc", "EagerPyFunc", "StatefulPartitionedCall"])
+# At most this many ops are built again for one value: more means the rows
+# were lost early (an op the analysis does not place them through), and
+# the value would run the model's forward pass again, on the whole batch,
+# on one device, at each summary step. It is left tower 0's instead.
+_MOST_COPIES = 200
 _UNIQUIFIED = re.compile(r"_[0-9]+$")
 _NO_COPY = frozenset(["Placeholder", "PlaceholderWithDefault", "Switch",
                       "Merge", "Enter", "Exit", "NextIteration", "LoopCond",
@@ -104,12 +110,14 @@ class WholeBatch:
     self._values = {}  # tower 0's tensor ref -> the whole batch's
     self._copies = {}  # tower 0's op -> its copy on the whole batch
     self._fed = set()  # metric writes fed the whole batch's increments
+    self._budget = _MOST_COPIES  # ops `of` may still build, for one value
 
   def of(self, tensor: tf.Tensor) -> tf.Tensor:
     """The whole batch's value of tower 0's `tensor`, or `tensor` itself
     (a per-row tensor, one not from the rows, one it cannot build)."""
     if tensor.op not in self.forward:
       return tensor
+    self._budget = _MOST_COPIES
     try:
       with self._progress.building_own_ops(), \
           tf.name_scope("summary_over_towers"):
@@ -155,9 +163,8 @@ class WholeBatch:
       return self._concatenated(tensor, 0)  # the shard's: the batch's
     if op not in self.forward or not self._rows.depend([tensor]):
       return tensor  # the same in every tower
-    if op.type in _WRITES or op.type in _VARIABLES or (
-        op.type == "ReadVariableOp"):
-      return tensor  # state: a metric's, fed above
+    if op.type in _STATE:
+      return tensor
     fact = self._facts.fact(tensor)
     if fact.carries:
       return self._concatenated(tensor, fact.axis)
@@ -182,6 +189,9 @@ class WholeBatch:
     if all(new is old for new, old in zip(inputs, op.inputs)):
       copy = op
     else:
+      self._budget -= 1
+      if self._budget < 0:
+        raise _Unknown()
       attrs = {name: value for name, value in op.node_def.attr.items()
                if name != "_class"}  # not colocated with tower 0's ops
       try:
@@ -203,7 +213,8 @@ class WholeBatch:
       return leaf
     if index == 0:
       return tensor
-    other = self._alike_of(index).op(self._alike_of(0).key(tensor.op))
+    other = self._alike_of(index).ops.get(
+        self._alike_of(0).keys.get(tensor.op))
     if (other is None or other.type != tensor.op.type or
         len(other.outputs) != len(tensor.op.outputs)):
       raise _Unknown()
@@ -254,8 +265,8 @@ class _Alike:
   """
 
   def __init__(self, ops, index, progress):
-    self._keys = {}
-    self._ops = {}
+    self.keys = {}  # op -> its key
+    self.ops = {}  # key -> op
     counts = {}
     for op in ops:
       if op in progress.own_ops or op in progress.update_built:
@@ -265,14 +276,8 @@ class _Alike:
       group = (scope, _UNIQUIFIED.sub("", base), op.type)
       rank = counts.get(group, 0)
       counts[group] = rank + 1
-      self._keys[op] = group + (rank,)
-      self._ops[group + (rank,)] = op
-
-  def key(self, op):
-    return self._keys.get(op)
-
-  def op(self, key) -> Optional[tf.Operation]:
-    return self._ops.get(key)
+      self.keys[op] = group + (rank,)
+      self.ops[group + (rank,)] = op
 
 
 def _row_leaves(shard, other) -> dict:
