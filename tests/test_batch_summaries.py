@@ -37,6 +37,9 @@ V1_TAGS = ("loss", "data_loss", "reg", "acc", "rows", "max_logit",
            "mean_acc")
 V2_TAGS = ("v2/data_loss", "v2/acc", "v2/rows", "v2/mean_acc")
 LOGGED = ("loss", "data_loss", "acc", "rows", "mean_acc", "step")
+# The global step read in the run that increments it: before or after the
+# increment, as the run schedules it, on one device as on several.
+RACY = ("step",)
 LOGGED_IN_EVAL = ("loss", "data_loss", "rows", "mean_acc")
 
 
@@ -145,7 +148,7 @@ def _events(directory):
   return found
 
 
-def _train(towers, dynamic, directory):
+def _train(towers, dynamic, directory, strategy="parameter_server"):
   """Trains on the batches, then evaluates on them; returns the v1 events,
   the TF 2 events, the logged values of training and of evaluation, step
   by step."""
@@ -154,7 +157,8 @@ def _train(towers, dynamic, directory):
   v2_dir = os.path.join(directory, "v2")
   model_fn = _model_fn_logging_to(logged, v2_dir)
   if towers:
-    model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(towers))
+    model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(towers),
+                                            variable_strategy=strategy)
   estimator = tf.estimator.Estimator(model_fn, model_dir=model_dir, config=(
       tf.estimator.RunConfig(session_config=session_config(towers or 1),
                              save_summary_steps=1, log_step_count_steps=None,
@@ -221,6 +225,29 @@ def test_logging_tensor_hook_logs_the_batch(runs, towers, dynamic, mode):
   for step, (values, got_values) in enumerate(zip(expected, got)):
     assert sorted(got_values) == sorted(tags)
     for tag in tags:
+      if tag in RACY:
+        assert abs(got_values[tag] - values[tag]) <= 1
+        continue
       np.testing.assert_allclose(got_values[tag], values[tag], rtol=1e-5,
                                  atol=1e-6, err_msg="{} step {}".format(
                                      tag, step))
+
+
+def test_replicated_strategy_too(runs, tmp_path):
+  """With "replicated" (each tower its own copies of the variables)."""
+  expected = runs[(0, True)]
+  got = _train(2, True, str(tmp_path), strategy="replicated")
+  for tags, position in ((V1_TAGS, 0), (V2_TAGS, 1)):
+    values = _values(expected[position], tags)
+    assert len(values) == len(tags) * STEPS
+    for key, value in values.items():
+      np.testing.assert_allclose(got[position][key], value, rtol=1e-5,
+                                 atol=1e-6, err_msg=str(key))
+  for position, tags in ((2, LOGGED), (3, LOGGED_IN_EVAL)):
+    for step, values in enumerate(expected[position]):
+      for tag in tags:
+        if tag in RACY:
+          continue
+        np.testing.assert_allclose(
+            got[position][step][tag], values[tag], rtol=1e-5, atol=1e-6,
+            err_msg="{} step {}".format(tag, step))
