@@ -44,11 +44,14 @@ LOGGED_IN_EVAL = ("loss", "data_loss", "rows", "mean_acc")
 
 
 class _V2Summaries(tf.compat.v1.train.SessionRunHook):
-  """Runs TF 2 summary ops each step, as a model_fn with its own writer
-  must (the Estimator runs only v1 summaries)."""
+  """Runs the graph's TF 2 summary ops each step, as a model_fn with its
+  own writer must (the Estimator runs only v1 summaries)."""
 
-  def __init__(self, init, writes, flush):
-    self._init, self._writes, self._flush = init, writes, flush
+  def __init__(self, init, flush):
+    self._init, self._flush, self._writes = init, flush, None
+
+  def begin(self):
+    self._writes = tf.compat.v1.summary.all_v2_summary_ops()
 
   def after_create_session(self, session, coord):
     del coord
@@ -101,18 +104,18 @@ def _model_fn_logging_to(logged, v2_dir):
     writer = tf.summary.create_file_writer(v2_dir)
     with writer.as_default(step=step), tf.name_scope("v2"):
       with tf.summary.record_if(True):
-        writes = [tf.summary.scalar("data_loss", data_loss),
-                  tf.summary.scalar("acc", accuracy[1])]
+        tf.summary.scalar("data_loss", data_loss)
+        tf.summary.scalar("acc", accuracy[1])
       # Recorded on a condition only the run knows: inside a cond.
       with tf.summary.record_if(step >= 0):
-        writes += [tf.summary.scalar("rows", rows),
-                   tf.summary.scalar("mean_acc", mean_acc)]
+        tf.summary.scalar("rows", rows)
+        tf.summary.scalar("mean_acc", mean_acc)
     hooks = [
         tf.compat.v1.train.LoggingTensorHook(
             {"loss": loss, "data_loss": data_loss.name, "acc": accuracy[1],
              "rows": rows, "mean_acc": mean_acc, "step": step},
             every_n_iter=1, formatter=formatter),
-        _V2Summaries(writer.init(), writes, writer.flush())]
+        _V2Summaries(writer.init(), writer.flush())]
     train_op = replicate.TowerOptimizer(
         tf.compat.v1.train.GradientDescentOptimizer(0.5)).minimize(
             loss, global_step=step)
