@@ -12,10 +12,9 @@ summary, a logging hook, see `replicate.outputs.summaries`):
   towers' concatenated along it in tower order (input order), each count
   of rows (`tf.shape(x)[0]`) as the towers' sum, the rest (variables,
   constants, the global step, values replicate made the batch's already)
-  as it is. An op the analysis does not place rows through is built again
-  too, on its inputs' whole batch's values, back to rows it places. A mean
-  over the rows is then the mean over every row, a ratio of sums the
-  batch's ratio, a `py_func` of the rows is called on every row;
+  as it is; an op the analysis places no rows through is built again too.
+  A mean over the rows is then the mean over every row, a ratio of sums
+  the batch's ratio, a `py_func` of the rows is called on every row;
 - a metric's update in TRAIN (`tf.compat.v1.metrics.*` whose `acc[1]` a
   summary shows, as tf_ner does): tower 0's metric variable writes that the
   value waits for are fed the whole batch's increments (each built again as
@@ -31,11 +30,10 @@ TF 1 control flow (`Switch`, `Merge`, loops), a stateful op other than a
 shape made for the tower's rows when built (`tf.reshape(x, [4, -1])` from
 `x.shape`, refused by shape inference; a Python count `x.shape[0]` in
 arithmetic is a constant, and stays the tower's), a value that needs more
-than `_MOST_COPIES` ops built again, a tensor whose tower i
-counterpart it cannot find, a metric update the `train_op` also runs (each
-tower updates its own variables there). In a synchronous cluster of
-several tasks, the concatenations and the sums cover the task's towers
-(the loss is every task's).
+than `_MOST_COPIES` ops built again, a tensor whose tower i counterpart it
+cannot find, a metric update the `train_op` also runs (each tower updates
+its own variables there). In a synchronous cluster of several tasks, the
+concatenations and sums cover the task's towers (the loss is every task's).
 """
 
 import re
@@ -60,14 +58,12 @@ _COUNTS = ((ROWS,), (ROWS_K,), (SELECTED_COUNT,))
 # Stateful ops that are still a function of their inputs.
 _CALLED_AGAIN = frozenset(["PyFunc", "EagerPyFunc", "StatefulPartitionedCall"])
 # At most this many ops are built again for one value: more means the rows
-# were lost early (an op the analysis does not place them through), and
-# the value would run the model's forward pass again, on the whole batch,
-# on one device, at each summary step. It is left tower 0's instead.
+# were lost early, and the summary step would run the forward pass again,
+# on the whole batch, on one device. It is left tower 0's instead.
 _MOST_COPIES = 200
 _UNIQUIFIED = re.compile(r"_[0-9]+$")
 _NO_COPY = frozenset(["Placeholder", "PlaceholderWithDefault", "Switch",
-                      "Merge", "Enter", "Exit", "NextIteration", "LoopCond",
-                      "RefSwitch", "RefMerge", "RefEnter"])
+                      "Merge", "Enter", "Exit", "NextIteration", "LoopCond"])
 
 
 class _Unknown(Exception):
@@ -109,7 +105,7 @@ class WholeBatch:
                     for tower in self._towers]
     self._values = {}  # tower 0's tensor ref -> the whole batch's
     self._copies = {}  # tower 0's op -> its copy on the whole batch
-    self._fed = set()  # metric writes fed the whole batch's increments
+    self._walked = set()  # ops whose metric writes behind are fed
     self._budget = _MOST_COPIES  # ops `of` may still build, for one value
 
   def of(self, tensor: tf.Tensor) -> tf.Tensor:
@@ -135,13 +131,18 @@ class WholeBatch:
     step, add the whole batch's increments (TRAIN)."""
     if not self._metric_writes:
       return
-    for op in graph_walk.ops_behind([tensor], within=self.forward,
-                                    follow_control=True):
-      if (op in self._fed or op.type not in _WRITES or
+    pending = [tensor.op]
+    while pending:
+      op = pending.pop()
+      if op in self._walked or op not in self.forward:
+        continue  # walked for an earlier value: its writes are fed
+      self._walked.add(op)
+      pending.extend(t.op for t in op.inputs)
+      pending.extend(op.control_inputs)
+      if (op.type not in _WRITES or
           _variable_op(op.inputs[0]) not in self._metric_variables or
           self._in_step(op)):
         continue
-      self._fed.add(op)
       try:
         value = self._whole(op.inputs[1])
       except _Unknown:
@@ -241,7 +242,7 @@ class WholeBatch:
     parts = []
     for index, tower in enumerate(self._towers):
       if tower.has_rows is False:
-        continue
+        continue  # a stand-in row
       part = self._counterpart(tensor, index)
       if part.shape.rank is None:
         raise _Unknown()
@@ -259,9 +260,8 @@ class _Alike:
   scope, type and base name (tower 0's names, without TensorFlow's `_N`),
   and their rank among the tower's ops of that key, in build order.
 
-  Not by full name: a name TensorFlow made unique counts the ops of that
-  name built before, and tower 0, built in the outer scope, counts the
-  split's own (`strided_slice_6` there is `tower_1/strided_slice`).
+  Not by full name: tower 0's unique names, in the outer scope, count the
+  split's ops too (`strided_slice_6` there is `tower_1/strided_slice`).
   """
 
   def __init__(self, ops, index, progress):
