@@ -34,7 +34,7 @@ STEPS = 3
 
 # Values over the batch, written by v1 and TF 2 summaries and logged.
 V1_TAGS = ("loss", "data_loss", "reg", "acc", "rows", "max_logit",
-           "mean_acc")
+           "mean_acc", "median_xent")
 V2_TAGS = ("v2/data_loss", "v2/acc", "v2/rows", "v2/mean_acc")
 LOGGED = ("loss", "data_loss", "acc", "rows", "mean_acc", "step")
 # The global step read in the run that increments it: before or after the
@@ -101,6 +101,10 @@ def _model_fn_logging_to(logged, v2_dir):
     tf.compat.v1.summary.scalar("max_logit", tf.reduce_max(logits))
     tf.compat.v1.summary.scalar("mean_acc", mean_acc)
     tf.compat.v1.summary.histogram("logits", logits)  # rows: tower 0's
+    # A value no combination of the towers' gives: a py_func of the rows.
+    median = tf.compat.v1.py_func(lambda v: np.float32(np.median(v)), [xent],
+                                  tf.float32)
+    tf.compat.v1.summary.scalar("median_xent", tf.reshape(median, []))
     writer = tf.summary.create_file_writer(v2_dir)
     with writer.as_default(step=step), tf.name_scope("v2"):
       with tf.summary.record_if(True):
