@@ -311,12 +311,13 @@ def logging_hook_tensors(hook) -> dict:
   return dict(hook._tensors)
 
 
-def set_logging_hook_tensor(hook, tag, tensor: tf.Tensor) -> None:
-  """The hook logs `tensor` under `tag` from its next `begin` on.
+def set_logging_hook_tensors(hook, tensors: dict) -> None:
+  """The hook logs `tensors` ({tag: tensor}, its tags) from its next
+  `begin` on.
 
   Private: as `logging_hook_tensors`.
   """
-  hook._tensors[tag] = tensor
+  hook._tensors = tensors
 
 
 # Function graphs and stateful ops ---------------------------------------------

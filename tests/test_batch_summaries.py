@@ -64,8 +64,10 @@ class _V2Summaries(tf.compat.v1.train.SessionRunHook):
     session.run(self._flush)
 
 
-def _model_fn_logging_to(logged, v2_dir):
-  """The model_fn; its LoggingTensorHook appends what it logs to `logged`."""
+def _model_fn_logging_to(logged, v2_dir, shared_hook=None):
+  """The model_fn; its LoggingTensorHook appends what it logs to `logged`.
+  `shared_hook`, made once outside it, is added to its hooks in every
+  mode too."""
 
   def formatter(values):
     logged.append(dict(values))
@@ -78,7 +80,7 @@ def _model_fn_logging_to(logged, v2_dir):
     logits = tf.matmul(x, weight)
     xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
                                                           logits=logits)
-    data_loss = tf.reduce_mean(xent)  # a term of the loss
+    data_loss = tf.reduce_mean(xent, name="mean_xent")  # a loss term
     reg = 0.05 * tf.nn.l2_loss(weight)
     loss = tf.add_n([data_loss, reg])
     predicted = tf.argmax(logits, 1, output_type=tf.int32)
@@ -87,13 +89,14 @@ def _model_fn_logging_to(logged, v2_dir):
                                       tf.float32))
     rows = tf.shape(x)[0]
     step = tf.compat.v1.train.get_global_step()
+    shared = [] if shared_hook is None else [shared_hook]
     if mode == tf.estimator.ModeKeys.EVAL:
       return tf.estimator.EstimatorSpec(
           mode, loss=loss, eval_metric_ops={"acc": accuracy},
           evaluation_hooks=[tf.compat.v1.train.LoggingTensorHook(
               {"loss": loss, "data_loss": data_loss, "rows": rows,
                "mean_acc": mean_acc}, every_n_iter=1,
-              formatter=formatter)])
+              formatter=formatter)] + shared)
     tf.compat.v1.summary.scalar("data_loss", data_loss)
     tf.compat.v1.summary.scalar("reg", reg)
     tf.compat.v1.summary.scalar("acc", accuracy[1])  # as tf_ner does
@@ -119,7 +122,7 @@ def _model_fn_logging_to(logged, v2_dir):
             {"loss": loss, "data_loss": data_loss.name, "acc": accuracy[1],
              "rows": rows, "mean_acc": mean_acc, "step": step},
             every_n_iter=1, formatter=formatter),
-        _V2Summaries(writer.init(), writer.flush())]
+        _V2Summaries(writer.init(), writer.flush())] + shared
     train_op = replicate.TowerOptimizer(
         tf.compat.v1.train.GradientDescentOptimizer(0.5)).minimize(
             loss, global_step=step)
@@ -155,14 +158,15 @@ def _events(directory):
   return found
 
 
-def _train(towers, dynamic, directory, strategy="parameter_server"):
+def _train(towers, dynamic, directory, strategy="parameter_server",
+           shared_hook=None):
   """Trains on the batches, then evaluates on them; returns the v1 events,
   the TF 2 events, the logged values of training and of evaluation, step
   by step."""
   logged = []
   model_dir = os.path.join(directory, "model")
   v2_dir = os.path.join(directory, "v2")
-  model_fn = _model_fn_logging_to(logged, v2_dir)
+  model_fn = _model_fn_logging_to(logged, v2_dir, shared_hook)
   if towers:
     model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(towers),
                                             variable_strategy=strategy)
@@ -258,3 +262,18 @@ def test_replicated_strategy_too(runs, tmp_path):
         np.testing.assert_allclose(
             got[position][step][tag], values[tag], rtol=1e-5, atol=1e-6,
             err_msg="{} step {}".format(tag, step))
+
+
+def test_a_hook_made_once_logs_the_batch_in_every_graph(tmp_path):
+  """A LoggingTensorHook made outside the model_fn, naming its tensors,
+  handed to the train graph's model_fn and then to the eval graph's."""
+  logged = {}
+  for towers in (0, 2):
+    values = logged.setdefault(towers, [])
+    hook = tf.compat.v1.train.LoggingTensorHook(
+        {"data_loss": "mean_xent"}, every_n_iter=1,
+        formatter=lambda tensors, values=values: values.append(
+            float(tensors["data_loss"])) or "")
+    _train(towers, True, str(tmp_path / str(towers)), shared_hook=hook)
+  assert len(logged[0]) == 2 * STEPS  # trained, then evaluated
+  np.testing.assert_allclose(logged[2], logged[0], rtol=1e-5)

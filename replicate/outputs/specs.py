@@ -87,9 +87,9 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
   fields["scaffold"] = scaffolds.initializing_towers(
       fields["scaffold"], progress.local_state_after_tower0, layout.graph)
   # Last: what the summaries and logged tensors read is built by then.
-  summaries.make_whole(mode, tower_specs, layout=layout, progress=progress,
-                       combined_loss=fields.get("loss"),
-                       is_backward=touched.is_backward)
+  fields.update(summaries.make_whole(
+      mode, tower_specs, layout=layout, progress=progress,
+      combined_loss=fields.get("loss"), is_backward=touched.is_backward))
   return tf.estimator.EstimatorSpec(**fields)
 
 

@@ -20,7 +20,8 @@ one summary op has one input, and the rows it shows are tower 0's shard),
 and what `whole_batch` cannot build again (see there).
 """
 
-from typing import Optional
+import copy
+from typing import Dict, Optional
 
 import tensorflow as tf
 
@@ -34,40 +35,65 @@ SUMMARY_INPUTS = {
     "TensorSummaryV2": 1, "WriteSummary": 2, "WriteScalarSummary": 3,
     "WriteHistogramSummary": 3, "WriteImageSummary": 3,
     "WriteAudioSummary": 3}
+_HOOK_FIELDS = ("training_hooks", "evaluation_hooks", "prediction_hooks")
 _CONDS = frozenset(["If", "StatelessIf"])
 _CAPTURES = frozenset(["Switch", "RefSwitch", "Identity"])
+
+
 def make_whole(mode, tower_specs, *, layout, progress, combined_loss,
-               is_backward=lambda op: False) -> None:
+               is_backward=lambda op: False) -> Dict[str, list]:
   """Re-points tower 0's summaries and logged tensors of values over the
   batch at the whole batch's values (see the module's docstring).
+
+  Returns the spec's hook fields whose `LoggingTensorHook`s log the whole
+  batch's values instead: {field: its hooks}, for the combined spec.
 
   `combined_loss`: the combined spec's loss (None without a loss);
   `is_backward(op)`: whether TensorFlow built `op` in a backward pass.
   """
   if not layout.combines:
-    return
+    return {}
   spec = tower_specs[0]
   reads = _summary_reads(progress.tower_ops[0])
-  hooks = [hook for hook in (list(spec.training_hooks or ()) +
-                             list(spec.evaluation_hooks or ()) +
-                             list(spec.prediction_hooks or ()))
-           if isinstance(hook, tf.compat.v1.train.LoggingTensorHook)]
-  if not reads and not hooks:
-    return  # nothing to analyse: the build costs nothing more
+  hooks = {field: list(getattr(spec, field) or ()) for field in _HOOK_FIELDS}
+  if not reads and not any(
+      isinstance(hook, tf.compat.v1.train.LoggingTensorHook)
+      for field_hooks in hooks.values() for hook in field_hooks):
+    return {}  # nothing to analyse: the build costs nothing more
   whole = whole_batch.WholeBatch(mode, tower_specs, layout, progress,
                                  combined_loss, is_backward)
   for reader, index in reads:
     value = whole.of(reader.inputs[index])
     if value is not reader.inputs[index]:
       _tf.update_input(reader, index, value)
-  for hook in hooks:
-    for tag, given in _tf.logging_hook_tensors(hook).items():
-      tensor = _graph_tensor(layout.graph, given)
-      if tensor is None:
-        continue
-      value = whole.of(tensor)
-      if value is not tensor:
-        _tf.set_logging_hook_tensor(hook, tag, value)
+  changed = {}
+  for field, field_hooks in hooks.items():
+    for position, hook in enumerate(field_hooks):
+      if isinstance(hook, tf.compat.v1.train.LoggingTensorHook):
+        logged = _whole_tensors(hook, whole, layout.graph)
+        if logged is not None:
+          field_hooks[position] = logged
+          changed[field] = field_hooks
+  return changed
+
+
+def _whole_tensors(hook, whole, graph):
+  """A copy of the `LoggingTensorHook` that logs the whole batch's values,
+  or None if it logs none over the batch. A copy: the user's hook may be
+  handed to the next graph's `model_fn` too, by names of its tensors."""
+  tensors = _tf.logging_hook_tensors(hook)
+  changed = False
+  for tag, given in tensors.items():
+    tensor = _graph_tensor(graph, given)
+    value = tensor if tensor is None else whole.of(tensor)
+    if value is not tensor:
+      tensors[tag] = value
+      changed = True
+  if not changed:
+    return None
+  logged = copy.copy(hook)
+  _tf.set_logging_hook_tensors(logged, tensors)
+  return logged
 
 
 def _summary_reads(ops):
