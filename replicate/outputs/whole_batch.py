@@ -200,7 +200,7 @@ class WholeBatch:
           copy = self._layout.graph.create_op(
               op.type, inputs, [t.dtype for t in op.outputs],
               name=op.name.split("/")[-1], attrs=attrs)
-      except (ValueError, TypeError, tf.errors.InvalidArgumentError):
+      except (ValueError, TypeError, KeyError, tf.errors.OpError):
         # A shape made for the tower's rows, known when built
         # (`tf.reshape(x, [4, -1])` from `x.shape`): not the batch's.
         raise _Unknown()
