@@ -153,8 +153,8 @@ def _events(directory):
           found[key] = value.simple_value
         elif value.HasField("tensor"):
           found[key] = tf.make_ndarray(value.tensor)
-        else:
-          found[key] = None  # a histogram: its tag
+        else:  # a histogram: how many values it counts
+          found[key] = value.histo.num
   return found
 
 
@@ -208,6 +208,13 @@ def test_v1_summaries_of_values_over_the_batch(runs, towers, dynamic):
   for key, value in expected_values.items():
     np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,
                                err_msg=str(key))
+  # Per-row values: tower 0's rows (4 of 7 with 2 towers, 3 with 3).
+  rows = [3, 3, 1] if dynamic else [ROWS] * STEPS
+  tower0 = [-(-count // towers) for count in rows]
+  assert [expected[("logits", n)] for n in range(STEPS)] == [
+      count * CLASSES for count in rows]
+  assert [got[("logits", n)] for n in range(STEPS)] == [
+      count * CLASSES for count in tower0]
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])

@@ -169,14 +169,14 @@ class WholeBatch:
     fact = self._facts.fact(tensor)
     if fact.carries:
       return self._concatenated(tensor, fact.axis)
-    # Rows along no axis the analysis knows (an op it does not model):
-    # built again on its inputs' whole batch's values, back to the rows.
     if tensor.shape.rank == 0 and fact.dims in _COUNTS:
       return tf.math.add_n([
           sharding.zero_unless_rows(self._counterpart(tensor, index),
                                     tower.has_rows)
           for index, tower in enumerate(self._towers)
           if tower.has_rows is not False])
+    # No rows (or along no axis the analysis knows): built again on its
+    # inputs' whole batch's values, back to the rows.
     return self._copy(op).outputs[tensor.value_index]
 
   def _copy(self, op) -> tf.Operation:
