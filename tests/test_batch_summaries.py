@@ -34,7 +34,7 @@ STEPS = 3
 
 # Values over the batch, written by v1 and TF 2 summaries and logged.
 V1_TAGS = ("loss", "data_loss", "reg", "acc", "rows", "max_logit",
-           "mean_acc", "median_xent")
+           "mean_acc", "median_xent", "fraction_of_zeros")
 V2_TAGS = ("v2/data_loss", "v2/acc", "v2/rows", "v2/mean_acc")
 LOGGED = ("loss", "data_loss", "acc", "rows", "mean_acc", "step")
 # The global step read in the run that increments it: before or after the
@@ -104,6 +104,10 @@ def _model_fn_logging_to(logged, v2_dir, shared_hook=None):
     tf.compat.v1.summary.scalar("max_logit", tf.reduce_max(logits))
     tf.compat.v1.summary.scalar("mean_acc", mean_acc)
     tf.compat.v1.summary.histogram("logits", logits)  # rows: tower 0's
+    # As the canned DNNs: a cond (TF 1's Switch and Merge under TF 1
+    # behaviour, an If under TF 2's) of the batch's size.
+    tf.compat.v1.summary.scalar("fraction_of_zeros", tf.nn.zero_fraction(
+        tf.nn.relu(logits)))
     # A value no combination of the towers' gives: a py_func of the rows.
     median = tf.compat.v1.py_func(lambda v: np.float32(np.median(v)), [xent],
                                   tf.float32)

@@ -11,5 +11,5 @@
   computed once on the whole batch's rows.
 - `summaries`: summaries and `LoggingTensorHook` tensors of values over
   the batch read the whole batch's, which `whole_batch` builds again on
-  the towers' rows.
+  the towers' rows, found and put together by `counterparts`.
 """

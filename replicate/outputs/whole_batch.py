@@ -23,9 +23,13 @@ summary, a logging hook, see `replicate.outputs.summaries`):
   metrics`'s, which fold the towers' variables after every update.
 A tower on a stand-in row (no rows of its own) adds no rows and counts 0.
 
+A TF 1 cond (`tf.nn.zero_fraction` of the canned DNNs, under TF 1
+behaviour) is built again with its Switch and Merge; a constant TensorFlow
+folded from a static shape of the rows (`tf.size(x)`) is the towers' sum.
+
 What it cannot build again, and leaves tower 0's: a value reached through
-TF 1 control flow (`Switch`, `Merge`, loops), a stateful op other than a
-`py_func` or a function call, a backward pass the user built with
+a TF 1 loop (`Enter` ... `Exit`), a stateful op other than a `py_func` or
+a function call, a backward pass the user built with
 `tf.gradients` (`TowerOptimizer`'s gradients are the batch's already), a
 shape made for the tower's rows when built (`tf.reshape(x, [4, -1])` from
 `x.shape`, refused by shape inference; a Python count `x.shape[0]` in
@@ -42,12 +46,10 @@ import tensorflow as tf
 
 from replicate import _tf
 from replicate import graph_walk
-from replicate.call import layout as layout_lib
 from replicate.graph import row_layout
 from replicate.graph.row_facts import ROWS, ROWS_K, SELECTED_COUNT, UNKNOWN
-from replicate.outputs import predictions as predictions_lib
+from replicate.outputs import counterparts
 from replicate.shard import rows as rows_lib
-from replicate.shard import sharding
 
 _WRITES = frozenset(["AssignAddVariableOp", "AssignAdd", "AssignVariableOp",
                      "Assign", "AssignSubVariableOp", "AssignSub"])
@@ -62,8 +64,11 @@ _CALLED_AGAIN = frozenset(["PyFunc", "EagerPyFunc", "StatefulPartitionedCall"])
 # on the whole batch, on one device. It is left tower 0's instead.
 _MOST_COPIES = 200
 _UNIQUIFIED = re.compile(r"_[0-9]+$")
-_NO_COPY = frozenset(["Placeholder", "PlaceholderWithDefault", "Switch",
-                      "Merge", "Enter", "Exit", "NextIteration", "LoopCond"])
+# A TF 1 cond's Switch and Merge are built again (`tf.nn.zero_fraction`'s
+# cond of the size, under TF 1 behaviour), a TF 1 loop is not: its frame.
+_NO_COPY = frozenset(["Placeholder", "PlaceholderWithDefault", "Enter",
+                      "RefEnter", "Exit", "RefExit", "NextIteration",
+                      "RefNextIteration", "LoopCond"])
 
 
 class _Unknown(Exception):
@@ -82,8 +87,7 @@ class WholeBatch:
     self.forward = frozenset(op for op in ops if op not in after)
     self._layout = layout
     self._progress = progress
-    self._towers = layout.towers
-    tower0 = self._towers[0]
+    tower0 = layout.towers[0]
     shard = (tower0.features, tower0.labels)
     self._rows = rows_lib.TowerRows(shard, self.forward)
     self._facts = row_layout.RowLayout(shard, self.forward, self._rows.depend,
@@ -100,9 +104,7 @@ class WholeBatch:
         tf.compat.v1.GraphKeys.LOCAL_VARIABLES,
         tf.compat.v1.GraphKeys.METRIC_VARIABLES)
                               for v in graph.get_collection(key)}
-    self._alike = {}  # tower index -> its _Alike, when first asked
-    self._leaves = [_row_leaves(shard, (tower.features, tower.labels))
-                    for tower in self._towers]
+    self._towers_of = counterparts.Counterparts(layout, progress)
     self._values = {}  # tower 0's tensor ref -> the whole batch's
     self._copies = {}  # tower 0's op -> its copy on the whole batch
     self._walked = set()  # ops whose metric writes behind are fed
@@ -160,7 +162,7 @@ class WholeBatch:
     op = tensor.op
     if self._loss is not None and tensor is self._loss:
       return tf.cast(self._combined_loss, tensor.dtype)
-    if tensor.ref() in self._leaves[0]:
+    if self._towers_of.is_leaf(tensor):
       return self._concatenated(tensor, 0)  # the shard's: the batch's
     if op not in self.forward or not self._rows.depend([tensor]):
       return tensor  # the same in every tower
@@ -169,25 +171,56 @@ class WholeBatch:
     fact = self._facts.fact(tensor)
     if fact.carries:
       return self._concatenated(tensor, fact.axis)
+    if op.type == "Const":
+      return self._folded(tensor, fact)
     if tensor.shape.rank == 0 and fact.dims in _COUNTS:
-      return tf.math.add_n([
-          sharding.zero_unless_rows(self._counterpart(tensor, index),
-                                    tower.has_rows)
-          for index, tower in enumerate(self._towers)
-          if tower.has_rows is not False])
+      return self._summed(tensor)
     # No rows (or along no axis the analysis knows): built again on its
     # inputs' whole batch's values, back to the rows.
     return self._copy(op).outputs[tensor.value_index]
+
+  def _folded(self, tensor, fact) -> tf.Tensor:
+    """A constant TensorFlow folded from a static shape of the rows'
+    (`tf.size(x)`, `tf.shape(x)`, `tf.ones_like(x)`): the whole batch's."""
+    kind = _UNIQUIFIED.sub("", tensor.op.name.rpartition("/")[2])
+    if kind == "Size":
+      return self._summed(tensor)
+    if kind == "Shape" and fact.dims and tensor.shape.rank == 1:
+      entries = tf.unstack(tensor)
+      for position, counts in enumerate(fact.dims):
+        if counts == ROWS:
+          entries[position] = self._summed(tensor, position)
+      return tf.stack(entries)
+    if kind in ("ones_like", "zeros_like") and tensor.shape.rank:
+      return self._concatenated(tensor, 0)
+    raise _Unknown()
+
+  def _summed(self, tensor, position=None) -> tf.Tensor:
+    """The towers' counts (entry `position` of them) summed."""
+    try:
+      return self._towers_of.summed(tensor, position)
+    except counterparts.NotFound:
+      raise _Unknown()
+
+  def _concatenated(self, tensor, axis) -> tf.Tensor:
+    try:
+      return self._towers_of.concatenated(tensor, axis)
+    except counterparts.NotFound:
+      raise _Unknown()
 
   def _copy(self, op) -> tf.Operation:
     """`op` again, on its inputs' whole batch's values."""
     if op in self._copies:
       return self._copies[op]
-    if (op.type in _NO_COPY or _tf.built_in_control_flow(op) or
-        (_tf.is_stateful(op) and op.type not in _CALLED_AGAIN)):
+    if op.type in _NO_COPY or (_tf.is_stateful(op) and
+                               op.type not in _CALLED_AGAIN):
       raise _Unknown()
     inputs = [self._whole(t) for t in op.inputs]
-    if all(new is old for new, old in zip(inputs, op.inputs)):
+    # A TF 1 cond's branch ops wait on its pivot: the copy's pivot.
+    controls = [self._copy(c) if c in self.forward and self._rows.depend([c])
+                else c for c in op.control_inputs]
+    given = list(op.inputs) + list(op.control_inputs)
+    if all(new is old for new, old in zip(inputs + controls, given)):
       copy = op
     else:
       self._budget -= 1
@@ -196,7 +229,7 @@ class WholeBatch:
       attrs = {name: value for name, value in op.node_def.attr.items()
                if name != "_class"}  # not colocated with tower 0's ops
       try:
-        with tf.control_dependencies(op.control_inputs):
+        with tf.control_dependencies(controls):
           copy = self._layout.graph.create_op(
               op.type, inputs, [t.dtype for t in op.outputs],
               name=op.name.split("/")[-1], attrs=attrs)
@@ -207,26 +240,6 @@ class WholeBatch:
     self._copies[op] = copy
     return copy
 
-  def _counterpart(self, tensor, index) -> tf.Tensor:
-    """Tower `index`'s tensor for tower 0's `tensor`."""
-    leaf = self._leaves[index].get(tensor.ref())
-    if leaf is not None:
-      return leaf
-    if index == 0:
-      return tensor
-    other = self._alike_of(index).ops.get(
-        self._alike_of(0).keys.get(tensor.op))
-    if (other is None or other.type != tensor.op.type or
-        len(other.outputs) != len(tensor.op.outputs)):
-      raise _Unknown()
-    return other.outputs[tensor.value_index]
-
-  def _alike_of(self, index) -> "_Alike":
-    if index not in self._alike:
-      self._alike[index] = _Alike(self._progress.tower_ops[index], index,
-                                  self._progress)
-    return self._alike[index]
-
   def _in_step(self, op) -> bool:
     """Whether the step (the towers' train_ops and losses) runs `op`."""
     if self._step is None:
@@ -235,62 +248,6 @@ class WholeBatch:
           [s.loss for s in self._specs if s.loss is not None],
           follow_control=True))
     return op in self._step
-
-  def _concatenated(self, tensor, axis) -> tf.Tensor:
-    """The towers' tensors along their rows' `axis`, in tower order; a
-    tower on a stand-in row adds none."""
-    parts = []
-    for index, tower in enumerate(self._towers):
-      if tower.has_rows is False:
-        continue  # a stand-in row
-      part = self._counterpart(tensor, index)
-      if part.shape.rank is None:
-        raise _Unknown()
-      if not isinstance(tower.has_rows, bool):
-        count = tf.where(tower.has_rows, tf.shape(part)[axis], 0)
-        part = tf.gather(part, tf.range(count), axis=axis)
-      parts.append(part)
-    if axis == 0:
-      return predictions_lib.concat_padded(parts)
-    return tf.concat(parts, axis=axis)
-
-
-class _Alike:
-  """Tower `index`'s ops by what makes them tower 0's counterparts: their
-  scope, type and base name (tower 0's names, without TensorFlow's `_N`),
-  and their rank among the tower's ops of that key, in build order.
-
-  Not by full name: tower 0's unique names, in the outer scope, count the
-  split's ops too (`strided_slice_6` there is `tower_1/strided_slice`).
-  """
-
-  def __init__(self, ops, index, progress):
-    self.keys = {}  # op -> its key
-    self.ops = {}  # key -> op
-    counts = {}
-    for op in ops:
-      if op in progress.own_ops or op in progress.update_built:
-        continue
-      name = layout_lib.to_tower0_name(op.name, index)
-      scope, _, base = name.rpartition("/")
-      group = (scope, _UNIQUIFIED.sub("", base), op.type)
-      rank = counts.get(group, 0)
-      counts[group] = rank + 1
-      self.keys[op] = group + (rank,)
-      self.ops[group + (rank,)] = op
-
-
-def _row_leaves(shard, other) -> dict:
-  """{tower 0's shard tensor ref: tower i's}: dense leaves, a sparse
-  tensor's values (its indices and shape are positions, not rows)."""
-  found = {}
-  for leaf, counterpart in zip(tf.nest.flatten(shard),
-                               tf.nest.flatten(other)):
-    if isinstance(leaf, tf.SparseTensor):
-      leaf, counterpart = leaf.values, counterpart.values
-    if isinstance(leaf, tf.Tensor) and leaf.shape.rank != 0:
-      found[leaf.ref()] = counterpart
-  return found
 
 
 def _variable_op(tensor):
