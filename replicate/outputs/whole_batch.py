@@ -28,9 +28,10 @@ behaviour) is built again with its Switch and Merge; a constant TensorFlow
 folded from a static shape of the rows (`tf.size(x)`) is the towers' sum.
 
 What it cannot build again, and leaves tower 0's: a value reached through
-a TF 1 loop (`Enter` ... `Exit`), a stateful op other than a `py_func` or
-a function call, a backward pass the user built with
-`tf.gradients` (`TowerOptimizer`'s gradients are the batch's already), a
+a TF 1 loop (`Enter` ... `Exit`), a stateful op other than a `py_func` (a
+stateful function call: it may write state, which must not change twice),
+a backward pass the user built with `tf.gradients` (`TowerOptimizer`'s
+gradients are the batch's already), a
 shape made for the tower's rows when built (`tf.reshape(x, [4, -1])` from
 `x.shape`, refused by shape inference; a Python count `x.shape[0]` in
 arithmetic is a constant, and stays the tower's), a value that needs more
@@ -58,7 +59,7 @@ _STATE = _WRITES | {"VarHandleOp", "VariableV2", "Variable", "ReadVariableOp"}
 # A count of rows (or of entries of rows) sums over towers.
 _COUNTS = ((ROWS,), (ROWS_K,), (SELECTED_COUNT,))
 # Stateful ops that are still a function of their inputs.
-_CALLED_AGAIN = frozenset(["PyFunc", "EagerPyFunc", "StatefulPartitionedCall"])
+_CALLED_AGAIN = frozenset(["PyFunc", "EagerPyFunc"])
 # At most this many ops are built again for one value: more means the rows
 # were lost early, and the summary step would run the forward pass again,
 # on the whole batch, on one device. It is left tower 0's instead.
