@@ -319,6 +319,34 @@ def keras_optimizer_name(optimizer) -> Optional[str]:
   return getattr(optimizer, "_name", None)
 
 
+# Hooks and summaries ----------------------------------------------------------
+
+# The graph collections of summaries: v1's, TF 2's write ops and TF 2's
+# writer initializers (`ops.GraphKeys._SUMMARY_COLLECTION`, read by
+# `tf.compat.v1.summary.all_v2_summary_ops()`, and summary_ops_v2's
+# `_SUMMARY_WRITER_INIT_COLLECTION_NAME`, by `tf.compat.v1.summary.
+# initialize()`). Private: the last two have no public name.
+SUMMARY_COLLECTIONS = ("summaries", "_SUMMARY_V2", "_SUMMARY_WRITER_V2")
+
+
+
+def logging_hook_tensors(hook) -> dict:
+  """A `LoggingTensorHook`'s {tag: tensor or tensor name}, as given.
+
+  Private: the hook keeps them unexposed, and resolves names in `begin`.
+  """
+  return dict(hook._tensors)
+
+
+def set_logging_hook_tensors(hook, tensors: dict) -> None:
+  """The hook logs `tensors` ({tag: tensor}, its tags) from its next
+  `begin` on.
+
+  Private: as `logging_hook_tensors`.
+  """
+  hook._tensors = tensors
+
+
 # Function graphs and stateful ops ---------------------------------------------
 
 # Attributes of the call ops that name the functions they run.

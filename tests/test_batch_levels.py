@@ -176,7 +176,8 @@ def test_tagger_trains_as_one_device(towers, strategy):
     values, got_values = (_summary_values(summary),
                           _summary_values(got_summary))
     assert sorted(got_values) == sorted(values)
-    for tag in ("loss", "mean_length", "token_accuracy"):
+    # The metrics' updates too (tower 0's on a1c186a): issue 38, item 4.
+    for tag in ("loss", "mean_length", "token_accuracy", "acc", "fill"):
       np.testing.assert_allclose(got_values[tag], values[tag], rtol=1e-6,
                                  err_msg=tag)
 

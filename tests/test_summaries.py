@@ -1,7 +1,7 @@
 """Summaries made in the model_fn: once each, under their own tags.
 
-A summary of a value over the batch (the loss, a mean over the rows) holds
-the whole batch's, as one device's; one of per-row values holds tower 0's
+A summary of a value over the batch (the loss, a mean over the rows, a
+count of rows) holds the whole batch's, as one device's; one of per-row values holds tower 0's
 shard (as MirroredStrategy records the first replica's); towers 1..N-1
 add no `tower_i/...` copies.
 """
@@ -61,11 +61,10 @@ def test_each_summary_is_made_once_with_tower0s_shard(towers):
   assert got_names == names
   # The loss is the whole batch's (tower 0's shard's on 6b12641): with the
   # weight at 0, the mean of y^2 = (2r)^2 over the 7 rows. A count of rows
-  # is not a reduction: tower 0's shard's, 4 of 7 rows with 2 towers, 3
-  # with 3 towers.
+  # is the batch's too (tower 0's shard's, 4 or 3 of 7, on a1c186a).
   assert got_values["my_loss"] == pytest.approx(np.mean(Y ** 2))
   assert got_values["my_loss"] == pytest.approx(values["my_loss"])
-  assert got_values["inputs/rows"] == (4 if towers == 2 else 3)
+  assert got_values["inputs/rows"] == ROWS
 
 
 def _event_tags(model_dir):

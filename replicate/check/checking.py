@@ -181,13 +181,13 @@ def _one_run(setup, data, modes, count, strategy, start, trained,
               note="the op that failed"))], 0
     values.update(result.values)
   off, missing, extra = compare.differing(one_device, values, rtol, atol)
-  # Summaries are tower 0's, by design (towers/context.py): its shard's
-  # value of a summary over the rows is noted, not counted.
+  # A summary's value over the batch is the whole batch's, but some stay
+  # tower 0's, by design (outputs/whole_batch.py): noted, not counted.
   summaries = sorted({what.rsplit(" step ", 1)[0][len("summary "):]
                       for _, _, what in off if what.startswith("summary ")})
   if summaries:
     notes.append("{}: the scalar summaries {} differ from one device's: "
-                 "replicate writes tower 0's summaries (its shard's rows), "
+                 "replicate writes these as tower 0's (its shard's rows), "
                  "by design; not counted".format(name, ", ".join(summaries)))
   off = [entry for entry in off if not entry[2].startswith("summary ")]
   unmatched = sorted({what.rsplit(" step ", 1)[0][len("summary "):]

@@ -9,4 +9,7 @@
   called once on the whole batch.
 - `metric_rows`: a metric update no combination of the towers' gives,
   computed once on the whole batch's rows.
+- `summaries`: summaries and `LoggingTensorHook` tensors of values over
+  the batch read the whole batch's, which `whole_batch` builds again on
+  the towers' rows, found and put together by `counterparts`.
 """

@@ -12,7 +12,9 @@ A tower on a stand-in row (see `sharding`) has its metric updates zeroed,
 not moved.
 
 Scaffold and hooks are tower 0's: each tower makes the same ones, and tower
-0's are what the unwrapped model_fn makes. A `local_init_op` of the
+0's are what the unwrapped model_fn makes. What tower 0's summaries and
+`LoggingTensorHook`s read of values over the batch is the whole batch's
+(see `replicate.outputs.summaries`). A `local_init_op` of the
 model_fn's own also initialises the other towers' local state (see
 `replicate.towers.scaffolds`).
 """
@@ -21,11 +23,11 @@ from typing import List
 
 import tensorflow as tf
 
-from replicate import _tf
+from replicate.gradients import touched
 from replicate.outputs import metrics
 from replicate.outputs import predictions as predictions_lib
+from replicate.outputs import summaries
 from replicate.towers import scaffolds
-from replicate.shard import batch_reductions
 from replicate.shard import sharding
 from replicate.state import train_op as train_op_lib
 
@@ -77,7 +79,6 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
     fields["loss"] = _weighted_loss(tower_specs, weights, progress)
     if mode == ModeKeys.TRAIN:
       fields["loss"] = layout.sum_over_tasks(fields["loss"], "loss_over_tasks")
-    _summarized_loss(tower_specs[0].loss, fields["loss"], progress)
   if mode == ModeKeys.TRAIN and any(
       spec.train_op is not None for spec in tower_specs):
     fields["train_op"] = train_op_lib.combine_train_op(
@@ -89,21 +90,11 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
   # PREDICT: predictions and export outputs are done for every mode.
   fields["scaffold"] = scaffolds.initializing_towers(
       fields["scaffold"], progress.local_state_after_tower0, layout.graph)
+  # Last: what the summaries and logged tensors read is built by then.
+  fields.update(summaries.make_whole(
+      mode, tower_specs, layout=layout, progress=progress,
+      combined_loss=fields.get("loss"), is_backward=touched.is_backward))
   return tf.estimator.EstimatorSpec(**fields)
-
-
-def _summarized_loss(loss, combined, progress):
-  """A summary (`tf.compat.v1.summary.scalar`) of tower 0's loss shows the
-  batch's, as one device's; towers 1..N-1's summaries are not written."""
-  loss = tf.convert_to_tensor(loss)
-  for reader in loss.consumers():
-    if reader.type not in batch_reductions.SUMMARY_TYPES:
-      continue
-    with progress.building_own_ops():
-      value = tf.cast(combined, loss.dtype)
-    for index, tensor in enumerate(reader.inputs):
-      if tensor is loss:
-        _tf.update_input(reader, index, value)
 
 
 def _check_alike(tower_specs):

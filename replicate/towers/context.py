@@ -34,6 +34,7 @@ import contextlib
 
 import tensorflow as tf
 
+from replicate import _tf
 from replicate.call import current
 from replicate.call import colocation
 from replicate.call import layout as layout_lib
@@ -138,17 +139,20 @@ class ReplicationContext:
 
     Tower i's copies (tagged `tower_i/...`) would add tags the unwrapped
     model_fn never writes; like MirroredStrategy, which records the first
-    replica's, the summaries hold tower 0's shard. Summaries the aggregated
-    update makes are built in tower 0's scopes, and are kept.
+    replica's, the summaries are tower 0's, and what they show of values
+    over the batch is the whole batch's (`replicate.outputs.summaries`).
+    Summaries the aggregated update makes are built in tower 0's scopes,
+    and are kept. TF 2's write ops and writer initializers too: tower i's
+    writer, never initialized, would fail the step that runs its writes.
     """
-    key = tf.compat.v1.GraphKeys.SUMMARIES
     graph = self.layout.graph
-    if not graph.get_collection(key):
-      return  # not get_collection_ref, which would add the collection
     prefix = self.tower_name_scope(index) + "/"
-    summaries = graph.get_collection_ref(key)
-    summaries[:] = [s for s in summaries
-                    if not getattr(s, "name", "").startswith(prefix)]
+    for key in _tf.SUMMARY_COLLECTIONS:
+      if not graph.get_collection(key):
+        continue  # not get_collection_ref, which would add the collection
+      summaries = graph.get_collection_ref(key)
+      summaries[:] = [s for s in summaries
+                      if not getattr(s, "name", "").startswith(prefix)]
 
   def finish_towers(self):
     """Leaves names and collections as the unwrapped model_fn would have.

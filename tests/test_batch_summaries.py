@@ -1,0 +1,290 @@
+"""Summaries and logged tensors of values over the batch are one device's.
+
+Issue 38, item 4: a `tf.compat.v1.summary.*`, a TF 2 `tf.summary.*` or a
+`LoggingTensorHook` tensor of a value over the batch (the loss, a term of
+it, a metric's update in TRAIN, a mean or maximum over the rows, a count of
+rows `tf.shape(x)[0]`) shows the whole batch's value, so TensorBoard's
+curves and the logged lines are one device's. On 6b12641 (and a1c186a) a
+term of the loss, a metric's update, a count, every TF 2 summary and every
+`LoggingTensorHook` tensor but the loss were tower 0's shard's.
+
+Each test trains the `model_fn` wrapped (2 and 3 towers) and unwrapped (one
+device) with an Estimator on the same batches, static (7 rows a step) and
+of unknown size (`Dataset.batch(3)` of 7 rows: 3, 3 and a remainder of 1,
+which leaves towers without rows), and compares, step by step, the events
+written under `model_dir` and the values the hook logged. Run under TF 1
+behaviour too (`REPLICATE_TF1_BEHAVIOR=1`).
+"""
+
+import glob
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from conftest import cpus, session_config
+
+ROWS, FEATURES, CLASSES = 7, 3, 4
+X = np.random.RandomState(1).randn(ROWS, FEATURES).astype(np.float32)
+Y = np.random.RandomState(2).randint(0, CLASSES, size=ROWS).astype(np.int32)
+W0 = np.random.RandomState(3).randn(FEATURES, CLASSES).astype(np.float32)
+STEPS = 3
+
+# Values over the batch, written by v1 and TF 2 summaries and logged.
+V1_TAGS = ("loss", "data_loss", "reg", "acc", "rows", "max_logit",
+           "mean_acc", "median_xent", "fraction_of_zeros")
+V2_TAGS = ("v2/data_loss", "v2/acc", "v2/rows", "v2/mean_acc")
+LOGGED = ("loss", "data_loss", "acc", "rows", "mean_acc", "step")
+# The global step read in the run that increments it: before or after the
+# increment, as the run schedules it, on one device as on several.
+RACY = ("step",)
+LOGGED_IN_EVAL = ("loss", "data_loss", "rows", "mean_acc")
+
+
+class _V2Summaries(tf.compat.v1.train.SessionRunHook):
+  """Runs the graph's TF 2 summary ops each step, as a model_fn with its
+  own writer must (the Estimator runs only v1 summaries)."""
+
+  def __init__(self, init, flush):
+    self._init, self._flush, self._writes = init, flush, None
+
+  def begin(self):
+    self._writes = tf.compat.v1.summary.all_v2_summary_ops()
+
+  def after_create_session(self, session, coord):
+    del coord
+    session.run(self._init)
+
+  def before_run(self, run_context):
+    return tf.compat.v1.train.SessionRunArgs(self._writes)
+
+  def end(self, session):
+    session.run(self._flush)
+
+
+def _model_fn_logging_to(logged, v2_dir, shared_hook=None):
+  """The model_fn; its LoggingTensorHook appends what it logs to `logged`.
+  `shared_hook`, made once outside it, is added to its hooks in every
+  mode too."""
+
+  def formatter(values):
+    logged.append(dict(values))
+    return ""
+
+  def model_fn(features, labels, mode):
+    x = features["x"]
+    weight = tf.compat.v1.get_variable(
+        "weight", initializer=tf.constant(W0))
+    logits = tf.matmul(x, weight)
+    xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                          logits=logits)
+    data_loss = tf.reduce_mean(xent, name="mean_xent")  # a loss term
+    reg = 0.05 * tf.nn.l2_loss(weight)
+    loss = tf.add_n([data_loss, reg])
+    predicted = tf.argmax(logits, 1, output_type=tf.int32)
+    accuracy = tf.compat.v1.metrics.accuracy(labels, predicted)
+    mean_acc = tf.reduce_mean(tf.cast(tf.equal(predicted, labels),
+                                      tf.float32))
+    rows = tf.shape(x)[0]
+    step = tf.compat.v1.train.get_global_step()
+    shared = [] if shared_hook is None else [shared_hook]
+    if mode == tf.estimator.ModeKeys.EVAL:
+      return tf.estimator.EstimatorSpec(
+          mode, loss=loss, eval_metric_ops={"acc": accuracy},
+          evaluation_hooks=[tf.compat.v1.train.LoggingTensorHook(
+              {"loss": loss, "data_loss": data_loss, "rows": rows,
+               "mean_acc": mean_acc}, every_n_iter=1,
+              formatter=formatter)] + shared)
+    tf.compat.v1.summary.scalar("data_loss", data_loss)
+    tf.compat.v1.summary.scalar("reg", reg)
+    tf.compat.v1.summary.scalar("acc", accuracy[1])  # as tf_ner does
+    tf.compat.v1.summary.scalar("rows", rows)
+    tf.compat.v1.summary.scalar("max_logit", tf.reduce_max(logits))
+    tf.compat.v1.summary.scalar("mean_acc", mean_acc)
+    tf.compat.v1.summary.histogram("logits", logits)  # rows: tower 0's
+    # As the canned DNNs: a cond (TF 1's Switch and Merge under TF 1
+    # behaviour, an If under TF 2's) of the batch's size.
+    tf.compat.v1.summary.scalar("fraction_of_zeros", tf.nn.zero_fraction(
+        tf.nn.relu(logits)))
+    # A value no combination of the towers' gives: a py_func of the rows.
+    median = tf.compat.v1.py_func(lambda v: np.float32(np.median(v)), [xent],
+                                  tf.float32)
+    tf.compat.v1.summary.scalar("median_xent", tf.reshape(median, []))
+    writer = tf.summary.create_file_writer(v2_dir)
+    with writer.as_default(step=step), tf.name_scope("v2"):
+      with tf.summary.record_if(True):
+        tf.summary.scalar("data_loss", data_loss)
+        tf.summary.scalar("acc", accuracy[1])
+      # Recorded on a condition only the run knows: inside a cond.
+      with tf.summary.record_if(step >= 0):
+        tf.summary.scalar("rows", rows)
+        tf.summary.scalar("mean_acc", mean_acc)
+    hooks = [
+        tf.compat.v1.train.LoggingTensorHook(
+            {"loss": loss, "data_loss": data_loss.name, "acc": accuracy[1],
+             "rows": rows, "mean_acc": mean_acc, "step": step},
+            every_n_iter=1, formatter=formatter),
+        _V2Summaries(writer.init(), writer.flush())] + shared
+    train_op = replicate.TowerOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.5)).minimize(
+            loss, global_step=step)
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
+                                      training_hooks=hooks)
+
+  return model_fn
+
+
+def _input_fn(dynamic):
+  if dynamic:  # batches of 3, 3 and 1 rows, of unknown size
+    return lambda: tf.data.Dataset.from_tensor_slices(
+        ({"x": X}, Y)).batch(3)
+  return lambda: tf.data.Dataset.from_tensors(({"x": X}, Y)).repeat(STEPS)
+
+
+def _events(directory):
+  """{(tag, n): the tag's n-th value} of the summaries written under
+  `directory`, in the order written (under TF 1 behaviour a TF 2 summary's
+  step is read from the global step as the step increments it)."""
+  found = {}
+  for path in sorted(glob.glob(os.path.join(directory,
+                                            "events.out.tfevents.*"))):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        key = (value.tag, sum(1 for tag, _ in found if tag == value.tag))
+        if value.HasField("simple_value"):
+          found[key] = value.simple_value
+        elif value.HasField("tensor"):
+          found[key] = tf.make_ndarray(value.tensor)
+        else:  # a histogram: how many values it counts
+          found[key] = value.histo.num
+  return found
+
+
+def _train(towers, dynamic, directory, strategy="parameter_server",
+           shared_hook=None):
+  """Trains on the batches, then evaluates on them; returns the v1 events,
+  the TF 2 events, the logged values of training and of evaluation, step
+  by step."""
+  logged = []
+  model_dir = os.path.join(directory, "model")
+  v2_dir = os.path.join(directory, "v2")
+  model_fn = _model_fn_logging_to(logged, v2_dir, shared_hook)
+  if towers:
+    model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(towers),
+                                            variable_strategy=strategy)
+  estimator = tf.estimator.Estimator(model_fn, model_dir=model_dir, config=(
+      tf.estimator.RunConfig(session_config=session_config(towers or 1),
+                             save_summary_steps=1, log_step_count_steps=None,
+                             save_checkpoints_steps=None,
+                             save_checkpoints_secs=None)))
+  estimator.train(_input_fn(dynamic), max_steps=STEPS)
+  trained = list(logged)
+  del logged[:]
+  estimator.evaluate(_input_fn(dynamic), steps=STEPS)
+  return _events(model_dir), _events(v2_dir), trained, list(logged)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """One training per (towers, dynamic): 0 towers is the unwrapped one."""
+  return {(towers, dynamic): _train(towers, dynamic, str(
+      tmp_path_factory.mktemp("run_{}_{}".format(towers, int(dynamic)))))
+          for dynamic in (False, True) for towers in (0, 2, 3)}
+
+
+def _values(events, tags):
+  return {key: value for key, value in events.items() if key[0] in tags}
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("towers", [2, 3])
+def test_v1_summaries_of_values_over_the_batch(runs, towers, dynamic):
+  expected = runs[(0, dynamic)][0]
+  got = runs[(towers, dynamic)][0]
+  assert sorted({tag for tag, _ in got}) == sorted({tag for tag, _ in
+                                                    expected})
+  expected_values = _values(expected, V1_TAGS)
+  assert len(expected_values) == len(V1_TAGS) * STEPS
+  if dynamic:  # the remainder's step counts 1 row, the others 3
+    assert [expected[("rows", n)] for n in range(STEPS)] == [3, 3, 1]
+  for key, value in expected_values.items():
+    np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,
+                               err_msg=str(key))
+  # Per-row values: tower 0's rows (4 of 7 with 2 towers, 3 with 3).
+  rows = [3, 3, 1] if dynamic else [ROWS] * STEPS
+  tower0 = [-(-count // towers) for count in rows]
+  assert [expected[("logits", n)] for n in range(STEPS)] == [
+      count * CLASSES for count in rows]
+  assert [got[("logits", n)] for n in range(STEPS)] == [
+      count * CLASSES for count in tower0]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("towers", [2, 3])
+def test_tf2_summaries_of_values_over_the_batch(runs, towers, dynamic):
+  expected = runs[(0, dynamic)][1]
+  got = runs[(towers, dynamic)][1]
+  expected_values = _values(expected, V2_TAGS)
+  assert len(expected_values) == len(V2_TAGS) * STEPS
+  # Tower 0's writes alone: no tower_i/... tags.
+  assert sorted(got) == sorted(expected)
+  for key, value in expected_values.items():
+    np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,
+                               err_msg=str(key))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("towers", [2, 3])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_logging_tensor_hook_logs_the_batch(runs, towers, dynamic, mode):
+  position = 2 if mode == "train" else 3
+  expected = runs[(0, dynamic)][position]
+  got = runs[(towers, dynamic)][position]
+  tags = LOGGED if mode == "train" else LOGGED_IN_EVAL
+  assert len(expected) == STEPS and len(got) == STEPS
+  for step, (values, got_values) in enumerate(zip(expected, got)):
+    assert sorted(got_values) == sorted(tags)
+    for tag in tags:
+      if tag in RACY:
+        assert abs(got_values[tag] - values[tag]) <= 1
+        continue
+      np.testing.assert_allclose(got_values[tag], values[tag], rtol=1e-5,
+                                 atol=1e-6, err_msg="{} step {}".format(
+                                     tag, step))
+
+
+def test_replicated_strategy_too(runs, tmp_path):
+  """With "replicated" (each tower its own copies of the variables)."""
+  expected = runs[(0, True)]
+  got = _train(2, True, str(tmp_path), strategy="replicated")
+  for tags, position in ((V1_TAGS, 0), (V2_TAGS, 1)):
+    values = _values(expected[position], tags)
+    assert len(values) == len(tags) * STEPS
+    for key, value in values.items():
+      np.testing.assert_allclose(got[position][key], value, rtol=1e-5,
+                                 atol=1e-6, err_msg=str(key))
+  for position, tags in ((2, LOGGED), (3, LOGGED_IN_EVAL)):
+    for step, values in enumerate(expected[position]):
+      for tag in tags:
+        if tag in RACY:
+          continue
+        np.testing.assert_allclose(
+            got[position][step][tag], values[tag], rtol=1e-5, atol=1e-6,
+            err_msg="{} step {}".format(tag, step))
+
+
+def test_a_hook_made_once_logs_the_batch_in_every_graph(tmp_path):
+  """A LoggingTensorHook made outside the model_fn, naming its tensors,
+  handed to the train graph's model_fn and then to the eval graph's."""
+  logged = {}
+  for towers in (0, 2):
+    values = logged.setdefault(towers, [])
+    hook = tf.compat.v1.train.LoggingTensorHook(
+        {"data_loss": "mean_xent"}, every_n_iter=1,
+        formatter=lambda tensors, values=values: values.append(
+            float(tensors["data_loss"])) or "")
+    _train(towers, True, str(tmp_path / str(towers)), shared_hook=hook)
+  assert len(logged[0]) == 2 * STEPS  # trained, then evaluated
+  np.testing.assert_allclose(logged[2], logged[0], rtol=1e-5)
