@@ -39,15 +39,38 @@ demo: $(STAMP)
 # docs/benchmarks.md's figures against benchmarks/RESULTS.md, test_layout.py
 # that benchmarks/ has no import cycle and that each command's --help comes
 # before TensorFlow's import; tests/ itself never imports benchmarks/.
+#
+# Two processes at once, as `make test-oracle` (graph building is one
+# Python thread; the machines have 2 cores): the files of TEST_FIRST, then
+# the TF 1 run, in one; every other file of the first run in the other (a
+# new file lands there). A module stays whole in one process, its module
+# fixtures built once; the two take about as long (docs/testing.md). The
+# files that open ports (clusters, the launcher, the docs' cluster programs
+# and the examples' demos under it, test_sync_batch_norm's ps server, run
+# again under TF 1) are all in the first process, so no two of them run at
+# once. Each process has its own --basetemp and no cache (the other may be
+# copying the checkout: test_packaging.py). The second shows its progress;
+# the first's report follows it.
+TEST_FIRST := tests/test_cluster.py tests/test_docs.py \
+	tests/test_examples.py tests/test_launch.py tests/test_multiworker.py \
+	tests/test_sync_batch_norm.py tests/test_sync_cluster.py
+TEST_CLUSTERS := tests/test_sync_multiworker.py tests/test_hybrid_cluster.py
+PYTEST = $(VENV)/bin/python -m pytest -q -p no:cacheprovider
+
 test: $(STAMP)
-	@status=0; \
-	$(VENV)/bin/python -m pytest -q tests benchmarks \
-		--ignore=tests/test_sync_multiworker.py \
-		--ignore=tests/test_hybrid_cluster.py || status=1; \
-	echo "== again under TensorFlow 1 behaviour (REPLICATE_TF1_BEHAVIOR=1) =="; \
-	REPLICATE_TF1_BEHAVIOR=1 $(VENV)/bin/python -m pytest -q $(TF1_TESTS) \
+	@tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/replicate-test.XXXXXX"); \
+	( status=0; \
+	  $(PYTEST) --basetemp=$$tmp/first $(TEST_FIRST) || status=1; \
+	  echo "== again under TensorFlow 1 behaviour (REPLICATE_TF1_BEHAVIOR=1) =="; \
+	  REPLICATE_TF1_BEHAVIOR=1 $(PYTEST) --basetemp=$$tmp/tf1 $(TF1_TESTS) \
 		-k "$(TF1_SELECTION)" || status=1; \
-	exit $$status
+	  exit $$status ) > $$tmp/first.log 2>&1 & first=$$!; \
+	$(PYTEST) --basetemp=$$tmp/second tests benchmarks \
+		$(addprefix --ignore=,$(TEST_CLUSTERS) $(TEST_FIRST)); \
+	second=$$?; wait $$first; first=$$?; \
+	echo "== the other process: TEST_FIRST, then TensorFlow 1 behaviour =="; \
+	cat $$tmp/first.log; rm -rf $$tmp; \
+	test $$first -eq 0 && test $$second -eq 0
 
 # The oracle's cross (tests/oracle: every zoo model x pipeline x towers x
 # variable_strategy x mode against the unwrapped model_fn; `make test` runs
