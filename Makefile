@@ -39,15 +39,42 @@ demo: $(STAMP)
 # docs/benchmarks.md's figures against benchmarks/RESULTS.md, test_layout.py
 # that benchmarks/ has no import cycle and that each command's --help comes
 # before TensorFlow's import; tests/ itself never imports benchmarks/.
+#
+# Two processes at once, as `make test-oracle` (graph building is one
+# Python thread; the machines have 2 cores): the files of TEST_FIRST, then
+# the TF 1 run, in one; every other file of the first run in the other (a
+# new file lands there). A module stays whole in one process, its module
+# fixtures built once. The files that open ports (clusters, the launcher,
+# the docs' cluster programs and the examples' demos under it,
+# test_sync_batch_norm's ps server, run again under TF 1) are all in the
+# first, so no two of them run at once; with them, the heaviest builders of
+# canned estimators and of the loss rule's cases, by their measured
+# durations (docs/testing.md), so that the two take about as long. Each
+# process has its own --basetemp and no cache (the other may be copying the
+# checkout: test_packaging.py). The second shows its progress; the first's
+# report follows it.
+TEST_FIRST := tests/test_cluster.py tests/test_docs.py \
+	tests/test_examples.py tests/test_launch.py tests/test_multiworker.py \
+	tests/test_sync_batch_norm.py tests/test_sync_cluster.py \
+	tests/test_canned.py tests/test_metrics.py tests/test_loss_rule.py \
+	tests/test_equivalence.py tests/test_placement.py
+TEST_CLUSTERS := tests/test_sync_multiworker.py tests/test_hybrid_cluster.py
+PYTEST = $(VENV)/bin/python -m pytest -q -p no:cacheprovider
+
 test: $(STAMP)
-	@status=0; \
-	$(VENV)/bin/python -m pytest -q tests benchmarks \
-		--ignore=tests/test_sync_multiworker.py \
-		--ignore=tests/test_hybrid_cluster.py || status=1; \
-	echo "== again under TensorFlow 1 behaviour (REPLICATE_TF1_BEHAVIOR=1) =="; \
-	REPLICATE_TF1_BEHAVIOR=1 $(VENV)/bin/python -m pytest -q $(TF1_TESTS) \
+	@tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/replicate-test.XXXXXX"); \
+	( status=0; \
+	  $(PYTEST) --basetemp=$$tmp/first $(TEST_FIRST) || status=1; \
+	  echo "== again under TensorFlow 1 behaviour (REPLICATE_TF1_BEHAVIOR=1) =="; \
+	  REPLICATE_TF1_BEHAVIOR=1 $(PYTEST) --basetemp=$$tmp/tf1 $(TF1_TESTS) \
 		-k "$(TF1_SELECTION)" || status=1; \
-	exit $$status
+	  exit $$status ) > $$tmp/first.log 2>&1 & first=$$!; \
+	$(PYTEST) --basetemp=$$tmp/second tests benchmarks \
+		$(addprefix --ignore=,$(TEST_CLUSTERS) $(TEST_FIRST)); \
+	second=$$?; wait $$first; first=$$?; \
+	echo "== the other process: TEST_FIRST, then TensorFlow 1 behaviour =="; \
+	cat $$tmp/first.log; rm -rf $$tmp; \
+	test $$first -eq 0 && test $$second -eq 0
 
 # The oracle's cross (tests/oracle: every zoo model x pipeline x towers x
 # variable_strategy x mode against the unwrapped model_fn; `make test` runs
@@ -65,15 +92,25 @@ ORACLE_TMP ?= /tmp/replicate-oracle
 ORACLE ?= ci
 ORACLE_RUN = REPLICATE_ORACLE=$(ORACLE) $(VENV)/bin/python -m pytest -q \
 	-p no:cacheprovider tests/oracle
+# Two crosses of canned estimators whose sample `make test` keeps, the rest
+# here (REPLICATE_ORACLE set): test_canned's 1 and 2 towers, and
+# test_metrics' binary heads of the other three (family, kind) pairs; one
+# to each process.
+ORACLE_CANNED := \
+	tests/test_canned.py::test_wrapped_trains_evaluates_and_predicts_like_unwrapped
+ORACLE_METRICS := \
+	tests/test_metrics.py::test_binary_heads_report_every_key_like_one_device_every_time
 
 test-oracle-full:
 	$(MAKE) test-oracle ORACLE=full
 
 test-oracle: $(STAMP)
 	@mkdir -p $(ORACLE_TMP); \
-	REPLICATE_ORACLE_SHARD=0/2 $(ORACLE_RUN) --basetemp=$(ORACLE_TMP)/0 \
-		> $(ORACLE_TMP)/shard-0.log 2>&1 & first=$$!; \
-	REPLICATE_ORACLE_SHARD=1/2 $(ORACLE_RUN) --basetemp=$(ORACLE_TMP)/1; \
+	REPLICATE_ORACLE_SHARD=0/2 $(ORACLE_RUN) $(ORACLE_CANNED) \
+		--basetemp=$(ORACLE_TMP)/0 > $(ORACLE_TMP)/shard-0.log 2>&1 & \
+	first=$$!; \
+	REPLICATE_ORACLE_SHARD=1/2 $(ORACLE_RUN) $(ORACLE_METRICS) \
+		--basetemp=$(ORACLE_TMP)/1; \
 	second=$$?; wait $$first; first=$$?; \
 	echo "== the other half of the cross (REPLICATE_ORACLE_SHARD=0/2) =="; \
 	cat $(ORACLE_TMP)/shard-0.log; \

@@ -58,9 +58,11 @@ print(json.dumps({"modules": modules, "name": metadata["Name"],
 def wheel(tmp_path_factory):
   """The wheel built from a copy of this checkout."""
   source = tmp_path_factory.mktemp("source") / "checkout"
+  # Not what other test processes write while this copies (`make test`
+  # runs two at once): caches, and Hypothesis' example database.
   shutil.copytree(REPOSITORY, source, ignore=shutil.ignore_patterns(
       ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__",
-      ".pytest_cache", "output", "results"))
+      ".pytest_cache", ".hypothesis", "output", "results"))
   output = tmp_path_factory.mktemp("wheel")
   # An absolute path: a bare name would be looked up as a package on PyPI.
   subprocess.run(

@@ -9,6 +9,9 @@ batch's (a synchronized batch-norm site, exact gradients); with
 unwrapped model_fn on one device, on the same batches.
 """
 
+import os
+import tempfile
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -89,33 +92,35 @@ def _batches(rows):
 
 def _run(model_fn, rows, towers=None, **wrap_kwargs):
   """({variable: value} after 3 steps, the EVAL loss on a 4th batch)."""
-  batches = _batches(rows)
-  with tf.Graph().as_default() as graph:
-    tf.compat.v1.train.get_or_create_global_step()
-    x = tf.compat.v1.placeholder(tf.float32, [None, 6, 6, 3])
-    y = tf.compat.v1.placeholder(tf.float32, [None, 1])
-    if towers is not None:
-      model_fn = replicate.replicate_model_fn(
-          model_fn, devices=cpus(towers), **wrap_kwargs)
-    spec = model_fn({"x": x}, y, TRAIN)
-    with tf.compat.v1.Session(config=session_config(towers or 1)) as session:
-      session.run(tf.compat.v1.global_variables_initializer())
-      for features, labels in batches:
-        session.run(spec.train_op, {x: features, y: labels})
-      values = session.run({v.op.name: v for v in
-                            tf.compat.v1.global_variables()})
-      saver = tf.compat.v1.train.Saver()
-      path = saver.save(session, "/tmp/replicate_user_moments/{}".format(
-          id(graph)))
-  with tf.Graph().as_default():
-    tf.compat.v1.train.get_or_create_global_step()
-    x = tf.compat.v1.placeholder(tf.float32, [None, 6, 6, 3])
-    y = tf.compat.v1.placeholder(tf.float32, [None, 1])
-    spec = model_fn({"x": x}, y, EVAL)
-    with tf.compat.v1.Session(config=session_config(towers or 1)) as session:
-      tf.compat.v1.train.Saver().restore(session, path)
-      features, labels = _batches(rows + 1)[0]
-      loss = session.run(spec.loss, {x: features, y: labels})
+  # A folder of its own: a fixed path in /tmp would be shared with
+  # another run of this module (`make test` runs its shards at once).
+  with tempfile.TemporaryDirectory() as folder:
+    batches = _batches(rows)
+    with tf.Graph().as_default():
+      tf.compat.v1.train.get_or_create_global_step()
+      x = tf.compat.v1.placeholder(tf.float32, [None, 6, 6, 3])
+      y = tf.compat.v1.placeholder(tf.float32, [None, 1])
+      if towers is not None:
+        model_fn = replicate.replicate_model_fn(
+            model_fn, devices=cpus(towers), **wrap_kwargs)
+      spec = model_fn({"x": x}, y, TRAIN)
+      with tf.compat.v1.Session(config=session_config(towers or 1)) as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        for features, labels in batches:
+          session.run(spec.train_op, {x: features, y: labels})
+        values = session.run({v.op.name: v for v in
+                              tf.compat.v1.global_variables()})
+        saver = tf.compat.v1.train.Saver()
+        path = saver.save(session, os.path.join(folder, "model"))
+    with tf.Graph().as_default():
+      tf.compat.v1.train.get_or_create_global_step()
+      x = tf.compat.v1.placeholder(tf.float32, [None, 6, 6, 3])
+      y = tf.compat.v1.placeholder(tf.float32, [None, 1])
+      spec = model_fn({"x": x}, y, EVAL)
+      with tf.compat.v1.Session(config=session_config(towers or 1)) as session:
+        tf.compat.v1.train.Saver().restore(session, path)
+        features, labels = _batches(rows + 1)[0]
+        loss = session.run(spec.loss, {x: features, y: labels})
   return values, loss
 
 
