@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "oracle"))
 import oracle_harness as harness  # noqa: E402
 import oracle_pipelines  # noqa: E402
 from oracle_zoo import ROWS, ZOO  # noqa: E402
-from replicate.graph import row_ops, row_rules
+from replicate.graph import op_types, row_ops, row_rules
 from replicate.shard import rows_meet
 
 _MODES = {"train": tf.estimator.ModeKeys.TRAIN,
@@ -68,6 +68,8 @@ def test_every_op_type_on_the_rows_path_is_known(name, monkeypatch):
       continue
     _build(ZOO[name], mode)  # an unknown op type would be refused here
     assert checked and checked[-1] == _MODES[mode]
-  # Every type behind the outputs, and inside the functions they call.
+  # Every type behind the outputs, and inside the functions they call; a
+  # Python function only metrics read (a corpus score) is not refused but
+  # computed on the whole batch's rows (replicate/outputs/metric_rows.py).
   assert asked <= row_ops.KEEPS_ROWS_APART | set(
-      row_rules.ROW_COMBINING)
+      row_rules.ROW_COMBINING) | op_types.PY_FUNC_TYPES

@@ -47,19 +47,19 @@ import tensorflow as tf
 
 from replicate import _tf
 from replicate import graph_walk
+from replicate.graph import op_types
 from replicate.graph import row_layout
 from replicate.graph.row_facts import ROWS, ROWS_K, SELECTED_COUNT, UNKNOWN
 from replicate.outputs import counterparts
 from replicate.shard import rows as rows_lib
 
-_WRITES = frozenset(["AssignAddVariableOp", "AssignAdd", "AssignVariableOp",
-                     "Assign", "AssignSubVariableOp", "AssignSub"])
+_WRITES = op_types.VARIABLE_WRITE_TYPES
 # State: a metric's writes are fed below; reads are what is there.
-_STATE = _WRITES | {"VarHandleOp", "VariableV2", "Variable", "ReadVariableOp"}
+_STATE = _WRITES | op_types.VARIABLE_TYPES | {"ReadVariableOp"}
 # A count of rows (or of entries of rows) sums over towers.
 _COUNTS = ((ROWS,), (ROWS_K,), (SELECTED_COUNT,))
 # Stateful ops that are still a function of their inputs.
-_CALLED_AGAIN = frozenset(["PyFunc", "EagerPyFunc"])
+_CALLED_AGAIN = op_types.PY_FUNC_TYPES
 # At most this many ops are built again for one value: more means the rows
 # were lost early, and the summary step would run the forward pass again,
 # on the whole batch, on one device. It is left tower 0's instead.
@@ -67,9 +67,8 @@ _MOST_COPIES = 200
 _UNIQUIFIED = re.compile(r"_[0-9]+$")
 # A TF 1 cond's Switch and Merge are built again (`tf.nn.zero_fraction`'s
 # cond of the size, under TF 1 behaviour), a TF 1 loop is not: its frame.
-_NO_COPY = frozenset(["Placeholder", "PlaceholderWithDefault", "Enter",
-                      "RefEnter", "Exit", "RefExit", "NextIteration",
-                      "RefNextIteration", "LoopCond"])
+_NO_COPY = op_types.TF1_LOOP_TYPES | {"Placeholder",
+                                      "PlaceholderWithDefault"}
 
 
 class _Unknown(Exception):
