@@ -89,9 +89,11 @@ def test_asynchronous_training_uses_both_workers(tmp_path, log, monkeypatch):
   assert sorted(records) == ["chief:0", "worker:0"]
   chief, worker = records["chief:0"], records["worker:0"]
   # Asynchronous: every step of either worker is one update of the global
-  # step, so their steps add up to it; both took a fair share.
-  assert chief["steps"] + worker["steps"] == worker["last_global_step"]
-  assert worker["last_global_step"] >= 3000
+  # step, so their steps add up to it (as the task that stopped last read
+  # it: the other had stopped before); both took a fair share.
+  final = max(chief["last_global_step"], worker["last_global_step"])
+  assert chief["steps"] + worker["steps"] == final
+  assert final >= 3000
   assert chief["steps"] >= 300 and worker["steps"] >= 300
   # The worker joined as soon as the chief had initialised the variables
   # (here within the first steps), not after TensorFlow's 30 s retry, by
@@ -106,9 +108,10 @@ def test_asynchronous_training_uses_both_workers(tmp_path, log, monkeypatch):
   assert devices["w"] == "/job:ps/task:0/device:CPU:0"
   assert devices["MatMul"] == "/job:chief/task:0/device:CPU:0"
   assert devices["tower_1/MatMul"] == "/job:chief/task:0/device:CPU:1"
-  # The chief's checkpoint restores, and the model learnt w = [2, -1].
+  # The chief's checkpoint restores, and the model learnt w = [2, -1]. It
+  # is saved as the chief stops: the worker may still take a step after.
   metrics = _restored_loss(str(model_dir))
-  assert metrics["global_step"] == worker["last_global_step"]
+  assert 3000 <= metrics["global_step"] <= final
   assert metrics["loss"] < 0.1
 
 
@@ -166,9 +169,11 @@ def test_a_restarted_chief_keeps_the_workers_updates(tmp_path, log,
   # global step back to it, and the worker's updates since with it.
   assert chief["first_global_step"] > killed_at
   assert worker["global_step_went_back"] is False
-  assert worker["last_global_step"] >= 6000
-  assert _restored_loss(str(model_dir))["global_step"] == worker[
-      "last_global_step"]
+  final = max(chief["last_global_step"], worker["last_global_step"])
+  assert final >= 6000
+  # The chief's last checkpoint is saved as it stops, at or after step
+  # 6000: the worker may still take a step after it (asynchronous).
+  assert 6000 <= _restored_loss(str(model_dir))["global_step"] <= final
 
 
 def test_a_fresh_ps_gets_the_checkpoint_back(tmp_path):
