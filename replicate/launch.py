@@ -212,7 +212,10 @@ class LocalCluster:
     for a ps task, its failure stops every task at once and its code is
     returned instead.
     """
-    reported = set()
+    # The chief's exit is this loop's to see: one between the wait's
+    # time-out and the report would otherwise be taken for a failure that
+    # ends the cluster, asynchronous or not.
+    reported = {("chief", 0)}
     while True:
       failed = self._report_failures(reported)
       if failed is not None:
@@ -225,13 +228,13 @@ class LocalCluster:
         pass
     if chief_code and not self._asynchronous:
       # A chief that fails ends a synchronous cluster as any task does.
+      reported.discard(("chief", 0))
       self._report_failures(reported)
       self.stop()
       return chief_code
     self._log.line("launch", "chief:0 {}; waiting up to {} s for the workers "
                    "and evaluator.".format(processes.describe(chief_code),
                                            grace))
-    reported.add(("chief", 0))
     deadline = time.monotonic() + grace
     for task in self._tasks:
       if task[0] in ("worker", "evaluator"):

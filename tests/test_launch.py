@@ -170,6 +170,31 @@ def test_main_returns_the_chief_exit_code_and_stops_the_ps(capsys,
     os.kill(ps_pid, 0)  # stopped and reaped by the launcher
 
 
+def test_a_chief_exiting_as_its_wait_times_out_still_gets_the_grace(
+    capsys, monkeypatch):
+  """The chief exits between the launcher's poll timing out and its look
+  for failures (a race seen once under load): it is the chief's exit, not a
+  failure that ends the asynchronous cluster."""
+  monkeypatch.setenv("BEHAVIOUR_CHIEF", "exit 3")
+  wait, timed_out = LocalCluster.wait, []
+
+  def wait_then_time_out(self, task_type, index, timeout):
+    if task_type == "chief" and not timed_out:
+      timed_out.append(wait(self, task_type, index, timeout=TIMEOUT))
+      raise TimeoutError()  # as if the poll ended just before the exit
+    return wait(self, task_type, index, timeout)
+
+  monkeypatch.setattr(LocalCluster, "wait", wait_then_time_out)
+  code = run_in_thread(lambda: launch.main(
+      ["--ps", "1", "--workers", "2", "--asynchronous", "--grace", "5",
+       "--"] + COMMAND))
+  output = capsys.readouterr().out.splitlines()
+  assert timed_out == [3] and code == 3
+  assert [line for line in output if line.startswith("[launch]")][1:] == [
+      "[launch] chief:0 exited with code 3; waiting up to 5.0 s for the "
+      "workers and evaluator."]
+
+
 def test_failed_worker_of_asynchronous_training_is_reported_and_it_goes_on(
     capsys, monkeypatch):
   # --asynchronous (ps training the Estimator's way): the others go on.
