@@ -34,9 +34,11 @@ def difference(expected, actual, rtol: float = RTOL,
     excess = gap - (atol + rtol * np.abs(expected))
     if expected.size == 0 or not (excess > 0).any():
       return 0, ""
-    worst = int(np.argmax(gap))
+    # The entry furthest past its own tolerance: a large entry's larger
+    # gap may be within its tolerance while a small entry's is not.
+    worst = int(np.argmax(excess / (atol + rtol * np.abs(expected))))
     return float(gap.flat[worst]), (
-        "largest difference {:.3g} (expected {:.6g}, got {:.6g}{})".format(
+        "off by {:.3g} (expected {:.6g}, got {:.6g}{})".format(
             gap.flat[worst], expected.flat[worst], actual.flat[worst],
             "" if expected.size == 1 else " at index {}".format(
                 tuple(int(i) for i in np.unravel_index(worst,

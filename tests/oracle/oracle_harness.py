@@ -265,7 +265,7 @@ def run_config(devices: int) -> tf.estimator.RunConfig:
 def assert_equal(expected: dict, actual: dict, what: str) -> None:
   """Every key of `expected` in `actual`, equal to TOLERANCE; one-line error.
 
-  The error leads with the worst entry: its name and the largest difference.
+  The error leads with the worst entry: its name and how far it is off.
   The comparison is the library's (`replicate.check.compare`), the one
   `replicate.check` makes for users.
   """
