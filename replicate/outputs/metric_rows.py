@@ -57,7 +57,11 @@ def feed_whole_batch(key: str, updates: Sequence[Any], tower_specs,
   metric_ops = set(graph_walk.ops_behind(
       [updates[0]], within=within, follow_control=True)) - kept
   tower0 = layout.towers[0]
-  rows = rows_lib.TowerRows((tower0.features, tower0.labels), within)
+  # On a batch of unknown size no shape of the rows is folded to a constant
+  # (a folded `tf.size` of a scalar is no count of rows).
+  rows = rows_lib.TowerRows((tower0.features, tower0.labels), within,
+                            count_folded=isinstance(layout.shards.sizes,
+                                                    list))
   reads = [tensor
            for op in sorted(metric_ops, key=lambda o: o.name)
            for tensor in op.inputs
@@ -71,11 +75,8 @@ def feed_whole_batch(key: str, updates: Sequence[Any], tower_specs,
     if tensor.ref() not in whole and tensor.ref() not in folded:
       whole[tensor.ref()] = _whole_batch(key, tensor, tower_specs, tower_ops,
                                          layout, combined_loss)
-  # On a batch of unknown size no shape of the rows is folded (a folded
-  # `tf.size` of a scalar is no count of rows).
-  if isinstance(layout.shards.sizes, list):
-    for tensor in folded.values():
-      whole[tensor.ref()] = _whole_count(key, tensor, tower_ops, layout)
+  for tensor in folded.values():
+    whole[tensor.ref()] = _whole_count(key, tensor, tower_ops, layout)
   order = {op: index for index, op in enumerate(tower_ops[0])}
   with tf.name_scope("metric_rows_over_towers"):
     _build_again(key, _inputs_first(metric_ops, order), whole, rows)
