@@ -116,13 +116,24 @@ def _judged(context, spec, whole_batch):
       continue
     if not off_path(op):
       return message, frozenset()
-    if any(finder.layout.fact(t).kind != row_facts.NONE for t in op.outputs):
+    if any(finder.layout.fact(t).kind != row_facts.NONE and
+           _may_hold_rows(t, static_rows) for t in op.outputs):
       # Its rows meet other rows (`a @ b^T`): a metric's per-row values
       # from it are the whole batch's only if computed on its rows. One
-      # that reduces the rows away (a confusion matrix scattered by value)
-      # is a sum or a value over the batch: `replicate.outputs.metrics`'.
+      # that reduces the rows away (a confusion matrix scattered by value,
+      # Keras' cumulative sums over its 200 thresholds) is a sum or a
+      # value over the batch: `replicate.outputs.metrics`'.
       combining.add(op)
   return None, frozenset(combining)
+
+
+def _may_hold_rows(tensor, static_rows) -> bool:
+  """Whether an axis of `tensor` may be the tower's rows: one of a size
+  unknown when built, or of the tower's rows when known."""
+  if tensor.shape.rank is None:
+    return True
+  return any(size is None or size == static_rows
+             for size in tensor.shape.as_list())
 
 
 def _why(op, rules, finder, rows, towers, known):
