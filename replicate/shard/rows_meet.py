@@ -52,7 +52,7 @@ def check(context, spec: tf.estimator.EstimatorSpec,
           ) -> FrozenSet[tf.Operation]:
   """Refuses an op of tower 0 on the path from its rows to `spec`'s loss,
   predictions or metrics that combines rows, or whose type is unknown
-  (`refusal` says why).
+  (`_judged` says why).
 
   `whole_batch`: ops whose values are the whole batch's (a
   `TPUEstimatorSpec`'s stand-ins for its `eval_metrics` tensors), where the
@@ -62,13 +62,6 @@ def check(context, spec: tf.estimator.EstimatorSpec,
   if message:
     raise ValueError(message)
   return combining
-
-
-def refusal(context, spec: tf.estimator.EstimatorSpec,
-            whole_batch: Iterable[tf.Operation] = ()) -> Optional[str]:
-  """The message refusing the first op on the path that combines rows or
-  is unknown, or None: the decision, apart from raising it."""
-  return _judged(context, spec, whole_batch)[0]
 
 
 def _judged(context, spec, whole_batch):
