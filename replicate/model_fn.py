@@ -274,15 +274,15 @@ def _build_towers(model_fn, features, labels, mode, kwargs, tower_devices,
     if context.batch_norm is not None:
       report.log_per_tower_batch_norm(context.batch_norm.per_tower_labels,
                                       num_towers)
-    combining = rows_meet.check(context, tower_specs[0],
+    meeting = rows_meet.check(context, tower_specs[0],
                                 batch_calls.whole_batch_ops())
     whole_values = batch_reductions.combine(
         layout, context.progress, tower_specs, mode,
-        is_backward=touched.is_backward)
+        is_backward=touched.is_backward, mixed=meeting.mixed)
     with context.progress.building_own_ops():
       batch_calls.connect_batch(layout)
     return specs_lib.combine_specs(
         mode, tower_specs, layout=layout, progress=context.progress,
         records=context.records, weights=context.weights,
         variables=context.variables, whole_values=whole_values,
-        combining=combining)
+        meeting=meeting)

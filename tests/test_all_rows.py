@@ -183,11 +183,40 @@ def _build(model_fn, towers=2, mode=TRAIN, rows=6, **kwargs):
         features=features, labels=labels, mode=mode, params=params)
 
 
-@pytest.mark.parametrize("mode", [TRAIN, EVAL, PREDICT])
+@pytest.mark.parametrize("mode", [TRAIN, EVAL])
 def test_in_batch_negatives_without_all_rows_are_refused(mode):
   with pytest.raises(ValueError, match=r"MatMul op 'MatMul'.*"
                      r"replicate\.all_rows"):
     _build(per_shard_model_fn, mode=mode)
+
+
+@pytest.mark.parametrize("towers", [2, 3])
+def test_in_batch_predictions_without_all_rows_are_one_devices(towers):
+  """With no loss to differentiate (PREDICT), the similarity over the batch
+  is computed once on the whole batch's rows (it was refused on f65e512)."""
+  rng = np.random.RandomState(3)
+  values = {"q": rng.normal(size=(7, DIM)).astype(np.float32),
+            "d": rng.normal(size=(7, DIM)).astype(np.float32)}
+
+  def predicted(count):
+    with tf.Graph().as_default():
+      tf.compat.v1.train.get_or_create_global_step()
+      features = {key: tf.compat.v1.placeholder(tf.float32, [None, DIM])
+                  for key in values}
+      model_fn = per_shard_model_fn if count is None else (
+          replicate.replicate_model_fn(per_shard_model_fn,
+                                       devices=cpus(count)))
+      spec = model_fn(features=features, labels=None, mode=PREDICT,
+                      params={"optimizer": "sgd"})
+      with tf.compat.v1.Session(config=session_config()) as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        return session.run(spec.predictions, {
+            features[key]: value for key, value in values.items()})
+
+  expected = predicted(None)
+  got = predicted(towers)
+  np.testing.assert_array_equal(got["best"], expected["best"])
+  np.testing.assert_allclose(got["q"], expected["q"], rtol=1e-6)
 
 
 VALUES = "test_all_rows.values"

@@ -1,7 +1,6 @@
 """Rows that meet, failing closed: an op type the rule does not know.
 
-An op on the path from tower 0's rows to the loss, a metric or a prediction
-whose type is neither known to keep rows apart (`replicate.graph.row_ops`)
+An op on the path from tower 0's rows to the loss whose type is neither known to keep rows apart (`replicate.graph.row_ops`)
 nor has a rule of its own (`replicate.shard.rows_meet`) is refused at graph
 build, naming its type and name, with the fix: compute it on
 `replicate.all_rows(x)` and take the tower's rows back with
@@ -225,7 +224,7 @@ def test_linear_algebra_over_the_batch_axis_is_refused(name):
     tf.compat.v1.train.get_or_create_global_step()
     with pytest.raises(ValueError, match=r"The {} op '[^']+' combines "
                        r"different rows.*{}".format(op_type, why)):
-      _build(_model_fn(combine), towers=2, mode=PREDICT)
+      _build(_model_fn(combine), towers=2, mode=TRAIN)
 
 
 def _gather_reversed(h):
@@ -245,6 +244,45 @@ def test_moving_rows_along_the_batch_axis_is_refused(op, axis):
                        r"different rows.*(batch axis|not each row's own "
                        r"position)".format(op_type)):
       _build(_model_fn(lambda h: h * move(h)), towers=2)
+
+
+# Slices of the rows' axis that are not the whole axis pick rows by their
+# position in the shard: `h * h[0]` trained 0.15 off on 2 towers, silently,
+# on f65e512 (StridedSlice was a layout op).
+SLICING_ROWS = {
+    "first_row": lambda h: h * h[0],
+    "first_rows": lambda h: h * tf.reduce_sum(h[:2], axis=0),
+    "rows_rotated": lambda h: tf.concat([h[1:], h[:1]], axis=0),
+    "every_other_row": lambda h: h * tf.reduce_mean(h[::2], axis=0),
+    "tf_slice_of_rows": lambda h: h * tf.reduce_sum(
+        tf.slice(h, [1, 0], [2, -1]), axis=0),
+}
+WHOLE_ROWS_AXIS = {
+    "up_to_the_rows_count": lambda h: h[:tf.shape(h)[0]] * 2.0,
+    "columns": lambda h: tf.concat([h[:, :2], h[..., 2:]], axis=1),
+    "tf_slice_of_columns": lambda h: tf.slice(h, [0, 1], [-1, 3]),
+    "first_column": lambda h: h * h[:, 0:1],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SLICING_ROWS))
+def test_a_slice_of_the_rows_axis_on_the_loss_path_is_refused(name):
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    with pytest.raises(ValueError, match=(
+        r"The (Strided)?Slice op '[^']+' combines different rows.*slices "
+        r"the rows' axis: it picks .* by position in the tower's shard.*"
+        r"replicate.all_rows")):
+      _build(_model_fn(SLICING_ROWS[name]), towers=2)
+
+
+@pytest.mark.parametrize("name", sorted(WHOLE_ROWS_AXIS))
+def test_a_slice_keeping_the_rows_axis_trains_like_one_device(name):
+  expected = _train(_model_fn(WHOLE_ROWS_AXIS[name]))
+  actual = _train(_model_fn(WHOLE_ROWS_AXIS[name]), 2)
+  for key, value in expected.items():
+    np.testing.assert_allclose(actual[key], value, rtol=1e-5, atol=1e-6,
+                               err_msg=key)
 
 
 def test_the_known_op_types_are_real_and_apart_from_the_rules():
@@ -288,7 +326,7 @@ def test_an_unknown_op_inside_a_function_on_the_rows_is_refused(name):
     with pytest.raises(ValueError, match=(
         r"The PyFunc op '[^']+'{} is on the path from the tower's rows.*"
         r"cannot tell".format(inside))):
-      _build(_model_fn(INSIDE_A_FUNCTION[name]), towers=2, mode=PREDICT)
+      _build(_model_fn(INSIDE_A_FUNCTION[name]), towers=2, mode=TRAIN)
 
 
 SOFTMAX_OVER_THE_BATCH = {
@@ -307,8 +345,7 @@ def test_a_softmax_over_the_batch_is_refused(name):
     tf.compat.v1.train.get_or_create_global_step()
     with pytest.raises(ValueError, match=r"op '[^']+' combines different "
                        r"rows.*(over the batch|along the batch axis)"):
-      _build(_model_fn(SOFTMAX_OVER_THE_BATCH[name]), towers=2,
-             mode=PREDICT)
+      _build(_model_fn(SOFTMAX_OVER_THE_BATCH[name]), towers=2)
 
 
 @pytest.mark.parametrize("axis", [-1, 1])
@@ -326,13 +363,55 @@ def test_a_float_cumsum_whose_axis_is_not_known_is_refused():
     axis = tf.compat.v1.placeholder_with_default(1, [])
     with pytest.raises(ValueError, match=r"The Cumsum op '[^']+' combines "
                        r"different rows.*axis is not known"):
-      _build(_model_fn(lambda h: tf.cumsum(h, axis=axis)), towers=2,
-             mode=PREDICT)
+      _build(_model_fn(lambda h: tf.cumsum(h, axis=axis)), towers=2)
   with tf.Graph().as_default():
     tf.compat.v1.train.get_or_create_global_step()
     spec = _build(_model_fn(lambda h: tf.cumsum(h, axis=1)), towers=2,
                   mode=PREDICT)
   assert spec.predictions is not None
+
+
+REFUSED_ON_THE_LOSS_PATH = dict(
+    [(name, combine) for name, (combine, _, _) in COMBINING.items()] +
+    [("py_func", _centred)] + list(INSIDE_A_FUNCTION.items()) +
+    list(SOFTMAX_OVER_THE_BATCH.items()) +
+    [("cumsum_of_an_unknown_axis", lambda h: tf.cumsum(
+        h, axis=tf.compat.v1.placeholder_with_default(0, [])))] +
+    list(SLICING_ROWS.items()))
+
+
+def _predicted(model_fn, towers):
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    spec = _build(model_fn, towers, PREDICT)
+    with tf.compat.v1.Session(config=session_config(4)) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      return session.run(spec.predictions["y"])
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_ON_THE_LOSS_PATH))
+def test_what_is_refused_on_the_loss_path_predicts_as_one_device(name):
+  """Where no loss reads them (PREDICT), the ops the tests above refuse
+  are computed once, on the whole batch's rows (issue 38 item 3): one
+  device's predictions on 2 and 3 towers. They were refused on f65e512."""
+  model_fn = _model_fn(REFUSED_ON_THE_LOSS_PATH[name])
+  expected = _predicted(model_fn, None)
+  assert expected.shape == (ROWS, 1)
+  for towers in (2, 3):
+    np.testing.assert_allclose(_predicted(model_fn, towers), expected,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_random_shuffle_of_the_rows_in_a_prediction_is_refused():
+  """A stateful op where rows meet cannot be run again on the whole batch:
+  refused, naming it and the fix."""
+  shuffle = UNKNOWN["shuffle_of_the_rows"][0]
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    with pytest.raises(ValueError, match=(
+        r"predictions\['y'\] is computed after ops where different rows "
+        r"of the batch meet.*'RandomShuffle'.*stateful.*all_rows")):
+      _build(_model_fn(shuffle), towers=2, mode=PREDICT)
 
 
 def test_guarantees_md_counts_the_op_types_the_rule_knows():
@@ -382,7 +461,7 @@ def test_rows_moved_by_a_transpose_are_followed(perm, axis, refused):
     if refused:
       with pytest.raises(ValueError, match=r"The ReverseV2 op '[^']+' "
                          r"combines different rows.*batch axis"):
-        _build(_model_fn(move), towers=2, mode=PREDICT)
+        _build(_model_fn(move), towers=2)
     else:
       assert _build(_model_fn(move), towers=2, mode=PREDICT).predictions
 

@@ -1,8 +1,8 @@
 """Every op type on the rows' path in the zoo is known to the rows rule.
 
 `replicate.shard.rows_meet` fails closed: an op type on the path from tower
-0's rows to the loss, a metric or a prediction that it does not know is
-refused. Every model of the zoo (canned estimators included), wrapped on 2
+0's rows to the loss that it does not know is refused (off that path it
+is computed on the whole batch's rows). Every model of the zoo (canned estimators included), wrapped on 2
 towers in TRAIN, EVAL and PREDICT, must therefore build: graphs only, no
 session (about half a minute for the whole zoo). A model the oracle expects
 to be refused for another reason (oracle_harness.EXPECTED_REFUSALS) is

@@ -12,7 +12,9 @@
   sparse ops of feature columns), `loop_layout` (TF 2 while loops, through
   their bodies, and TensorLists).
 - `index_rules`: index ops (gathers, scatters, segment ops, ...) keep rows
-  apart exactly when they map each row to itself (read from `row_layout`).
+  apart exactly when they map each row to itself (read from `row_layout`);
+  `slice_rules`: slices keep them apart where they keep the whole rows'
+  axis.
 - `op_types`: op types by family (variables and their writes, reductions,
   shapes, Python functions, samplers, TF 1 loops, function calls), written
   once for every module that asks what an op is.

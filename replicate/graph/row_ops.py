@@ -1,9 +1,9 @@
 """Op types known to keep the batch's rows apart, by family.
 
 On why: `replicate.shard.rows_meet` fails closed. An op on the path from a
-tower's rows to the loss, a metric or a prediction passes only when its type
-is known here (each output row is computed from the same input row alone,
-or the op carries no rows' values at all), or when its type has a rule of
+tower's rows to the loss passes only when its type is known here (each
+output row is computed from the same input row alone, or the op carries
+no rows' values at all), or when its type has a rule of
 its own (`replicate.graph.row_rules`: matmuls, top_k, cumulative sums,
 segment ops, linear algebra, ...: refused in the patterns that combine
 rows, passed otherwise). Any other type is refused, naming it, with the fix
@@ -88,8 +88,8 @@ FAMILIES: Dict[str, Tuple[str, FrozenSet[str]]] = {
     "layout": ("moves, selects, joins or repeats whole rows or values "
                "within rows", _ops("""
         Identity IdentityN Snapshot Reshape ExpandDims Squeeze Transpose
-        ConjugateTranspose Pack Unpack Concat ConcatV2 Split SplitV Slice
-        StridedSlice Tile Pad PadV2 MirrorPad BroadcastTo ReverseSequence
+        ConjugateTranspose Pack Unpack Concat ConcatV2 Split SplitV
+        Tile Pad PadV2 MirrorPad BroadcastTo ReverseSequence
         ResourceGather ResourceGatherNd DynamicPartition DynamicStitch ParallelDynamicStitch Unique
         UniqueV2 Where EnsureShape StopGradient PreventGradient
         CheckNumerics CheckNumericsV2 DebugGradientIdentity GuaranteeConst

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from replicate.graph import index_layout
 from replicate.graph import index_rules
+from replicate.graph import slice_rules
 from replicate.graph.row_facts import UNKNOWN
 
 
@@ -209,6 +210,7 @@ ROW_COMBINING = {
     **dict.fromkeys(index_rules.RULES, _index),
     **dict.fromkeys(["Roll", "ReverseV2"], _along_batch),
     "SparseTensorDenseMatMul": _sparse_matmul,
+    **slice_rules.RULES,
     **dict.fromkeys(["Softmax", "LogSoftmax",
                      "SoftmaxCrossEntropyWithLogits"], _softmax),
     **dict.fromkeys([

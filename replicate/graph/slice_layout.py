@@ -23,7 +23,7 @@ def _strided_slice(op, inputs):
     return [NO_ROWS]
   if not fact.carries or rank is None:
     return [UNKNOWN_ROWS]
-  mapping = _slice_axes(rank, len(begin), masks)
+  mapping = slice_axes(rank, len(begin), masks)
   if mapping is None:
     return [UNKNOWN_ROWS]
   result = None
@@ -50,7 +50,7 @@ def _strided_slice(op, inputs):
   return [result]
 
 
-def _slice_axes(rank, count, masks):
+def slice_axes(rank, count, masks):
   """(input axis, output axis or None if shrunk, spec index or None)."""
   mapping, in_axis, out_axis = [], 0, 0
   specs = list(range(count))

@@ -10,7 +10,6 @@ from typing import Optional
 import tensorflow as tf
 
 from replicate.call import layout as layout_lib
-from replicate.outputs import predictions as predictions_lib
 from replicate.shard import sharding
 
 _UNIQUIFIED = re.compile(r"_[0-9]+$")
@@ -75,7 +74,7 @@ class Counterparts:
         part = tf.gather(part, tf.range(count), axis=axis)
       parts.append(part)
     if axis == 0:
-      return predictions_lib.concat_padded(parts)
+      return concat_padded(parts)
     return tf.concat(parts, axis=axis)
 
   def _alike_of(self, index) -> "_Alike":
@@ -108,6 +107,45 @@ class _Alike:
       counts[group] = rank + 1
       self.keys[op] = group + (rank,)
       self.ops[group + (rank,)] = op
+
+
+def concat_padded(tensors):
+  """The towers' values along dimension 0, each first padded to the widest.
+
+  A dimension past 0 that the towers' static shapes do not agree on is
+  padded, at run time, to the largest tower's size: zeros of the dtype (empty
+  strings, False). A dimension every tower has statically the same stays
+  as it is, and keeps its static size.
+  """
+  ranks = {t.shape.rank for t in tensors}
+  if len(tensors) == 1 or None in ranks or len(ranks) != 1:
+    return tf.concat(tensors, axis=0)
+  rank = ranks.pop()
+  open_dims = [
+      dim for dim in range(1, rank)
+      if len({tf.compat.dimension_value(t.shape[dim]) for t in tensors}) != 1
+      or tf.compat.dimension_value(tensors[0].shape[dim]) is None]
+  if not open_dims:
+    return tf.concat(tensors, axis=0)
+  with tf.name_scope("padded_to_widest_tower"):
+    shapes = [tf.shape(t) for t in tensors]
+    widest = {dim: tf.reduce_max(tf.stack([s[dim] for s in shapes]))
+              for dim in open_dims}
+    fill = _zero_of(tensors[0].dtype)
+    padded = []
+    for tensor, shape in zip(tensors, shapes):
+      paddings = [[0, widest[dim] - shape[dim]] if dim in widest else [0, 0]
+                  for dim in range(rank)]
+      padded.append(tf.pad(tensor, paddings, constant_values=fill))
+    return tf.concat(padded, axis=0)
+
+
+def _zero_of(dtype):
+  if dtype == tf.string:
+    return ""
+  if dtype == tf.bool:
+    return False
+  return tf.zeros([], dtype)
 
 
 def _row_leaves(shard, other) -> dict:

@@ -43,7 +43,8 @@ from replicate.shard import sharding
 
 
 def combine_metrics(tower_specs, layout, variables, *, tower_ops=None,
-                    loss=None, combining=frozenset()) -> Dict[str, tuple]:
+                    loss=None, combining=frozenset(),
+                    whole=None) -> Dict[str, tuple]:
   """`eval_metric_ops` over the whole batch: tower 0's values, one update.
 
   `layout` is the call's `replicate.call.layout.TowerLayout`, `variables`
@@ -52,14 +53,15 @@ def combine_metrics(tower_specs, layout, variables, *, tower_ops=None,
   `loss` the combined spec's loss, `combining` tower 0's ops that only
   metrics read and that combine rows (an in-batch similarity, an op the
   rows rule does not know): a metric computed from one is computed on the
-  whole batch's rows, even when what it adds up is per row.
+  whole batch's rows, even when what it adds up is per row; `whole()` the
+  call's `replicate.outputs.whole_batch.WholeBatch`, which builds it.
   """
   keys = sorted(tower_specs[0].eval_metric_ops or {})
   if not keys:
     return {}
   variables_of = _MetricVariables(tf.compat.v1.get_default_graph())
   fed_once = _feed_batch_values(keys, tower_specs, layout, tower_ops, loss,
-                                variables_of, combining)
+                                variables_of, combining, whole)
   paired = {}  # tower i variable ref -> (key, index, variable, tower 0's)
   for key in keys:
     tower0_variables = variables_of(tower_specs[0].eval_metric_ops[key][0])
@@ -94,7 +96,7 @@ def combine_metrics(tower_specs, layout, variables, *, tower_ops=None,
 
 
 def _feed_batch_values(keys, tower_specs, layout, tower_ops, loss,
-                       variables_of, combining):
+                       variables_of, combining, whole):
   """The keys whose tower 0 update is fed values over the whole batch, and
   alone runs (see `replicate.outputs.batch_inputs`)."""
   if tower_ops is None:
@@ -116,8 +118,7 @@ def _feed_batch_values(keys, tower_specs, layout, tower_ops, loss,
     if any(value.kind == "rows" for value in found[0]) or (
         combining and not combining.isdisjoint(graph_walk.ops_behind(
             [pairs[0][1]], within=orders[0], follow_control=True))):
-      metric_rows.feed_whole_batch(key, [u for _, u in pairs], tower_specs,
-                                   tower_ops, layout, loss)
+      metric_rows.feed_whole_batch(key, pairs[0][1], whole)
       fed_once.add(key)
     elif found[0]:
       batch_inputs.feed_once(key, found, layout.has_rows, loss)

@@ -30,6 +30,8 @@ from typing import Optional
 import tensorflow as tf
 
 from replicate import graph_walk
+from replicate.outputs import counterparts
+from replicate.outputs import whole_batch
 from replicate.shard import rows
 
 _export_outputs = tf.estimator.export
@@ -39,7 +41,8 @@ class _CannotCombineError(ValueError):
   """A tower's value that cannot be put back together along the batch."""
 
 
-def combine_outputs(tower_specs, layout, tower0_ops, whole_values=None):
+def combine_outputs(tower_specs, layout, tower0_ops, whole_values=None,
+                    whole=None):
   """(predictions, export_outputs) over every tower, from one spec per tower.
 
   `layout` is the call's `replicate.call.layout.TowerLayout`: the towers'
@@ -48,18 +51,22 @@ def combine_outputs(tower_specs, layout, tower0_ops, whole_values=None):
   for what its values are computed from; `whole_values` {a tower's
   reduction over the batch axis (`ref()`): the whole batch's value}
   (`replicate.shard.batch_reductions.combine`'s), which a value that is one
-  of them is instead: one device's, static or unknown batch alike.
+  of them is instead: one device's, static or unknown batch alike;
+  `whole()` the call's `replicate.outputs.whole_batch.WholeBatch`, which
+  builds again a value computed after ops where rows meet (None: there
+  are none).
   """
   tower0 = layout.towers[0]
   rows_of_tower0 = rows.TowerRows((tower0.features, tower0.labels),
                                   tower0_ops)
-  combiner = _Combiner(layout.shards, rows_of_tower0, whole_values=whole_values)
+  combiner = _Combiner(layout.shards, rows_of_tower0, whole_values=whole_values,
+                       whole=whole)
   predictions = combiner.structure(
       "predictions", [spec.predictions for spec in tower_specs])
   outputs = tower_specs[0].export_outputs
   if outputs:
     lenient = _Combiner(layout.shards, rows_of_tower0, is_lenient=True,
-                        whole_values=whole_values)
+                        whole_values=whole_values, whole=whole)
     outputs = {
         key: _combined_export_output(
             "export_outputs[{!r}]".format(key),
@@ -77,8 +84,9 @@ class _Combiner:
   """
 
   def __init__(self, shards, rows_of_tower0, is_lenient=False,
-               whole_values=None):
+               whole_values=None, whole=None):
     self._whole_values = whole_values or {}
+    self._whole = whole
     self._shards = shards
     self._rows_of_tower0 = rows_of_tower0
     self._is_lenient = is_lenient
@@ -100,6 +108,13 @@ class _Combiner:
     tensors = [self._whole_values.get(t.ref(), t) for t in tensors]
     if not self._rows_of_tower0.depend([tensors[0]]):
       return tensors[0]
+    if self._whole is not None and self._whole().needed(tensors[0]):
+      try:
+        return self._whole().rebuilt(tensors[0])
+      except whole_batch.CannotBuild as error:
+        if not self._is_lenient:
+          raise ValueError(_REBUILT.format(name, error))
+        return _failing_when_run(tensors[0], _REBUILT.format(name, error))
     try:
       self._check_batch_major(name, tensors)
     except _CannotCombineError as error:
@@ -110,7 +125,7 @@ class _Combiner:
       # Keep each tower's real rows: none from a tower on a stand-in row.
       sizes = self._sizes_for(tensors[0])
       tensors = [t[:sizes[i]] for i, t in enumerate(tensors)]
-    return concat_padded(tensors)
+    return counterparts.concat_padded(tensors)
 
   def _sizes_for(self, tensor):
     """The rows per tower of the input `tensor` (tower 0's) is made from.
@@ -146,45 +161,6 @@ class _Combiner:
             "per input row and cannot be put back together along the batch. "
             "Return a value of shape [batch, ...].".format(
                 name, index, value_rows, rows, tensor))
-
-
-def concat_padded(tensors):
-  """The towers' values along dimension 0, each first padded to the widest.
-
-  A dimension past 0 that the towers' static shapes do not agree on is
-  padded, at run time, to the largest tower's size: zeros of the dtype (empty
-  strings, False). A dimension every tower has statically the same stays
-  as it is, and keeps its static size.
-  """
-  ranks = {t.shape.rank for t in tensors}
-  if len(tensors) == 1 or None in ranks or len(ranks) != 1:
-    return tf.concat(tensors, axis=0)
-  rank = ranks.pop()
-  open_dims = [
-      dim for dim in range(1, rank)
-      if len({tf.compat.dimension_value(t.shape[dim]) for t in tensors}) != 1
-      or tf.compat.dimension_value(tensors[0].shape[dim]) is None]
-  if not open_dims:
-    return tf.concat(tensors, axis=0)
-  with tf.name_scope("padded_to_widest_tower"):
-    shapes = [tf.shape(t) for t in tensors]
-    widest = {dim: tf.reduce_max(tf.stack([s[dim] for s in shapes]))
-              for dim in open_dims}
-    fill = _zero_of(tensors[0].dtype)
-    padded = []
-    for tensor, shape in zip(tensors, shapes):
-      paddings = [[0, widest[dim] - shape[dim]] if dim in widest else [0, 0]
-                  for dim in range(rank)]
-      padded.append(tf.pad(tensor, paddings, constant_values=fill))
-    return tf.concat(padded, axis=0)
-
-
-def _zero_of(dtype):
-  if dtype == tf.string:
-    return ""
-  if dtype == tf.bool:
-    return False
-  return tf.zeros([], dtype)
 
 
 def _failing_when_run(tensor, reason):
@@ -226,3 +202,12 @@ def _static_rows(tower_inputs) -> Optional[int]:
       if rows is not None:
         return rows
   return None
+
+
+_REBUILT = (
+    "{} is computed after ops where different rows of the batch meet (off "
+    "the loss's path: an in-batch similarity, a py_func of the rows, a "
+    "reordering of the rows), so replicate computes it again on the whole "
+    "batch's rows, but {}. Fix: compute it from the whole batch's rows, "
+    "replicate.all_rows(x), and take the tower's rows back, e.g. y = "
+    "f(replicate.all_rows(x))[replicate.row_offset():][:tf.shape(x)[0]].")

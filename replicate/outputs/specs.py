@@ -27,8 +27,10 @@ from replicate.gradients import touched
 from replicate.outputs import metrics
 from replicate.outputs import predictions as predictions_lib
 from replicate.outputs import summaries
+from replicate.outputs import whole_batch
 from replicate.towers import scaffolds
 from replicate.shard import sharding
+from replicate.shard import rows_meet
 from replicate.state import train_op as train_op_lib
 
 ModeKeys = tf.estimator.ModeKeys
@@ -37,7 +39,7 @@ ModeKeys = tf.estimator.ModeKeys
 def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
                   *, layout, progress, records, weights,
                   variables, whole_values=None,
-                  combining=frozenset()) -> tf.estimator.EstimatorSpec:
+                  meeting=rows_meet.Meeting()) -> tf.estimator.EstimatorSpec:
   """The EstimatorSpec of the whole batch, from one spec per tower.
 
   The hand-off to step 6, after the towers are built and finished.
@@ -55,9 +57,9 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
     whole_values: the towers' reductions over the batch axis made the
       whole batch's (`replicate.shard.batch_reductions.combine`'s), which a
       prediction or export output that is one of them is instead.
-    combining: tower 0's ops that only metrics read and that combine rows
-      (`replicate.shard.rows_meet.check`'s): a metric computed from one is
-      computed on the whole batch's rows.
+    meeting: tower 0's ops off the loss's path where rows meet
+      (`replicate.shard.rows_meet.check`'s): a metric, prediction or export
+      output computed from one is computed on the whole batch's rows.
 
   Returns:
     One `EstimatorSpec`: the batch's loss, the one `train_op` (every
@@ -71,14 +73,20 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
   _check_alike(tower_specs)
   fields = tower_specs[0]._asdict()
   fields["mode"] = mode
-  fields["predictions"], fields["export_outputs"] = (
-      predictions_lib.combine_outputs(tower_specs, layout,
-                                      frozenset(progress.tower_ops[0]),
-                                      whole_values))
   if tower_specs[0].loss is not None:
     fields["loss"] = _weighted_loss(tower_specs, weights, progress)
     if mode == ModeKeys.TRAIN:
       fields["loss"] = layout.sum_over_tasks(fields["loss"], "loss_over_tasks")
+  # What predictions, metrics and summaries read of the whole batch: built
+  # once, when one asks (its analysis of tower 0's graph costs a pass).
+  whole = _Once(lambda: whole_batch.WholeBatch(
+      mode, tower_specs, layout, progress, fields.get("loss"),
+      touched.is_backward, mixed=meeting.mixed))
+  fields["predictions"], fields["export_outputs"] = (
+      predictions_lib.combine_outputs(tower_specs, layout,
+                                      frozenset(progress.tower_ops[0]),
+                                      whole_values,
+                                      whole if meeting.mixed else None))
   if mode == ModeKeys.TRAIN and any(
       spec.train_op is not None for spec in tower_specs):
     fields["train_op"] = train_op_lib.combine_train_op(
@@ -86,15 +94,27 @@ def combine_specs(mode: str, tower_specs: List[tf.estimator.EstimatorSpec],
   elif mode == ModeKeys.EVAL:
     fields["eval_metric_ops"] = metrics.combine_metrics(
         tower_specs, layout, variables, tower_ops=progress.tower_ops,
-        loss=fields.get("loss"), combining=combining)
+        loss=fields.get("loss"), combining=meeting.for_metrics, whole=whole)
   # PREDICT: predictions and export outputs are done for every mode.
   fields["scaffold"] = scaffolds.initializing_towers(
       fields["scaffold"], progress.local_state_after_tower0, layout.graph)
   # Last: what the summaries and logged tensors read is built by then.
-  fields.update(summaries.make_whole(
-      mode, tower_specs, layout=layout, progress=progress,
-      combined_loss=fields.get("loss"), is_backward=touched.is_backward))
+  fields.update(summaries.make_whole(tower_specs, layout=layout,
+                                     progress=progress, whole=whole))
   return tf.estimator.EstimatorSpec(**fields)
+
+
+class _Once:
+  """A value made by `make()` the first time it is called for."""
+
+  def __init__(self, make):
+    self._make = make
+    self._value = None
+
+  def __call__(self):
+    if self._value is None:
+      self._value = self._make()
+    return self._value
 
 
 def _check_alike(tower_specs):

@@ -26,7 +26,6 @@ from typing import Dict, Optional
 import tensorflow as tf
 
 from replicate import _tf
-from replicate.outputs import whole_batch
 
 # Which input of each summary op is the value it shows: v1 ops, then TF 2's.
 SUMMARY_INPUTS = {
@@ -40,16 +39,14 @@ _CONDS = frozenset(["If", "StatelessIf"])
 _CAPTURES = frozenset(["Switch", "RefSwitch", "Identity"])
 
 
-def make_whole(mode, tower_specs, *, layout, progress, combined_loss,
-               is_backward=lambda op: False) -> Dict[str, list]:
+def make_whole(tower_specs, *, layout, progress, whole) -> Dict[str, list]:
   """Re-points tower 0's summaries and logged tensors of values over the
   batch at the whole batch's values (see the module's docstring).
 
   Returns the spec's hook fields whose `LoggingTensorHook`s log the whole
   batch's values instead: {field: its hooks}, for the combined spec.
 
-  `combined_loss`: the combined spec's loss (None without a loss);
-  `is_backward(op)`: whether TensorFlow built `op` in a backward pass.
+  `whole()`: the call's `replicate.outputs.whole_batch.WholeBatch`.
   """
   if not layout.combines:
     return {}
@@ -60,8 +57,7 @@ def make_whole(mode, tower_specs, *, layout, progress, combined_loss,
       isinstance(hook, tf.compat.v1.train.LoggingTensorHook)
       for field_hooks in hooks.values() for hook in field_hooks):
     return {}  # nothing to analyse: the build costs nothing more
-  whole = whole_batch.WholeBatch(mode, tower_specs, layout, progress,
-                                 combined_loss, is_backward)
+  whole = whole()
   for reader, index in reads:
     value = whole.of(reader.inputs[index])
     if value is not reader.inputs[index]:

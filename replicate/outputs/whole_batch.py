@@ -1,47 +1,45 @@
-"""Tower 0's values over the batch built again on the whole batch's rows.
+"""Tower 0's values built again on the whole batch's rows.
 
-On what: a value tower 0 computed that has no axis of rows but depends on
-them (the loss, a term of it, a reduction over the rows, a count, a ratio
-of them, a `py_func` of the rows) is its shard's. `WholeBatch.of` builds
-the whole batch's, once, for a reader that is not on the loss's path (a
-summary, a logging hook, see `replicate.outputs.summaries`):
-- the spec's loss: the combined spec's loss (`replicate.outputs.specs`);
-- otherwise the ops from the value back to the tower's per-row tensors are
-  built again: each per-row tensor (rows along a known axis,
-  `replicate.graph.row_layout`; the shard's tensors) is read as the
-  towers' concatenated along it in tower order (input order), each count
-  of rows (`tf.shape(x)[0]`) as the towers' sum, the rest (variables,
-  constants, the global step, values replicate made the batch's already)
-  as it is; an op the analysis places no rows through is built again too.
-  A mean over the rows is then the mean over every row, a ratio of sums
-  the batch's ratio, a `py_func` of the rows is called on every row;
-- a metric's update in TRAIN (`tf.compat.v1.metrics.*` whose `acc[1]` a
-  summary shows, as tf_ner does): tower 0's metric variable writes that the
-  value waits for are fed the whole batch's increments (each built again as
-  above), so its update and value ops report the metric over every row
-  seen, as one device's. In EVAL the metrics are `replicate.outputs.
-  metrics`'s, which fold the towers' variables after every update.
-A tower on a stand-in row (no rows of its own) adds no rows and counts 0.
+On what: a value tower 0 computed from its shard is its shard's. Where the
+whole batch's is wanted off the loss's path, `WholeBatch` builds it, once:
+- a value over the batch (no axis of rows: the loss, a term of it, a
+  reduction, a count, a `py_func` of the rows) that a summary or a logging
+  hook shows (`of`, lenient: `replicate.outputs.summaries`); in TRAIN,
+  tower 0's metric variable writes such a value waits for (tf_ner's
+  summary of `acc[1]`) add the whole batch's increments;
+- a metric's update in EVAL fed a value no combination of the towers'
+  gives, and a prediction or export output computed after ops where rows
+  meet, off the loss's path (`rebuilt`, strict:
+  `replicate.outputs.metric_rows`, `replicate.outputs.predictions`).
 
-A TF 1 cond (`tf.nn.zero_fraction` of the canned DNNs, under TF 1
-behaviour) is built again with its Switch and Merge; a constant TensorFlow
-folded from a static shape of the rows (`tf.size(x)`) is the towers' sum.
+On how: the spec's loss is the combined spec's loss. Otherwise the ops
+from the value back to the tower's per-row tensors are built again
+(`replicate.outputs.op_copies`): each per-row tensor (rows along a known
+axis, `replicate.graph.row_layout`, that counts no rows in its values or
+its other axes, `replicate.outputs.row_counts`; the shard's tensors; the
+spec's predictions) is read as the towers' concatenated along it in tower
+order (input order), each count of rows (`tf.shape(x)[0]`) as the towers'
+sum, a shape TensorFlow folded to a constant from the rows' as
+`replicate.outputs.folded_shapes` reads it, the rest (variables,
+constants, values replicate made the batch's already) as it is. Past an op
+where rows meet (`mixed`, the rows rule's: `replicate.shard.rows_meet`),
+nothing is concatenated: it is built again on the whole batch's rows. A
+mean over the rows is then the mean over every row, a `py_func` of the
+rows is called on every row, an in-batch similarity is over every pair of
+the batch's rows. A tower on a stand-in row adds no rows and counts 0. A
+TF 1 cond is built again with its Switch and Merge.
 
-What it cannot build again, and leaves tower 0's: a value reached through
-a TF 1 loop (`Enter` ... `Exit`), a stateful op other than a `py_func` (a
-stateful function call: it may write state, which must not change twice),
-a backward pass the user built with `tf.gradients` (`TowerOptimizer`'s
-gradients are the batch's already), a
-shape made for the tower's rows when built (`tf.reshape(x, [4, -1])` from
-`x.shape`, refused by shape inference; a Python count `x.shape[0]` in
-arithmetic is a constant, and stays the tower's), a value that needs more
-than `_MOST_COPIES` ops built again, a tensor whose tower i counterpart it
-cannot find, a metric update the `train_op` also runs (each tower updates
-its own variables there). In a synchronous cluster of several tasks, the
-concatenations and sums cover the task's towers (the loss is every task's).
+What it cannot build again (`CannotBuild` says which, `op_copies` lists
+them; `of` then leaves the value tower 0's), and also: a folded shape the
+towers cannot tell (every tower holds one row), a tensor whose tower i
+counterpart it cannot find, for `of` a value that needs more than
+`_MOST_COPIES` ops built again, a metric update the `train_op` also runs
+(each tower updates its own variables there). In a synchronous cluster of
+several tasks, the concatenations and sums cover the task's towers (the
+loss is every task's).
 """
 
-import re
+import contextlib
 
 import tensorflow as tf
 
@@ -51,6 +49,9 @@ from replicate.graph import op_types
 from replicate.graph import row_layout
 from replicate.graph.row_facts import ROWS, ROWS_K, SELECTED_COUNT, UNKNOWN
 from replicate.outputs import counterparts
+from replicate.outputs import folded_shapes
+from replicate.outputs import op_copies
+from replicate.outputs import row_counts
 from replicate.shard import rows as rows_lib
 
 _WRITES = op_types.VARIABLE_WRITE_TYPES
@@ -58,43 +59,53 @@ _WRITES = op_types.VARIABLE_WRITE_TYPES
 _STATE = _WRITES | op_types.VARIABLE_TYPES | {"ReadVariableOp"}
 # A count of rows (or of entries of rows) sums over towers.
 _COUNTS = ((ROWS,), (ROWS_K,), (SELECTED_COUNT,))
-# Stateful ops that are still a function of their inputs.
-_CALLED_AGAIN = op_types.PY_FUNC_TYPES
-# At most this many ops are built again for one value: more means the rows
-# were lost early, and the summary step would run the forward pass again,
-# on the whole batch, on one device. It is left tower 0's instead.
+# At most this many ops are built again for one value a summary shows: more
+# means the rows were lost early, and the summary step would run the
+# forward pass again, on the whole batch, on one device. It is left tower
+# 0's instead. (A metric or a prediction asked for has no limit.)
 _MOST_COPIES = 200
-_UNIQUIFIED = re.compile(r"_[0-9]+$")
-# A TF 1 cond's Switch and Merge are built again (`tf.nn.zero_fraction`'s
-# cond of the size, under TF 1 behaviour), a TF 1 loop is not: its frame.
-_NO_COPY = op_types.TF1_LOOP_TYPES | {"Placeholder",
-                                      "PlaceholderWithDefault"}
 
-
-class _Unknown(Exception):
-  """A value whose whole batch's cannot be built: it stays tower 0's."""
+CannotBuild = op_copies.CannotBuild
 
 
 class WholeBatch:
-  """Builds, once each, the whole batch's value of tower 0's tensors."""
+  """Builds, once each, the whole batch's value of tower 0's tensors.
+
+  `mixed`: tower 0's ops where rows meet off the loss's path (the rows
+  rule's): what is computed from them is built again, not concatenated.
+  """
 
   def __init__(self, mode, tower_specs, layout, progress, combined_loss,
-               is_backward):
+               is_backward, mixed=frozenset()):
     ops = [op for op in progress.tower_ops[0]
            if op not in progress.own_ops and op not in progress.update_built]
     backward = [op for op in ops if is_backward(op)]
     after = graph_walk.ops_after(backward) if backward else set()
     self.forward = frozenset(op for op in ops if op not in after)
+    self._mixed = (graph_walk.ops_after(mixed) & self.forward
+                   if mixed else frozenset())
     self._layout = layout
     self._progress = progress
     tower0 = layout.towers[0]
     shard = (tower0.features, tower0.labels)
-    self._rows = rows_lib.TowerRows(shard, self.forward)
+    # On a batch of unknown size no shape of the rows is folded to a
+    # constant (a folded `tf.size` of a scalar is no count of rows).
+    self._rows = rows_lib.TowerRows(
+        shard, self.forward,
+        count_folded=isinstance(layout.shards.sizes, list))
+    self._static_rows = self._rows.static_count()
+    self._counts = row_counts.RowCounts(self.forward, self._rows.depend)
     self._facts = row_layout.RowLayout(shard, self.forward, self._rows.depend,
-                                       self._rows.static_count())
+                                       self._static_rows)
     spec = tower_specs[0]
     self._loss = (tf.convert_to_tensor(spec.loss)
                   if spec.loss is not None else None)
+    # The spec's predictions have one row per input row (put back together
+    # so), whatever the analysis can tell of them (after a TF 1 loop).
+    self._batch_major = {
+        t.ref() for t in tf.nest.flatten(spec.predictions)
+        if isinstance(t, tf.Tensor) and t.shape.rank != 0 and
+        t.op not in self._mixed}
     self._combined_loss = combined_loss
     self._metric_writes = mode == tf.estimator.ModeKeys.TRAIN
     self._specs = tower_specs
@@ -106,27 +117,46 @@ class WholeBatch:
                               for v in graph.get_collection(key)}
     self._towers_of = counterparts.Counterparts(layout, progress)
     self._values = {}  # tower 0's tensor ref -> the whole batch's
-    self._copies = {}  # tower 0's op -> its copy on the whole batch
     self._walked = set()  # ops whose metric writes behind are fed
-    self._budget = _MOST_COPIES  # ops `of` may still build, for one value
+    self._copies = op_copies.OpCopies(layout.graph, self._given_once,
+                                      self._copied_control)
 
   def of(self, tensor: tf.Tensor) -> tf.Tensor:
-    """The whole batch's value of tower 0's `tensor`, or `tensor` itself
-    (a per-row tensor, one not from the rows, one it cannot build)."""
+    """The whole batch's value of tower 0's `tensor` over the batch, or
+    `tensor` itself (a per-row tensor, one not from the rows, one it cannot
+    build), for a summary or a logging hook."""
     if tensor.op not in self.forward:
       return tensor
-    self._budget = _MOST_COPIES
+    self._copies.budget = _MOST_COPIES
     try:
-      with self._progress.building_own_ops(), \
-          tf.name_scope("summary_over_towers"):
+      with self._building("summary_over_towers"):
         self._feed_metric_writes(tensor)
         fact = self._facts.fact(tensor)
         if tensor is not self._loss and (fact.carries or (
             fact.kind == UNKNOWN and tensor.shape.rank != 0)):
           return tensor  # rows (or possibly): tower 0's
         return self._whole(tensor)
-    except _Unknown:
+    except CannotBuild:
       return tensor
+    finally:
+      self._copies.budget = None
+
+  def needed(self, tensor: tf.Tensor) -> bool:
+    """Whether `tensor` is computed after an op where rows meet (`mixed`),
+    so that the towers' values put together are not the whole batch's."""
+    return tensor.op in self._mixed
+
+  def rebuilt(self, tensor: tf.Tensor) -> tf.Tensor:
+    """The whole batch's value of tower 0's `tensor` (per row or over the
+    batch), built again on the whole batch's rows. Raises `CannotBuild`."""
+    with self._building("outputs_over_towers"):
+      return self._whole(tensor)
+
+  @contextlib.contextmanager
+  def _building(self, scope):
+    """Ops built in it are replicate's own, under a name scope."""
+    with self._progress.building_own_ops(), tf.name_scope(scope):
+      yield
 
   def _feed_metric_writes(self, tensor):
     """Tower 0's metric variable writes `tensor` waits for, outside the
@@ -142,23 +172,40 @@ class WholeBatch:
       pending.extend(t.op for t in op.inputs)
       pending.extend(op.control_inputs)
       if (op.type not in _WRITES or
-          _variable_op(op.inputs[0]) not in self._metric_variables or
+          variable_op(op.inputs[0]) not in self._metric_variables or
           self._in_step(op)):
         continue
       try:
         value = self._whole(op.inputs[1])
-      except _Unknown:
+      except CannotBuild:
         continue
       if value is not op.inputs[1]:
         _tf.update_input(op, 1, value)
 
   def _whole(self, tensor: tf.Tensor) -> tf.Tensor:
-    key = tensor.ref()
-    if key not in self._values:
-      self._values[key] = self._build(tensor)
-    return self._values[key]
+    value = self._given_once(tensor)
+    if value is None:
+      value = self._copies.copy(tensor.op).outputs[tensor.value_index]
+    return value
 
-  def _build(self, tensor):
+  def _given_once(self, tensor):
+    """`_given`, remembered."""
+    value = self._values.get(tensor.ref())
+    if value is None:
+      value = self._given(tensor)
+      if value is not None:
+        self._values[tensor.ref()] = value
+    return value
+
+  def _copied_control(self, op) -> bool:
+    """A TF 1 cond's branch ops wait on its pivot: the copy's pivot. Other
+    control inputs (a weights' shape assertion) stay tower 0's."""
+    return (op in self.forward and _tf.built_in_control_flow(op) and
+            self._rows.depend([op]))
+
+  def _given(self, tensor):
+    """The whole batch's value of `tensor` without building its op again,
+    or None if its op must be."""
     op = tensor.op
     if self._loss is not None and tensor is self._loss:
       return tf.cast(self._combined_loss, tensor.dtype)
@@ -168,77 +215,52 @@ class WholeBatch:
       return tensor  # the same in every tower
     if op.type in _STATE:
       return tensor
+    if tensor.ref() in self._batch_major:
+      return self._concatenated(tensor, 0)
+    if op in self._mixed:
+      return None  # past rows that met: built again
     fact = self._facts.fact(tensor)
-    if fact.carries:
+    if self._concatenable(tensor, fact):
       return self._concatenated(tensor, fact.axis)
     if op.type == "Const":
-      return self._folded(tensor, fact)
+      try:
+        return folded_shapes.whole(tensor, self._towers_of, self._layout)
+      except folded_shapes.NotTold:
+        raise CannotBuild(_FOLDED.format(tensor.name))
     if tensor.shape.rank == 0 and fact.dims in _COUNTS:
       return self._summed(tensor)
-    # No rows (or along no axis the analysis knows): built again on its
-    # inputs' whole batch's values, back to the rows.
-    return self._copy(op).outputs[tensor.value_index]
+    return None  # no rows (or along no axis known): built again
 
-  def _folded(self, tensor, fact) -> tf.Tensor:
-    """A constant TensorFlow folded from a static shape of the rows'
-    (`tf.size(x)`, `tf.shape(x)`, `tf.ones_like(x)`): the whole batch's."""
-    kind = _UNIQUIFIED.sub("", tensor.op.name.rpartition("/")[2])
-    if kind == "Size":
-      return self._summed(tensor)
-    if kind == "Shape" and fact.dims and tensor.shape.rank == 1:
-      entries = tf.unstack(tensor)
-      for position, counts in enumerate(fact.dims):
-        if counts == ROWS:
-          entries[position] = self._summed(tensor, position)
-      return tf.stack(entries)
-    if kind in ("ones_like", "zeros_like") and tensor.shape.rank:
-      return self._concatenated(tensor, 0)
-    raise _Unknown()
+  def _concatenable(self, tensor, fact) -> bool:
+    """Whether the towers' `tensor`s put together along its rows' axis are
+    the whole batch's: it has rows along one axis, its values count no
+    rows (`tf.range(n)` holds positions in the tower's shard), and no other
+    axis counts them (`tf.one_hot(rows, n)` has two). Not inside a TF 1
+    cond either: the towers may take different branches."""
+    if (not fact.carries or fact.ids is not None or
+        _tf.built_in_control_flow(tensor.op)):
+      return False  # positions among the tower's rows are not the batch's
+    if self._counts.values(tensor.op):
+      return False
+    if tensor.shape.rank is not None and all(
+        size is not None and size != self._static_rows
+        for axis, size in enumerate(tensor.shape.as_list())
+        if axis != fact.axis):
+      return True
+    return not self._counts.shapes(tensor.op)
 
-  def _summed(self, tensor, position=None) -> tf.Tensor:
-    """The towers' counts (entry `position` of them) summed."""
+  def _summed(self, tensor) -> tf.Tensor:
+    """The towers' counts summed."""
     try:
-      return self._towers_of.summed(tensor, position)
+      return self._towers_of.summed(tensor)
     except counterparts.NotFound:
-      raise _Unknown()
+      raise CannotBuild(_NOT_FOUND.format(tensor.name))
 
   def _concatenated(self, tensor, axis) -> tf.Tensor:
     try:
       return self._towers_of.concatenated(tensor, axis)
     except counterparts.NotFound:
-      raise _Unknown()
-
-  def _copy(self, op) -> tf.Operation:
-    """`op` again, on its inputs' whole batch's values."""
-    if op in self._copies:
-      return self._copies[op]
-    if op.type in _NO_COPY or (_tf.is_stateful(op) and
-                               op.type not in _CALLED_AGAIN):
-      raise _Unknown()
-    inputs = [self._whole(t) for t in op.inputs]
-    # A TF 1 cond's branch ops wait on its pivot: the copy's pivot.
-    controls = [self._copy(c) if c in self.forward and self._rows.depend([c])
-                else c for c in op.control_inputs]
-    given = list(op.inputs) + list(op.control_inputs)
-    if all(new is old for new, old in zip(inputs + controls, given)):
-      copy = op
-    else:
-      self._budget -= 1
-      if self._budget < 0:
-        raise _Unknown()
-      attrs = {name: value for name, value in op.node_def.attr.items()
-               if name != "_class"}  # not colocated with tower 0's ops
-      try:
-        with tf.control_dependencies(controls):
-          copy = self._layout.graph.create_op(
-              op.type, inputs, [t.dtype for t in op.outputs],
-              name=op.name.split("/")[-1], attrs=attrs)
-      except (ValueError, TypeError, KeyError, tf.errors.OpError):
-        # A shape made for the tower's rows, known when built
-        # (`tf.reshape(x, [4, -1])` from `x.shape`): not the batch's.
-        raise _Unknown()
-    self._copies[op] = copy
-    return copy
+      raise CannotBuild(_NOT_FOUND.format(tensor.name))
 
   def _in_step(self, op) -> bool:
     """Whether the step (the towers' train_ops and losses) runs `op`."""
@@ -250,8 +272,19 @@ class WholeBatch:
     return op in self._step
 
 
-def _variable_op(tensor):
+def variable_op(tensor):
+  """The variable a read or a handle of it (`tensor`) comes from."""
   op = tensor.op
   while op.type in ("Identity", "ReadVariableOp") and op.inputs:
     op = op.inputs[0].op
   return op
+
+
+_FOLDED = (
+    "it reads {!r}, a shape of the tower's shard TensorFlow folded to a "
+    "constant on a batch of known size (tf.size(x), tf.shape(x), "
+    "tf.ones_like(x)), of which replicate cannot tell the whole batch's "
+    "(every tower holds one row, or it is no shape or size)")
+_NOT_FOUND = ("tower 0's {!r} has no counterpart in every tower (build the "
+              "model_fn the same way in every tower: no branch on the "
+              "tower)")

@@ -6,7 +6,8 @@
 - `rows`: the one rule for "computed from the tower's rows".
 - `rows_meet`: ops that combine different rows of the batch (in-batch
   negatives, top_k over the batch, ...), and op types it does not know,
-  refused with `replicate.all_rows`.
+  refused with `replicate.all_rows` on the loss's path; `row_finder`
+  answers its rules' questions of a tensor.
 - `batch_reductions`: reductions over the batch axis whose value flows
   back into rows, combined over the towers (edited after the last tower).
 

@@ -68,9 +68,15 @@ SUMMARY_TYPES = frozenset([
 
 
 def combine(layout, progress, tower_specs, mode,
-            is_backward: Callable[[tf.Operation], bool] = lambda op: False
-            ) -> Dict[Any, tf.Tensor]:
+            is_backward: Callable[[tf.Operation], bool] = lambda op: False,
+            mixed=frozenset()) -> Dict[Any, tf.Tensor]:
   """Makes every tower's batch reductions flowing into rows the batch's.
+
+  `mixed`: tower 0's ops off the loss's path where rows meet
+  (`replicate.shard.rows_meet`'s): a reduction computed from one is no sum
+  of the towers' (a sum of a diagonal of the rows) and is left alone; the
+  whole batch's value of what reads it is built again
+  (`replicate.outputs.whole_batch`).
 
   `is_backward(op)`: whether TensorFlow built `op` in a backward pass
   (`replicate.gradients.touched.is_backward`, handed down): the backward
@@ -85,8 +91,11 @@ def combine(layout, progress, tower_specs, mode,
     return {}
   found = [_reductions_into_rows(layout, progress, index, is_backward, spec)
            for index, spec in enumerate(tower_specs)]
+  after_mixed = graph_walk.ops_after(mixed) if mixed else frozenset()
   sites = []
   for name, (op, into_rows) in found[0].items():
+    if op in after_mixed:
+      continue
     ops = [op] + [found[index].get(name, (None,))[0] for index in
                   range(1, layout.num_towers)]
     if any(other is None for other in ops):

@@ -5,10 +5,13 @@ batch with each other (in-batch negatives `tf.matmul(a, b,
 transpose_b=True)`, `top_k` over the batch, a cumulative sum or a
 `tf.roll` down the batch, per-class sums keyed by the rows' labels) would
 combine only the tower's shard's rows, and the result would be silently
-unlike one device. Such an op on the path from the rows to the loss, a
-metric or a prediction is refused when the towers are built, naming the op
-and the fix, `replicate.all_rows(tensor)` (with `replicate.row_offset()`),
-which gives every tower the whole batch's rows.
+unlike one device. Such an op on the path from the rows to the loss is
+refused when the towers are built, naming the op and the fix,
+`replicate.all_rows(tensor)` (with `replicate.row_offset()`), which gives
+every tower the whole batch's rows. Off the loss's path (an op only
+metrics, predictions or export outputs read), it is returned instead: what
+is computed from it is built again on the whole batch's rows
+(`replicate.outputs.whole_batch`), exact, with no fix to make.
 
 On failing closed: every op type on that path must be known: either it
 has a rule in `replicate.graph.row_rules` (refused in the patterns that
@@ -20,15 +23,16 @@ naming it, with the same fix: compute it on `all_rows(x)` and take the
 tower's rows back. The functions that a TF 2 `tf.cond`, `tf.while_loop` or
 `tf.function` on the path calls are looked into: each type there must be
 known too (types with a rule pass there; their patterns need the outer
-graph). Ops off the path (summaries, the backward pass) are not looked at.
+graph). Ops no output reads (summaries, the backward pass) are not
+looked at.
 
-On "the path": tower 0's ops behind what the spec returns and computed
+On what is judged: tower 0's ops behind what the spec returns and computed
 from its rows (`replicate.shard.rows`' rule), stopping at `all_rows`' values
 (the whole batch's) and a candidate sampler's draws (random, not rows).
 Reductions over the batch pass here: they are combined elsewhere.
 """
 
-from typing import FrozenSet, Iterable, Optional
+from typing import FrozenSet, Iterable, NamedTuple, Optional
 
 import tensorflow as tf
 
@@ -40,38 +44,44 @@ from replicate.graph import row_layout
 from replicate.graph import row_ops
 from replicate.graph import row_rules
 from replicate.graph import declared
+from replicate.shard import row_finder
 from replicate.shard import rows as rows_lib
 
-# Ops whose outputs are positions (row indices), not values: segment ids
-# made from them are keyed by row, not by what a row holds.
-_POSITION_OP_TYPES = op_types.SHAPE_TYPES | {"Where", "Const"}
+
+class Meeting(NamedTuple):
+  """Tower 0's ops off the loss's path where rows meet (`check`'s)."""
+  # Those that keep an axis of rows, which only metrics and outputs read:
+  # a metric computed from one is computed on the whole batch's rows.
+  for_metrics: FrozenSet[tf.Operation] = frozenset()
+  # All of them: what is computed from one is built again on the whole
+  # batch's rows, not put together from the towers' values.
+  mixed: FrozenSet[tf.Operation] = frozenset()
 
 
 def check(context, spec: tf.estimator.EstimatorSpec,
-          whole_batch: Iterable[tf.Operation] = ()
-          ) -> FrozenSet[tf.Operation]:
-  """Refuses an op of tower 0 on the path from its rows to `spec`'s loss,
-  predictions or metrics that combines rows, or whose type is unknown
-  (`_judged` says why).
+          whole_batch: Iterable[tf.Operation] = ()) -> Meeting:
+  """Refuses an op of tower 0 on the path from its rows to `spec`'s loss
+  that combines rows, or whose type is unknown (`_judged` says why); returns
+  those off it, which metrics, predictions and export outputs read.
 
   `whole_batch`: ops whose values are the whole batch's (a
   `TPUEstimatorSpec`'s stand-ins for its `eval_metrics` tensors), where the
   walk from the rows stops, as at `all_rows`'s and at replicate's own ops.
   """
-  message, combining = _judged(context, spec, whole_batch)
+  message, meeting = _judged(context, spec, whole_batch)
   if message:
     raise ValueError(message)
-  return combining
+  return meeting
 
 
 def _judged(context, spec, whole_batch):
-  """The refusal's message (or None), and the ops off the loss's and the
-  predictions' paths, which only metrics read, that would be refused on
-  them: what a metric computed from them is, is the whole batch's only if
-  computed on the whole batch's rows (`replicate.outputs.metric_rows`)."""
-  combining = set()
+  """The refusal's message (or None), and the ops off the loss's path
+  that would be refused on it: what is computed from them is the whole
+  batch's only if computed on the whole batch's rows
+  (`replicate.outputs.whole_batch`)."""
+  combining, mixed = set(), set()
   if not context.layout.combines:
-    return None, frozenset()
+    return None, Meeting()
   tower = context.layout.towers[0]
   # Values replicate made the whole batch's: all_rows's, a TPUEstimatorSpec's
   # stand-ins, and every op it built itself (a batch-norm site's moments
@@ -84,10 +94,10 @@ def _judged(context, spec, whole_batch):
   shard = (tower.features, tower.labels)
   rows = rows_lib.TowerRows(shard, within, inputs_of=_data_inputs)
   static_rows = _static_rows(context.layout.shards.sizes)
-  finder = _Finder(rows, within, shard, static_rows,
-                   frozenset(context.progress.tower_ops[0]),
-                   row_layout.RowLayout(shard, within, rows.depend,
-                                        static_rows))
+  finder = row_finder.Finder(
+      rows, within, shard, static_rows,
+      frozenset(context.progress.tower_ops[0]),
+      row_layout.RowLayout(shard, within, rows.depend, static_rows))
   towers = context.layout.num_towers
   rules = row_rules.ROW_COMBINING
   known, library = len(row_ops.KEEPS_ROWS_APART) + len(rules), None
@@ -108,7 +118,8 @@ def _judged(context, spec, whole_batch):
     if message is None:
       continue
     if not off_path(op):
-      return message, frozenset()
+      return message, Meeting()
+    mixed.add(op)
     if any(finder.layout.fact(t).kind != row_facts.NONE and
            _may_hold_rows(t, static_rows) for t in op.outputs):
       # Its rows meet other rows (`a @ b^T`): a metric's per-row values
@@ -117,7 +128,7 @@ def _judged(context, spec, whole_batch):
       # Keras' cumulative sums over its 200 thresholds) is a sum or a
       # value over the batch: `replicate.outputs.metrics`'.
       combining.add(op)
-  return None, frozenset(combining)
+  return None, Meeting(frozenset(combining), frozenset(mixed))
 
 
 def _may_hold_rows(tensor, static_rows) -> bool:
@@ -145,8 +156,9 @@ def _why(op, rules, finder, rows, towers, known):
 
 _COMBINES = (
     "The {} op {!r} combines different rows of the batch ({}) on the path "
-    "to the loss, a metric or a prediction. On {} towers each tower would "
-    "combine only its own shard's rows: silently unlike one device. ")
+    "to the loss. On {} towers each tower would combine only its own "
+    "shard's rows, and its gradients with them: silently unlike one "
+    "device. ")
 _FIX = (
     "Fix: give it the whole batch's rows with replicate.all_rows(tensor), "
     "and index rows of the batch with replicate.row_offset(), e.g. sim = "
@@ -168,9 +180,8 @@ _INDEX_FIX = (
     "[:tf.shape(h)[0]]. If it does keep rows apart, declare it: "
     "replicate.rows_apart(tensor), and verify with replicate.check.")
 _UNKNOWN = (
-    "The {} op {} is on the path from the tower's rows to the loss, a "
-    "metric or a prediction, and replicate cannot tell whether it keeps the "
-    "batch's rows apart (it knows {} op types, listed in "
+    "The {} op {} is on the path from the tower's rows to the loss, and "
+    "replicate cannot tell whether it keeps the batch's rows apart (it knows {} op types, listed in "
     "replicate/graph/row_ops.py and row_rules.py). On {} towers each tower "
     "would apply it to its own shard's rows only: if it combines rows, "
     "silently unlike one device. Fix: compute it on the whole batch and take "
@@ -181,17 +192,15 @@ _UNKNOWN = (
 
 
 def _off_the_gradient_path(spec, within):
-  """A test of an op: whether it feeds metrics only, not the loss nor a
-  prediction. There an op that combines rows, or that the rule does not
-  know (a `py_func` corpus score, a median), is not refused: a metric's
-  update fed a value over the batch that no combination of the towers'
-  values gives is computed once, on the whole batch's rows
-  (`replicate.outputs.metric_rows`), and one fed per-row values sums them
-  (as under TF 2, where a metric's writes are reached through control
-  edges only, the same decision under TF 1)."""
+  """A test of an op: whether the loss is not computed from it. There an
+  op that combines rows, or that the rule does not know (a `py_func`
+  corpus score, a median), is not refused: a metric, a prediction or an
+  export output computed from it is computed once, on the whole batch's
+  rows (`replicate.outputs.whole_batch`), and a metric fed per-row values
+  sums them (as under TF 2, where a metric's writes are reached through
+  control edges only, the same decision under TF 1)."""
   kept = set(graph_walk.ops_behind(
-      [v for v in tf.nest.flatten([spec.loss, spec.predictions],
-                                  expand_composites=True)
+      [v for v in tf.nest.flatten(spec.loss, expand_composites=True)
        if isinstance(v, (tf.Tensor, tf.Operation))], within=within))
   return lambda op: op not in kept
 
@@ -222,76 +231,20 @@ def _judged_ops(spec, within):
 
 def _outputs_of(spec, values=None):
   if values is None:
-    values = [spec.loss, spec.predictions, spec.eval_metric_ops]
+    values = [spec.loss, spec.predictions, spec.eval_metric_ops,
+              _export_tensors(spec)]
   for value in tf.nest.flatten(values, expand_composites=True):
     if isinstance(value, (tf.Tensor, tf.Operation)):
       yield value
 
 
+def _export_tensors(spec):
+  """The tensors of the spec's export outputs (every field they have)."""
+  return [getattr(output, field, None)
+          for output in (spec.export_outputs or {}).values()
+          for field in ("outputs", "scores", "classes", "value")]
+
+
 def _static_rows(sizes) -> Optional[int]:
   """Tower 0's rows when known at build time."""
   return sizes[0] if isinstance(sizes, list) else None
-
-
-class _Finder:
-  """What the rules ask of a tensor: from the rows, from the rows' values."""
-
-  def __init__(self, rows, within, shard, tower_rows, all_ops, layout):
-    self.rows = rows
-    self.layout = layout  # the row analysis (`replicate.graph.row_layout`)
-    self._all_ops = all_ops  # tower 0's ops, samplers included
-    self._within = within
-    self.tower_rows = tower_rows
-    leaves = tf.nest.flatten(shard, expand_composites=False)
-    self._values = set()
-    self._positions = set()
-    for leaf in leaves:
-      if isinstance(leaf, tf.SparseTensor):
-        self._values.add(leaf.values.ref())
-        self._positions.update([leaf.indices.ref(), leaf.dense_shape.ref()])
-      elif isinstance(leaf, tf.Tensor):
-        self._values.add(leaf.ref())
-
-  def carries_rows(self, tensor: tf.Tensor) -> bool:
-    """From the rows, with the rows along dimension 0 (not a value reduced
-    over the batch to one row)."""
-    is_shard = tensor.ref() in self._values or tensor.ref() in self._positions
-    if not is_shard and (tensor.op not in self._within or
-                         not self.rows.depend([tensor])):
-      return False
-    if not is_shard and self.layout.fact(tensor).kind == row_facts.NONE:
-      return False  # made from the rows' count only (`tf.range(list_size)`)
-    if tensor.shape.rank == 0:
-      return False
-    first = tensor.shape[0]
-    first = getattr(first, "value", first)  # TF 1 behaviour's Dimension
-    return not (first == 1 and self.tower_rows != 1)
-
-  def sampled(self, tensor: tf.Tensor) -> bool:
-    """Computed from a candidate sampler's draws (`sampled_softmax_loss`'s
-    and `nce_loss`'s sampled classes, one set per batch, drawn at random)."""
-    return any(op.type in op_types.SAMPLER_TYPES
-               for op in graph_walk.ops_behind([tensor],
-                                               within=self._all_ops))
-
-  def from_row_values(self, tensor: tf.Tensor) -> bool:
-    """Computed from what rows hold (not only from positions of rows)."""
-    pending = [tensor]
-    seen = set()
-    while pending:
-      current = pending.pop()
-      if current.ref() in self._values:
-        return True
-      if current.ref() in self._positions or current.ref() in seen:
-        continue
-      seen.add(current.ref())
-      op = current.op
-      if (op not in self._within or op.type in _POSITION_OP_TYPES or
-          "Ragged" in op.name or "RowPartition" in op.name):
-        continue
-      for arg, value in row_rules.named_inputs(op):
-        if op.type.startswith("Sparse") and (
-            "values" in arg or arg == "default_value"):
-          continue
-        pending.append(value)
-    return False

@@ -49,9 +49,10 @@ def test_the_corpus_score_is_not_a_mean_of_the_towers_scores():
   assert abs(batch - np.mean(towers)) > 1e-3, (batch, towers)
 
 
-@pytest.mark.parametrize("mode", [ModeKeys.TRAIN, ModeKeys.EVAL,
-                                  ModeKeys.PREDICT])
+@pytest.mark.parametrize("mode", [ModeKeys.TRAIN, ModeKeys.EVAL])
 def test_in_batch_negatives_without_all_rows_are_refused(mode):
+  """On the loss's path. (In PREDICT they are computed on the whole
+  batch's rows: tests/test_all_rows.py.)"""
   features, _ = oracle_zoo.ZOO["in_batch_negatives_all_rows"].data
   with pytest.raises(ValueError, match=r"MatMul.*replicate\.all_rows"):
     _build(rows.retrieval_model_fn, mode, features, None,
@@ -101,11 +102,12 @@ def mirrored_negatives_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-@pytest.mark.parametrize("mode", [ModeKeys.TRAIN, ModeKeys.EVAL,
-                                  ModeKeys.PREDICT])
+@pytest.mark.parametrize("mode", [ModeKeys.TRAIN, ModeKeys.EVAL])
 def test_rows_reversed_by_a_gather_are_refused(mode):
   """On 6b12641 this passed as "layout": each tower mirrored its own rows
-  (predictions 0.36 / 0.45 off on 2 / 3 towers in the issue's repro)."""
+  (predictions 0.36 / 0.45 off on 2 / 3 towers in the issue's repro). In
+  PREDICT the predictions are computed on the whole batch's rows
+  (tests/test_batch_predictions.py)."""
   features, _ = oracle_zoo.ZOO["in_batch_negatives_all_rows"].data
   with pytest.raises(ValueError, match=(
       r"The GatherV2 op '[^']+' combines different rows of the batch \(it "

@@ -1,0 +1,82 @@
+"""Which of a tower's values are computed from a count of its rows.
+
+On why: the towers' per-row tensors put together along their rows are the
+whole batch's only if nothing in them counts the tower's rows: not their
+values (`tf.range(tf.shape(x)[0])` holds positions in the tower's shard,
+`tf.one_hot(..., depth=n)` a column per row of it), and not the size of
+another axis (`[rows, rows]`). `replicate.outputs.whole_batch` builds such
+a value again instead.
+
+On how: a count of rows is a `Shape`, `ShapeN` or `Size` of a value of the
+rows, or the constant TensorFlow folded one to on a batch of known size;
+positions among the rows are a `Where` of them. A value's values count
+rows if one is behind it through inputs that carry values; inputs that
+only give its output's shape (a `Reshape`'s shape, a `Fill`'s dims, a
+slice's bounds, a `Tile`'s multiples) or pick which values it holds (a
+gather's indices) count for its shape only. One pass over the ops asked, memoized: linear in the graph.
+"""
+
+from replicate.graph import op_types
+from replicate.shard import rows as rows_lib
+
+# Ops whose values count the rows, or are positions among them.
+_POSITIONS = (op_types.SHAPE_TYPES - {"Rank"}) | {"Where"}
+# The inputs of an op that give its output's shape, not its values.
+_SHAPE_INPUTS = {
+    "Reshape": (1,), "BroadcastTo": (1,), "Fill": (0,), "Tile": (1,),
+    "ExpandDims": (1,), "Pad": (1,), "PadV2": (1,), "MirrorPad": (1,),
+    "Slice": (1, 2), "StridedSlice": (1, 2, 3), "Transpose": (1,),
+    "ConcatV2": (-1,), "Squeeze": (), "ZerosLike": (0,), "OnesLike": (0,),
+    # Which rows a gather picks, or where a scatter puts them: positions
+    # that select values (`gather_nd(x, where(mask))` holds x's).
+    "GatherV2": (1, 2), "Gather": (1,), "GatherNd": (1,),
+    "ResourceGather": (1,), "ScatterNd": (0, 2),
+}
+
+
+class RowCounts:
+  """Over `within` (a tower's ops), with `depends(values)` the rows rule."""
+
+  def __init__(self, within, depends):
+    self._within = within
+    self._depends = depends
+    self._values = {}  # op -> whether its outputs' values count rows
+    self._shapes = {}  # op -> whether their values or shapes do
+
+  def values(self, op) -> bool:
+    return self._walk(op, self._values, shape_inputs=False)
+
+  def shapes(self, op) -> bool:
+    return self._walk(op, self._shapes, shape_inputs=True)
+
+  def _is_count(self, op) -> bool:
+    if op.type in _POSITIONS:
+      return self._depends(op.inputs)
+    return (rows_lib.folded_shape_kind(op) in ("Shape", "Size") and
+            self._depends([op]))
+
+  def _walk(self, start, memo, shape_inputs):
+    """Post-order over the ops behind `start`, without recursion."""
+    stack = [(start, False)]
+    while stack:
+      op, ready = stack.pop()
+      if op in memo:
+        continue
+      inputs = self._inputs(op, shape_inputs)
+      if ready:
+        memo[op] = self._is_count(op) or any(
+            memo.get(t.op, False) for t in inputs)
+        continue
+      stack.append((op, True))
+      stack.extend((t.op, False) for t in inputs if t.op not in memo)
+    return memo[start]
+
+  def _inputs(self, op, shape_inputs):
+    if op not in self._within:
+      return []
+    inputs = list(op.inputs)
+    if shape_inputs or op.type not in _SHAPE_INPUTS:
+      return inputs
+    skipped = {index % len(inputs) for index in _SHAPE_INPUTS[op.type]
+               } if inputs else set()
+    return [t for index, t in enumerate(inputs) if index not in skipped]
