@@ -15,6 +15,12 @@ value depends on the rows is `replicate.shard.rows`'s rule, the one `train_op`
 uses: a shape TensorFlow folded to a constant with a static batch (the
 canned heads' `all_class_ids`, `tf.zeros_like(x)`) counts as the rows.
 
+On values computed where rows meet, off the loss's path (each row's
+nearest row of the batch, a `py_func` of every row, rows reordered: the
+rows rule's `Meeting`): the towers' values are no part of the whole
+batch's, so the value is built again on the whole batch's rows by
+`replicate.outputs.whole_batch`, once, as one device computes it.
+
 On values that cannot be put back together: a value computed from the rows
 with no batch dimension (a scalar mean of the logits) is what one device
 computes over the whole batch, which no combination of the towers' values
