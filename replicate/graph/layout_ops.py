@@ -140,6 +140,9 @@ def _tile(op, inputs):
   return [fact if fact.kind == NONE and not counts else UNKNOWN_ROWS]
 
 
+_ARG_REDUCTIONS = frozenset(["ArgMax", "ArgMin"])
+
+
 def _reduction(op, inputs):
   fact, axes = inputs[0], static(op.inputs[1])
   rank = rank_of(op.inputs[0])
@@ -148,7 +151,8 @@ def _reduction(op, inputs):
   axes = [a % rank for a in axes]
   if fact.axis in axes:
     return [NO_ROWS]  # over the batch: the batch reductions' rule
-  if op.get_attr("keep_dims"):
+  # ArgMax and ArgMin drop their one axis (a CRF's best previous tag).
+  if op.type not in _ARG_REDUCTIONS and op.get_attr("keep_dims"):
     return [fact.moved(fact.axis)]
   return [fact.moved(fact.axis - sum(a < fact.axis for a in axes))]
 
@@ -205,6 +209,18 @@ def _one_hot(op, inputs):
   return [fact.moved(fact.axis + 1)]
 
 
+def _time_major(op, inputs):
+  """`BlockLSTM(V2)` (`LSTMBlockFusedCell`): `x` is `[time, rows, d]`, its
+  states `[rows, units]`, and each output `[time, rows, units]` (each row's
+  sequence through the cell alone): the rows stay on axis 1."""
+  x, states = inputs[1], inputs[2:4]
+  if not (x.carries and x.axis == 1):
+    return None
+  if any(f.kind != NONE and not same_rows(f, x.moved(0)) for f in states):
+    return None
+  return [x.moved(1) for _ in op.outputs]
+
+
 def _select(op, inputs):
   """TF 1 `tf.where(cond, x, y)` with a vector `cond` picks whole rows."""
   cond = inputs[0]
@@ -222,7 +238,8 @@ _TRANSFER = {
     **dict.fromkeys(["OnesLike", "ZerosLike"], _like),
     "Fill": _fill,
     "Tile": _tile,
-    **dict.fromkeys(["Sum", "Mean", "Max", "Min", "Any", "All"], _reduction),
+    **dict.fromkeys(["Sum", "Mean", "Max", "Min", "Any", "All", "ArgMax",
+                     "ArgMin"], _reduction),
     **dict.fromkeys(["Merge", "RefMerge"], _merge),
     **dict.fromkeys(["MatMul", "BatchMatMul", "BatchMatMulV2",
                      "BatchMatMulV3"], _matmul),
@@ -230,6 +247,7 @@ _TRANSFER = {
                      "Cumprod", "CumulativeLogsumexp", "ReverseSequence"],
                     _along),
     "OneHot": _one_hot,
+    **dict.fromkeys(["BlockLSTM", "BlockLSTMV2"], _time_major),
     "Select": _select,
 }
 _TABLES = (shape_layout.TRANSFER, slice_layout.TRANSFER,

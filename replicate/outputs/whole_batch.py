@@ -169,7 +169,9 @@ class WholeBatch:
     if op.type in _STATE:
       return tensor
     fact = self._facts.fact(tensor)
-    if fact.carries:
+    # A TensorList (a TF 2 loop's) is a variant scalar whose elements have
+    # the rows: built again, from its tensor's whole batch's.
+    if fact.carries and tensor.dtype != tf.variant:
       return self._concatenated(tensor, fact.axis)
     if op.type == "Const":
       return self._folded(tensor, fact)
