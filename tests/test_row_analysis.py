@@ -267,6 +267,42 @@ def test_an_rnns_last_relevant_output_trains_exactly(pick, towers, static):
                                atol=1e-6, err_msg=variable)
 
 
+def _first_tag_score_model_fn(features, labels, mode):
+  """Each row's potential of its first tag, by index tuples (row, 0)
+  extended with the tag, as tfa's `crf_sequence_score` picks it for
+  sequences of one step (tf_ner's BiLSTM-CRF): refused on f65e512."""
+  weight = tf.compat.v1.get_variable("weight", initializer=np.arange(
+      12, dtype=np.float32).reshape(3, 4) / 10.)
+  potentials = tf.tensordot(features["x"], weight, 1)  # [rows, time, 4]
+  rows = tf.reshape(tf.range(tf.shape(potentials)[0]), [-1, 1])
+  firsts = tf.concat([rows, tf.zeros_like(rows)], axis=1)
+  tags = tf.reshape(tf.gather_nd(labels, firsts), [-1, 1])
+  score = tf.gather_nd(potentials, tf.concat([firsts, tags], axis=1))
+  # Squared: the gradient reads the score, so that under TF 1 behaviour the
+  # update of the (ref) weight waits for the step's read of it.
+  loss = tf.reduce_mean(tf.square(score - 1.))
+  optimizer = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.5))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=(
+      optimizer.minimize(loss, tf.compat.v1.train.get_global_step())))
+
+
+@pytest.mark.parametrize("towers, static", [(2, False), (3, True)])
+def test_index_tuples_extended_with_a_tag_train_exactly(towers, static):
+  rng = np.random.RandomState(13)
+  batches = [{"x": rng.rand(7, 5, 3).astype(np.float32),
+              "y": rng.randint(0, 4, (7, 5)).astype(np.int32)}
+             for _ in range(2)]
+  expected, actual = harness.train_both(_first_tag_score_model_fn, towers,
+                                        batches, static=static,
+                                        known_rows=static)
+  np.testing.assert_allclose(actual.per_step("loss"),
+                             expected.per_step("loss"), rtol=1e-5)
+  for variable, value in expected.variables.items():
+    np.testing.assert_allclose(actual.variables[variable], value, rtol=1e-5,
+                               atol=1e-6, err_msg=variable)
+
+
 def test_rows_reversed_after_an_rnn_are_refused():
   """TF 2 control flow (a `While` whose body is followed); a TF 1 loop
   (`Enter` ... `Exit`, `REPLICATE_TF1_BEHAVIOR=1`) is not followed yet:

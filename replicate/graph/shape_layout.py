@@ -117,8 +117,8 @@ def _pack(op, inputs):
 
 def _stacked(op, inputs, axis, new_axis):
   """Stack or concat along `axis`: rows keep their axis (shifted past a
-  new one); index tuples built along the last axis keep the first part's
-  positions as their component 0."""
+  new one); index tuples built (or extended: tfa's CRF score's) along the
+  last axis keep the first part's positions as their component."""
   found = None
   for index, fact in enumerate(inputs):
     if fact.kind == NONE:
@@ -135,12 +135,12 @@ def _stacked(op, inputs, axis, new_axis):
       return UNKNOWN_ROWS
   if found is None:
     return NO_ROWS
-  rank = rank_of(op.outputs[0])
   first = inputs[0]
-  if (rank is not None and axis == rank - 1 and first.ids and
+  if rank_of(op.outputs[0]) == axis + 1 and first.ids and (
+      first.component is not None and new_axis is None or  # extended
       first.component is None and (new_axis is not None or rank_of(
           op.inputs[0]) and op.inputs[0].shape[-1] == 1)):
-    return found._replace(ids=first.ids, component=0)
+    return found._replace(ids=first.ids, component=first.component or 0)
   return found
 
 
