@@ -84,7 +84,8 @@ def _broadcast(op, inputs):
 
 def _elementwise_ids(op, inputs):
   """Positions through arithmetic: x * 1 and a cast keep them; rows * k is
-  each row's start; a start plus an offset within its row a position."""
+  each row's start; a start plus an offset within its row a position, and
+  so is a position plus a row's own offset."""
   with_ids = [f for f in inputs if f.ids]
   if len(with_ids) != 1 or with_ids[0].component is not None:
     return None, None
@@ -92,9 +93,15 @@ def _elementwise_ids(op, inputs):
   others = [f for f in inputs if not f.ids]
   if op.type == "Mul" and all(f.ones for f in others):
     return ids, None
-  if op.type == "Mul" and ids == ROW and all(f.kind == NONE for f in others):
-    return STARTS, None
+  if op.type == "Mul" and ids in (ROW, STARTS) and all(
+      f.kind == NONE for f in others):
+    return STARTS, None  # starts of rows of k (times m: of k * m)
   if op.type in ("AddV2", "Add") and ids == STARTS:
+    return BPOS, None
+  # A position plus each row's own offset in its block, as a start plus
+  # one is (tfa's CRF unary score: starts, plus steps, plus the tags).
+  if op.type in ("AddV2", "Add") and ids == BPOS and all(
+      f.carries for f in others):
     return BPOS, None
   if op.type == "FloorDiv" and ids == BPOS and all(
       f.kind == NONE for f in others):
