@@ -27,9 +27,17 @@ A TF 1 cond (`tf.nn.zero_fraction` of the canned DNNs, under TF 1
 behaviour) is built again with its Switch and Merge; a constant TensorFlow
 folded from a static shape of the rows (`tf.size(x)`) is the towers' sum.
 
+A per-row tensor is taken from the towers where the row analysis follows
+its rows (through a fused LSTM, a TF 2 loop or cond, a CRF decode's ArgMax:
+tf_ner's BiLSTM-CRF), so the ops built again stop there; a TF 2 loop's
+TensorList is built again from its tensor's concatenation.
+
 What it cannot build again, and leaves tower 0's: a value reached through
 a TF 1 loop (`Enter` ... `Exit`), a stateful op other than a `py_func` (a
-stateful function call: it may write state, which must not change twice),
+stateful function call: it may write state, which must not change twice;
+a dropout's draw, met where the analysis lost the rows before it: tf_ner's
+chars_lstm_lstm_crf reshapes `[rows * words, d]` back to `[rows, words,
+d]` by a `words` known only when run),
 a backward pass the user built with `tf.gradients` (`TowerOptimizer`'s
 gradients are the batch's already), a
 shape made for the tower's rows when built (`tf.reshape(x, [4, -1])` from
