@@ -267,6 +267,59 @@ def test_an_rnns_last_relevant_output_trains_exactly(pick, towers, static):
                                atol=1e-6, err_msg=variable)
 
 
+def _crf_score_model_fn(pick):
+  """A tag sequence's score from the potentials, picked as tfa's
+  `crf_sequence_score` does it (tf_ner's BiLSTM-CRF), both refused on
+  f65e512: "first": each row's potential of its first tag by index tuples
+  (row, 0) extended with the tag (sequences of one step); "unary": every
+  step's, by flat positions: the rows' starts times the steps times the
+  tags, plus each step's, plus the tags."""
+
+  def model_fn(features, labels, mode):
+    weight = tf.compat.v1.get_variable("weight", initializer=np.arange(
+        12, dtype=np.float32).reshape(3, 4) / 10.)
+    potentials = tf.tensordot(features["x"], weight, 1)  # [rows, time, 4]
+    rows, steps, tags = tf.unstack(tf.shape(potentials))
+    if pick == "first":
+      firsts = tf.reshape(tf.range(rows), [-1, 1])
+      firsts = tf.concat([firsts, tf.zeros_like(firsts)], axis=1)
+      tag = tf.reshape(tf.gather_nd(labels, firsts), [-1, 1])
+      score = tf.gather_nd(potentials, tf.concat([firsts, tag], axis=1))
+    else:
+      starts = tf.expand_dims(tf.range(rows) * steps * tags, 1)
+      positions = starts + tf.expand_dims(tf.range(steps) * tags, 0)
+      score = tf.reduce_sum(tf.reshape(tf.gather(
+          tf.reshape(potentials, [-1]), tf.reshape(positions + labels, [-1])),
+                                       [rows, steps]), 1)
+    # Squared: the gradient reads the score, so that under TF 1 behaviour
+    # the update of the (ref) weight waits for the step's read of it.
+    loss = tf.reduce_mean(tf.square(score - 1.))
+    optimizer = replicate.TowerOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.5))
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=(
+        optimizer.minimize(loss, tf.compat.v1.train.get_global_step())))
+
+  return model_fn
+
+
+@pytest.mark.parametrize("pick, towers, static", [
+    ("first", 2, False), ("first", 3, True), ("unary", 2, True),
+    ("unary", 3, False)])
+def test_a_crf_sequence_score_trains_exactly(pick, towers, static):
+  rng = np.random.RandomState(13)
+  batches = [{"x": rng.rand(7, 5, 3).astype(np.float32),
+              "y": rng.randint(0, 4, (7, 5)).astype(np.int32)}
+             for _ in range(2)]
+  expected, actual = harness.train_both(_crf_score_model_fn(pick), towers,
+                                        batches, static=static,
+                                        known_rows=static)
+  np.testing.assert_allclose(actual.per_step("loss"),
+                             expected.per_step("loss"), rtol=1e-5)
+  for variable, value in expected.variables.items():
+    np.testing.assert_allclose(actual.variables[variable], value, rtol=1e-5,
+                               atol=1e-6, err_msg=variable)
+
+
 def test_rows_reversed_after_an_rnn_are_refused():
   """TF 2 control flow (a `While` whose body is followed); a TF 1 loop
   (`Enter` ... `Exit`, `REPLICATE_TF1_BEHAVIOR=1`) is not followed yet:

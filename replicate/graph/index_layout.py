@@ -70,6 +70,27 @@ def _gather(op, inputs):
   return [UNKNOWN_ROWS]
 
 
+def tuple_part(op, inputs, new_axis):
+  """(ids, component) of index tuples that a stack (`new_axis`) or a concat
+  `op` of parts builds along the last axis, from the first part holding
+  positions: its own component (or 0) past the parts before it (tfa's CRF
+  score's `(row, 0)` then the tag; `LSTMBlockFusedCell`'s final states by
+  `(length, row)`); None if not such tuples."""
+  index = next((i for i, f in enumerate(inputs) if f.ids), None)
+  if index is None:
+    return None
+  part, tensor = inputs[index], op.inputs[index]
+  widths = [1 if new_axis is not None else
+            t.shape.as_list()[-1] if rank_of(t) else None
+            for t in op.inputs[:index]]
+  if None in widths or (part.component is not None and new_axis is not None):
+    return None
+  if part.component is None and new_axis is None and not (
+      rank_of(tensor) and tensor.shape.as_list()[-1] == 1):
+    return None
+  return part.ids, sum(widths) + (part.component or 0)
+
+
 def positions_for(params: Fact, indices: Fact, component) -> bool:
   """The indices' values (or their `component`) are each entry's own
   position along the params' rows axis."""

@@ -84,7 +84,8 @@ def _broadcast(op, inputs):
 
 def _elementwise_ids(op, inputs):
   """Positions through arithmetic: x * 1 and a cast keep them; rows * k is
-  each row's start; a start plus an offset within its row a position."""
+  each row's start; a start plus an offset within its row a position, and
+  so is a position plus a row's own offset."""
   with_ids = [f for f in inputs if f.ids]
   if len(with_ids) != 1 or with_ids[0].component is not None:
     return None, None
@@ -92,9 +93,15 @@ def _elementwise_ids(op, inputs):
   others = [f for f in inputs if not f.ids]
   if op.type == "Mul" and all(f.ones for f in others):
     return ids, None
-  if op.type == "Mul" and ids == ROW and all(f.kind == NONE for f in others):
-    return STARTS, None
+  if op.type == "Mul" and ids in (ROW, STARTS) and all(
+      f.kind == NONE for f in others):
+    return STARTS, None  # starts of rows of k (times m: of k * m)
   if op.type in ("AddV2", "Add") and ids == STARTS:
+    return BPOS, None
+  # A position plus each row's own offset in its block, as a start plus
+  # one is (tfa's CRF unary score: starts, plus steps, plus the tags).
+  if op.type in ("AddV2", "Add") and ids == BPOS and all(
+      f.carries for f in others):
     return BPOS, None
   if op.type == "FloorDiv" and ids == BPOS and all(
       f.kind == NONE for f in others):
@@ -140,6 +147,9 @@ def _tile(op, inputs):
   return [fact if fact.kind == NONE and not counts else UNKNOWN_ROWS]
 
 
+_ARG_REDUCTIONS = frozenset(["ArgMax", "ArgMin"])
+
+
 def _reduction(op, inputs):
   fact, axes = inputs[0], static(op.inputs[1])
   rank = rank_of(op.inputs[0])
@@ -148,7 +158,8 @@ def _reduction(op, inputs):
   axes = [a % rank for a in axes]
   if fact.axis in axes:
     return [NO_ROWS]  # over the batch: the batch reductions' rule
-  if op.get_attr("keep_dims"):
+  # ArgMax and ArgMin drop their one axis (a CRF's best previous tag).
+  if op.type not in _ARG_REDUCTIONS and op.get_attr("keep_dims"):
     return [fact.moved(fact.axis)]
   return [fact.moved(fact.axis - sum(a < fact.axis for a in axes))]
 
@@ -205,6 +216,18 @@ def _one_hot(op, inputs):
   return [fact.moved(fact.axis + 1)]
 
 
+def _time_major(op, inputs):
+  """`BlockLSTM(V2)` (`LSTMBlockFusedCell`): `x` is `[time, rows, d]`, its
+  states `[rows, units]`, and each output `[time, rows, units]` (each row's
+  sequence through the cell alone): the rows stay on axis 1."""
+  x, states = inputs[1], inputs[2:4]
+  if not (x.carries and x.axis == 1):
+    return None
+  if any(f.kind != NONE and not same_rows(f, x.moved(0)) for f in states):
+    return None
+  return [x.moved(1) for _ in op.outputs]
+
+
 def _select(op, inputs):
   """TF 1 `tf.where(cond, x, y)` with a vector `cond` picks whole rows."""
   cond = inputs[0]
@@ -222,7 +245,8 @@ _TRANSFER = {
     **dict.fromkeys(["OnesLike", "ZerosLike"], _like),
     "Fill": _fill,
     "Tile": _tile,
-    **dict.fromkeys(["Sum", "Mean", "Max", "Min", "Any", "All"], _reduction),
+    **dict.fromkeys(["Sum", "Mean", "Max", "Min", "Any", "All", "ArgMax",
+                     "ArgMin"], _reduction),
     **dict.fromkeys(["Merge", "RefMerge"], _merge),
     **dict.fromkeys(["MatMul", "BatchMatMul", "BatchMatMulV2",
                      "BatchMatMulV3"], _matmul),
@@ -230,6 +254,7 @@ _TRANSFER = {
                      "Cumprod", "CumulativeLogsumexp", "ReverseSequence"],
                     _along),
     "OneHot": _one_hot,
+    **dict.fromkeys(["BlockLSTM", "BlockLSTMV2"], _time_major),
     "Select": _select,
 }
 _TABLES = (shape_layout.TRANSFER, slice_layout.TRANSFER,

@@ -1,5 +1,6 @@
-"""How loops and the lists they fill move the rows: a TF 2 `tf.while_loop`
-(`dynamic_rnn`'s time loop) and its TensorLists (a `TensorArray`'s).
+"""How loops, conds and the lists loops fill move the rows: a TF 2
+`tf.while_loop` (`dynamic_rnn`'s time loop, a CRF's decode), a TF 2
+`tf.cond` and its TensorLists (a `TensorArray`'s).
 
 On loops: a `While` op's outputs are its loop variables after the last
 step. Their facts are found by running the row analysis over the loop's
@@ -10,6 +11,11 @@ the rows along axis 0, has them there). Variables that disagree along
 different axes are UNKNOWN. A body this process did not build (a loaded
 graph) leaves every output UNKNOWN.
 
+On conds: an `If`'s outputs are its branches' outputs, each found by the
+row analysis over the branch from the arguments' facts, the two joined as
+a loop's variables are (tfa's `crf_decode` returns its tags from a cond on
+the sequences' length).
+
 On lists: a TensorList is a variant scalar; its fact is its elements'
 (`TensorListFromTensor` of `[time, rows, d]` has elements with the rows
 along axis 0, `TensorListStack` puts them back along axis 1).
@@ -19,6 +25,7 @@ from replicate import _tf
 from replicate.graph.row_facts import NONE, NO_ROWS, UNKNOWN_ROWS, Fact
 
 LOOPS = frozenset(["While", "StatelessWhile"])
+CONDS = frozenset(["If", "StatelessIf"])
 _ROUNDS = 4  # each round can only move a fact towards UNKNOWN
 
 
@@ -39,6 +46,23 @@ def loop_facts(analysis, op, inputs):
     facts = joined
   return [f if f.kind == NONE else UNKNOWN_ROWS for f in facts][
       :len(op.outputs)]
+
+
+def cond_facts(analysis, op, inputs):
+  """The facts of a TF 2 cond's (`If`'s) outputs: each branch's output
+  from its arguments' facts (`op.inputs[1:]`; the first is the
+  predicate), the two joined; None if a branch is not known."""
+  found = None
+  for attr in ("then_branch", "else_branch"):
+    branch = _tf.function_graph(op, attr)
+    if branch is None or len(branch.inputs) != len(inputs) - 1 or len(
+        branch.outputs) != len(op.outputs):
+      return None
+    layout = analysis(branch, inputs[1:])
+    facts = [layout.fact(out) for out in branch.outputs]
+    found = facts if found is None else [
+        join(first, second) for first, second in zip(found, facts)]
+  return found
 
 
 def join(first: Fact, second: Fact) -> Fact:

@@ -121,9 +121,12 @@ class RowLayout:
       return [_constant_fact(t, self.static_rows) if t.shape.rank in (0, 1)
               else _filled_fact(t) for t in op.outputs]
     try:
-      facts = (loop_layout.loop_facts(self._of_body, op, inputs)
-               if op.type in loop_layout.LOOPS else
-               layout_ops.transfer(op, inputs))
+      if op.type in loop_layout.LOOPS:
+        facts = loop_layout.loop_facts(self._of_body, op, inputs)
+      elif op.type in loop_layout.CONDS:
+        facts = loop_layout.cond_facts(self._of_body, op, inputs)
+      else:
+        facts = layout_ops.transfer(op, inputs)
     except (ValueError, TypeError, IndexError):  # an attr not as expected
       facts = None
     if facts is None:

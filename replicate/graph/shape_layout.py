@@ -5,6 +5,7 @@ transposes, expand / squeeze, stack / concat, slices."""
 
 import numpy as np
 
+from replicate.graph import index_layout
 from replicate.graph.row_facts import (
     ALIGNED, BLOCKED, BPOS, NONE, NO_ROWS, OTHER, ROW, ROWS, ROWS_K,
     ROWS_PLUS, SELECTED, SELECTED_COUNT, UNKNOWN, UNKNOWN_ROWS, Fact, dims_of,
@@ -117,8 +118,8 @@ def _pack(op, inputs):
 
 def _stacked(op, inputs, axis, new_axis):
   """Stack or concat along `axis`: rows keep their axis (shifted past a
-  new one); index tuples built along the last axis keep the first part's
-  positions as their component 0."""
+  new one); index tuples built along the last axis keep their parts'
+  positions (`index_layout.tuple_part`)."""
   found = None
   for index, fact in enumerate(inputs):
     if fact.kind == NONE:
@@ -135,12 +136,10 @@ def _stacked(op, inputs, axis, new_axis):
       return UNKNOWN_ROWS
   if found is None:
     return NO_ROWS
-  rank = rank_of(op.outputs[0])
-  first = inputs[0]
-  if (rank is not None and axis == rank - 1 and first.ids and
-      first.component is None and (new_axis is not None or rank_of(
-          op.inputs[0]) and op.inputs[0].shape[-1] == 1)):
-    return found._replace(ids=first.ids, component=0)
+  part = (index_layout.tuple_part(op, inputs, new_axis)
+          if rank_of(op.outputs[0]) == axis + 1 else None)
+  if part is not None:
+    return found._replace(ids=part[0], component=part[1])
   return found
 
 

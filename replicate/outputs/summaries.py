@@ -17,7 +17,8 @@ Estimator's summary steps).
 
 What stays tower 0's: a per-row tensor itself (a histogram of the logits:
 one summary op has one input, and the rows it shows are tower 0's shard),
-and what `whole_batch` cannot build again (see there).
+and what `whole_batch` cannot build again (see there: a value whose rows
+the row analysis lost before a dropout's draw).
 """
 
 import copy

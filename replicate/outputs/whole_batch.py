@@ -29,14 +29,21 @@ rows is called on every row, an in-batch similarity is over every pair of
 the batch's rows. A tower on a stand-in row adds no rows and counts 0. A
 TF 1 cond is built again with its Switch and Merge.
 
+A per-row tensor is taken from the towers where the row analysis follows
+its rows (through a fused LSTM, a TF 2 loop or cond, a CRF decode's ArgMax:
+tf_ner's BiLSTM-CRF), so the ops built again stop there; a TF 2 loop's
+TensorList is built again from its tensor's concatenation.
+
 What it cannot build again (`CannotBuild` says which, `op_copies` lists
-them; `of` then leaves the value tower 0's), and also: a folded shape the
-towers cannot tell (every tower holds one row), a tensor whose tower i
-counterpart it cannot find, for `of` a value that needs more than
-`_MOST_COPIES` ops built again, a metric update the `train_op` also runs
-(each tower updates its own variables there). In a synchronous cluster of
-several tasks, the concatenations and sums cover the task's towers (the
-loss is every task's).
+them: a dropout's draw, met where the analysis lost the rows before it, as
+in tf_ner's chars_lstm_lstm_crf, which reshapes `[rows * words, d]` back
+to `[rows, words, d]` by a `words` known only when run; `of` then leaves
+the value tower 0's), and also: a folded shape the towers cannot tell
+(every tower holds one row), a tensor whose tower i counterpart it cannot
+find, for `of` a value that needs more than `_MOST_COPIES` ops built
+again, a metric update the `train_op` also runs (each tower updates its
+own variables there). In a synchronous cluster of several tasks, the
+concatenations and sums cover the task's towers (the loss is every task's).
 """
 
 import contextlib
@@ -237,8 +244,10 @@ class WholeBatch:
     rows (`tf.range(n)` holds positions in the tower's shard), and no other
     axis counts them (`tf.one_hot(rows, n)` has two). Not inside a TF 1
     cond either: the towers may take different branches."""
+    # A TensorList (a TF 2 loop's) is a variant scalar whose elements have
+    # the rows: built again, from its tensor's whole batch's.
     if (not fact.carries or fact.ids is not None or
-        _tf.built_in_control_flow(tensor.op)):
+        tensor.dtype == tf.variant or _tf.built_in_control_flow(tensor.op)):
       return False  # positions among the tower's rows are not the batch's
     if self._counts.values(tensor.op):
       return False

@@ -240,7 +240,11 @@ def _from_row_values(tensor, shard_tensors, tower_ops) -> bool:
     op = current.op
     if (current.ref() in seen or op not in tower_ops or
         # A tensor's shape is not its rows: `tf.reduce_prod(tf.shape(x)[1:])`.
-        op.type in op_types.SHAPE_TYPES or _is_position(current)):
+        op.type in op_types.SHAPE_TYPES or _is_position(current) or
+        # A TF 1 write's output is the variable's value, state: a metric's
+        # total (tf_metrics' confusion matrix, read from its `assign_add`),
+        # as TF 2's read after the write is.
+        op.type in op_types.VARIABLE_WRITE_TYPES):
       continue
     seen.add(current.ref())
     pending.extend(op.inputs)
