@@ -102,8 +102,14 @@ def _softmax(finder, op):
 
 
 def _batch_axis_moved_last(finder, values) -> bool:
-  """`values` is a transpose of values with rows that moves axis 0 last
-  (its permutation's last entry: known, or the last part of a concat)."""
+  """`values` has the rows along its last axis: by the row analysis (a
+  `tf.sort(tf.transpose(x), axis=1)` negates the transpose first), or a
+  transpose of values with rows that moves axis 0 last (its permutation's
+  last entry: known, or the last part of a concat)."""
+  fact = finder.layout.fact(values)
+  rank = values.shape.rank
+  if fact.carries and rank and rank > 1 and fact.axis == rank - 1:
+    return True
   if values.op.type != "Transpose" or not finder.carries_rows(
       values.op.inputs[0]):
     return False

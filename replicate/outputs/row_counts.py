@@ -7,9 +7,11 @@ values (`tf.range(tf.shape(x)[0])` holds positions in the tower's shard,
 another axis (`[rows, rows]`). `replicate.outputs.whole_batch` builds such
 a value again instead.
 
-On how: a count of rows is a `Shape`, `ShapeN` or `Size` of a value of the
-rows, or the constant TensorFlow folded one to on a batch of known size;
-positions among the rows are a `Where` of them. A value's values count
+On how: a count of rows is an entry of a shape-like value that the row
+analysis says counts them (`tf.shape(x)[0]`, not `tf.shape(x)[1]`; a
+constant TensorFlow folded from one on a batch of known size), or of a
+`Shape` or `Size` whose entries it cannot tell; positions among the rows
+are a `Where` of them. The walk stops at a value whose entries are told. A value's values count
 rows if one is behind it through inputs that carry values; inputs that
 only give its output's shape (a `Reshape`'s shape, a `Fill`'s dims, a
 slice's bounds, a `Tile`'s multiples) or pick which values it holds (a
@@ -17,10 +19,12 @@ gather's indices) count for its shape only. One pass over the ops asked, memoize
 """
 
 from replicate.graph import op_types
-from replicate.shard import rows as rows_lib
+from replicate.graph.row_facts import ROWS, ROWS_K, ROWS_PLUS, SELECTED_COUNT
 
 # Ops whose values count the rows, or are positions among them.
 _POSITIONS = (op_types.SHAPE_TYPES - {"Rank"}) | {"Where"}
+# What an entry of a shape-like value that counts rows is.
+_COUNTS = (ROWS, ROWS_K, ROWS_PLUS, SELECTED_COUNT)
 # The inputs of an op that give its output's shape, not its values.
 _SHAPE_INPUTS = {
     "Reshape": (1,), "BroadcastTo": (1,), "Fill": (0,), "Tile": (1,),
@@ -35,11 +39,13 @@ _SHAPE_INPUTS = {
 
 
 class RowCounts:
-  """Over `within` (a tower's ops), with `depends(values)` the rows rule."""
+  """Over `within` (a tower's ops), with `depends(values)` the rows rule
+  and `fact(tensor)` the row analysis (`replicate.graph.row_layout`)."""
 
-  def __init__(self, within, depends):
+  def __init__(self, within, depends, fact):
     self._within = within
     self._depends = depends
+    self._fact = fact
     self._values = {}  # op -> whether its outputs' values count rows
     self._shapes = {}  # op -> whether their values or shapes do
 
@@ -49,31 +55,39 @@ class RowCounts:
   def shapes(self, op) -> bool:
     return self._walk(op, self._shapes, shape_inputs=True)
 
-  def _is_count(self, op) -> bool:
-    if op.type in _POSITIONS:
-      return self._depends(op.inputs)
-    return (rows_lib.folded_shape_kind(op) in ("Shape", "Size") and
-            self._depends([op]))
+  def _known(self, op):
+    """Whether `op`'s outputs count rows, if the analysis knows what each
+    entry of them counts (a shape, `tf.shape(x)[1]`); None if it does not."""
+    if op.type in _POSITIONS and op.type not in op_types.SHAPE_TYPES:
+      return self._depends(op.inputs)  # positions among the rows
+    dims = [self._fact(t).dims for t in op.outputs]
+    if not dims or any(d is None for d in dims):
+      if op.type in op_types.SHAPE_TYPES:
+        return self._depends(op.inputs)  # entries not told: may count
+      return None
+    return any(entry in _COUNTS for d in dims for entry in d)
 
   def _walk(self, start, memo, shape_inputs):
-    """Post-order over the ops behind `start`, without recursion."""
+    """Post-order over the ops behind `start`, without recursion; it
+    stops at values whose entries the analysis tells."""
     stack = [(start, False)]
     while stack:
       op, ready = stack.pop()
       if op in memo:
         continue
+      known = self._known(op) if op in self._within else False
+      if known is not None:
+        memo[op] = known
+        continue
       inputs = self._inputs(op, shape_inputs)
       if ready:
-        memo[op] = self._is_count(op) or any(
-            memo.get(t.op, False) for t in inputs)
+        memo[op] = any(memo.get(t.op, False) for t in inputs)
         continue
       stack.append((op, True))
       stack.extend((t.op, False) for t in inputs if t.op not in memo)
     return memo[start]
 
   def _inputs(self, op, shape_inputs):
-    if op not in self._within:
-      return []
     inputs = list(op.inputs)
     if shape_inputs or op.type not in _SHAPE_INPUTS:
       return inputs

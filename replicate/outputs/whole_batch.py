@@ -101,9 +101,10 @@ class WholeBatch:
         shard, self.forward,
         count_folded=isinstance(layout.shards.sizes, list))
     self._static_rows = self._rows.static_count()
-    self._counts = row_counts.RowCounts(self.forward, self._rows.depend)
     self._facts = row_layout.RowLayout(shard, self.forward, self._rows.depend,
                                        self._static_rows)
+    self._counts = row_counts.RowCounts(self.forward, self._rows.depend,
+                                        self._facts.fact)
     spec = tower_specs[0]
     self._loss = (tf.convert_to_tensor(spec.loss)
                   if spec.loss is not None else None)
