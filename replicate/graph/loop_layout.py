@@ -12,14 +12,18 @@ graph) leaves every output UNKNOWN.
 
 On lists: a TensorList is a variant scalar; its fact is its elements'
 (`TensorListFromTensor` of `[time, rows, d]` has elements with the rows
-along axis 0, `TensorListStack` puts them back along axis 1).
+along axis 0, `TensorListStack` puts them back along axis 1). A TF 1
+`TensorArray` (`TensorArrayV3`: a handle and a float "flow" that each
+write returns and each read takes) keeps the same fact on its flow: what
+`TensorArrayScatterV3` and `TensorArrayWriteV3` put in, `TensorArrayReadV3`
+and `TensorArrayGatherV3` take out (a TF 1 loop's, see `frame_layout`).
 """
 
 from replicate import _tf
 from replicate.graph.row_facts import NONE, NO_ROWS, UNKNOWN_ROWS, Fact
 
 LOOPS = frozenset(["While", "StatelessWhile"])
-_ROUNDS = 4  # each round can only move a fact towards UNKNOWN
+ROUNDS = 4  # each round can only move a fact towards UNKNOWN
 
 
 def loop_facts(analysis, op, inputs):
@@ -30,7 +34,7 @@ def loop_facts(analysis, op, inputs):
       body.outputs) != len(inputs):
     return None
   facts = list(inputs)
-  for _ in range(_ROUNDS):
+  for _ in range(ROUNDS):
     layout = analysis(body, facts)
     joined = [join(given, layout.fact(out))
               for given, out in zip(facts, body.outputs)]
@@ -88,6 +92,43 @@ def _empty(op, inputs):
   return [NO_ROWS] * len(op.outputs)
 
 
+# A TF 1 TensorArray's ops: (handle, ..., flow_in); its flow is the list.
+def _array_scatter(op, inputs):  # (handle, indices, value, flow_in)
+  return [join(inputs[3], _element(inputs[2], -1))]
+
+
+def _array_write(op, inputs):  # (handle, index, value, flow_in)
+  return [join(inputs[3], inputs[2])]
+
+
+def _array_read(op, inputs):  # (handle, index, flow_in)
+  return [_element(inputs[-1], 0)]
+
+
+def _array_gather(op, inputs):  # (handle, indices, flow_in)
+  return [_element(inputs[-1], 1)]
+
+
+def _array_concat(op, inputs):
+  """(handle, flow_in) -> (value, lengths): the elements end to end along
+  their axis 0, where rows would no longer be in one block."""
+  fact = inputs[-1]
+  if fact.carries and fact.axis == 0:
+    return [UNKNOWN_ROWS, NO_ROWS]
+  return [_element(fact, 0), NO_ROWS]
+
+
+def _array_split(op, inputs):  # (handle, value, lengths, flow_in)
+  fact = inputs[1]
+  if fact.carries and fact.axis == 0:
+    return [UNKNOWN_ROWS]
+  return [join(inputs[3], _element(fact, 0))]
+
+
+def _array_grad(op, inputs):  # (handle, flow_in): the gradients' array
+  return [NO_ROWS, inputs[1]]
+
+
 TRANSFER = {
     **dict.fromkeys(["TensorListFromTensor", "TensorListScatter",
                      "TensorListScatterV2"], _from_tensor),
@@ -95,5 +136,13 @@ TRANSFER = {
     "TensorListGetItem": _get_item,
     **dict.fromkeys(["TensorListSetItem", "TensorListPushBack"], _set_item),
     **dict.fromkeys(["TensorListReserve", "EmptyTensorList",
-                     "TensorListLength", "TensorListElementShape"], _empty),
+                     "TensorListLength", "TensorListElementShape",
+                     "TensorArrayV3", "TensorArraySizeV3"], _empty),
+    "TensorArrayScatterV3": _array_scatter,
+    "TensorArrayWriteV3": _array_write,
+    "TensorArrayReadV3": _array_read,
+    "TensorArrayGatherV3": _array_gather,
+    "TensorArrayConcatV3": _array_concat,
+    "TensorArraySplitV3": _array_split,
+    "TensorArrayGradV3": _array_grad,
 }
