@@ -29,9 +29,8 @@ ROUNDS = 4  # each round can only move a fact towards UNKNOWN
 def loop_facts(analysis, op, inputs):
   """The facts of a `While` op's outputs, or None if its body is not
   known. `analysis(func_graph, input_facts)` -> a layout of the body."""
-  body = _tf.function_graph(op, "body")
-  if body is None or len(body.inputs) != len(inputs) or len(
-      body.outputs) != len(inputs):
+  body = body_of(op)
+  if body is None:
     return None
   facts = list(inputs)
   for _ in range(ROUNDS):
@@ -43,6 +42,16 @@ def loop_facts(analysis, op, inputs):
     facts = joined
   return [f if f.kind == NONE else UNKNOWN_ROWS for f in facts][
       :len(op.outputs)]
+
+
+def body_of(op):
+  """A `While` op's body (a `FuncGraph`), or None where this process did
+  not build it or its arguments are not the loop's variables."""
+  body = _tf.function_graph(op, "body")
+  if body is None or len(body.inputs) != len(op.inputs) or len(
+      body.outputs) != len(op.inputs):
+    return None
+  return body
 
 
 def join(first: Fact, second: Fact) -> Fact:

@@ -198,6 +198,16 @@ class RowLayout:
       layout.given(arg, fact)
     return layout
 
+  def loop_body(self, op: tf.Operation):
+    """(the ops of a TF 2 `While`'s body, its layout at the loop's
+    fixpoint: its arguments' facts those of the loop's outputs), or None
+    where the body is not known."""
+    body = loop_layout.body_of(op)
+    if body is None:
+      return None
+    return body.get_operations(), self._of_body(
+        body, [self.fact(t) for t in op.outputs])
+
   def given(self, tensor: tf.Tensor, fact: Fact) -> None:
     """States `tensor`'s fact (a function's argument, given by its caller)."""
     self._facts[tensor.ref()] = fact

@@ -12,6 +12,7 @@ algebra on matrices that are each a row's). `rows_meet` refuses the op with
 the reason and the fix.
 """
 
+import types
 from typing import Optional
 
 import numpy as np
@@ -19,6 +20,7 @@ import tensorflow as tf
 
 from replicate.graph import index_layout
 from replicate.graph import index_rules
+from replicate.graph import slice_layout
 from replicate.graph.row_facts import UNKNOWN
 
 
@@ -198,6 +200,43 @@ def _along_rows_axis(finder, values, axis, why) -> Optional[str]:
   return None
 
 
+def _pick(finder, op):
+  """A slice that starts along the rows' axis where the graph does not say
+  (`x[i]` in a loop over the batch's rows: a running sum down the batch
+  written as a `tf.while_loop`): on a tower, row i of its own shard."""
+  if slice_layout.starts_unknown(op, finder.layout.fact(op.inputs[0])):
+    return ("it takes rows from a position along the batch axis known only "
+            "when run (x[i], i a loop's counter or a tensor)")
+  return None
+
+
+def _loop(finder, op):
+  """A TF 2 `tf.while_loop`: the ops of its body that `_IN_BODY`'s rules
+  judge from the row analysis alone, on the body's layout at the loop's
+  fixpoint. A TF 1 loop's body is in the graph, each op judged there: a
+  loop over the batch's rows is refused under both."""
+  body = finder.layout.loop_body(op)
+  if body is None:
+    return None
+  inner = types.SimpleNamespace(layout=body[1])
+  for body_op in body[0]:
+    rule = _IN_BODY.get(body_op.type)
+    why = rule and rule(inner, body_op)
+    if why:
+      return "its body's {} op {!r}: {}".format(body_op.type, body_op.name,
+                                                why)
+  return None
+
+
+# The rules that read the row analysis only (not the outer graph's shapes
+# and rows through `finder`): those a TF 2 loop's body is judged by.
+_IN_BODY = {
+    **dict.fromkeys(index_rules.RULES, _index),
+    **dict.fromkeys(["StridedSlice", "Slice"], _pick),
+    **dict.fromkeys(["While", "StatelessWhile"], _loop),
+}
+
+
 # The op types that combine rows in some patterns, each with its rule.
 ROW_COMBINING = {
     **dict.fromkeys(["MatMul", "BatchMatMul", "BatchMatMulV2",
@@ -209,6 +248,7 @@ ROW_COMBINING = {
     **dict.fromkeys(index_rules.RULES, _index),
     **dict.fromkeys(["Roll", "ReverseV2"], _along_batch),
     "SparseTensorDenseMatMul": _sparse_matmul,
+    **_IN_BODY,
     **dict.fromkeys(["Softmax", "LogSoftmax",
                      "SoftmaxCrossEntropyWithLogits"], _softmax),
     **dict.fromkeys([

@@ -105,4 +105,35 @@ def _slice(op, inputs):
                                          component=fact.component)]
 
 
+def starts_unknown(op, fact) -> bool:
+  """Whether a slice (`StridedSlice`, `Slice`) of a tensor whose rows lie
+  along `fact`'s axis starts along that axis at a position not known when
+  the graph is built (`x[i]`, `x[i:i + 1]`, `tf.slice(x, [i, 0], [1, -1])`
+  with `i` a tensor: a loop over the batch's rows, one row a step)."""
+  rank = rank_of(op.inputs[0])
+  count = op.inputs[1].shape.num_elements()
+  if not fact.carries or rank is None or count is None:
+    return False
+  begin = _entries(op.inputs[1], count)
+  if op.type == "Slice":
+    return fact.axis < count and begin[fact.axis] is None
+  masks = {name: op.get_attr(name + "_mask") for name in (
+      "begin", "ellipsis", "new_axis", "shrink_axis")}
+  for in_axis, _, spec in _slice_axes(rank, count, masks) or ():
+    if in_axis == fact.axis and spec is not None:
+      return not masks["begin"] >> spec & 1 and begin[spec] is None
+  return False
+
+
+def _entries(vector, count):
+  """Each entry of an integer vector, None where not known when built (a
+  `tf.stack` of numbers and tensors: `x[i, 0]`'s begin is `[i, 0]`)."""
+  value = static(vector)
+  if value is not None:
+    return value
+  if vector.op.type == "Pack" and len(vector.op.inputs) == count:
+    return [(static(t) or [None])[0] for t in vector.op.inputs]
+  return [None] * count
+
+
 TRANSFER = {"StridedSlice": _strided_slice, "Slice": _slice}
