@@ -88,8 +88,8 @@ FAMILIES: Dict[str, Tuple[str, FrozenSet[str]]] = {
     "layout": ("moves, selects, joins or repeats whole rows or values "
                "within rows", _ops("""
         Identity IdentityN Snapshot Reshape ExpandDims Squeeze Transpose
-        ConjugateTranspose Pack Unpack Concat ConcatV2 Split SplitV Tile
-        Pad PadV2 MirrorPad BroadcastTo ReverseSequence
+        ConjugateTranspose Pack Unpack Concat ConcatV2 Split SplitV
+        Tile Pad PadV2 MirrorPad BroadcastTo ReverseSequence
         ResourceGather ResourceGatherNd DynamicPartition DynamicStitch ParallelDynamicStitch Unique
         UniqueV2 Where EnsureShape StopGradient PreventGradient
         CheckNumerics CheckNumericsV2 DebugGradientIdentity GuaranteeConst

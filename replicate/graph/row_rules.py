@@ -182,9 +182,13 @@ def _along_batch(finder, op):
 
 def _along_rows_axis(finder, values, axis, why) -> Optional[str]:
   """`why` if `axis` (a number or a list, None: not known) is the axis of
-  `values` that holds the rows: 0, or where a transpose moved it."""
-  where = 0
-  if values.op.type == "Transpose" and finder.carries_rows(
+  `values` that holds the rows: 0, where a transpose moved it, or where
+  the row analysis follows them (a time-major loop's `[time, rows, d]`
+  outputs, reversed along time)."""
+  where, fact = 0, finder.layout.fact(values)
+  if fact.carries and fact.axis != 0:
+    where = fact.axis
+  elif values.op.type == "Transpose" and finder.carries_rows(
       values.op.inputs[0]):
     perm = tf.get_static_value(values.op.inputs[1])
     where = None if perm is None else np.ravel(perm).tolist().index(0)

@@ -69,6 +69,7 @@ _UNIQUIFIED = re.compile(r"_[0-9]+$")
 # cond of the size, under TF 1 behaviour), a TF 1 loop is not: its frame.
 _NO_COPY = op_types.TF1_LOOP_TYPES | {"Placeholder",
                                       "PlaceholderWithDefault"}
+_LOOPS = frozenset(["While", "StatelessWhile"])
 
 
 class _Unknown(Exception):
@@ -83,7 +84,11 @@ class WholeBatch:
     ops = [op for op in progress.tower_ops[0]
            if op not in progress.own_ops and op not in progress.update_built]
     backward = [op for op in ops if is_backward(op)]
-    after = graph_walk.ops_after(backward) if backward else set()
+    # A TF 2 loop's gradient feeds its accumulators into the forward `While`
+    # (which then also returns each step's values): the walk stops there,
+    # or every value after a `dynamic_rnn` would count as backward.
+    after = graph_walk.ops_after(backward, stop=lambda op: (
+        op.type in _LOOPS and not is_backward(op))) if backward else set()
     self.forward = frozenset(op for op in ops if op not in after)
     self._layout = layout
     self._progress = progress
