@@ -24,8 +24,16 @@ On what it knows of a tensor (a `Fact`):
   (ROWS, ROWS_K: rows times something, SELECTED_COUNT, a known number, or
   OTHER), so that `tf.shape(x)[0]` is told from `tf.shape(x)[1]`.
 
+On loops: a TF 2 `While` by its body (`replicate.graph.loop_layout`), a
+TF 1 loop by its frame's Merges (`replicate.graph.frame_layout`): each
+until its variables' facts agree from one step to the next, the same
+facts either way; lists (TensorLists, TF 1 TensorArrays) hold their
+elements' facts.
+
 On cost: one pass forward over the ops the tower built, each op's facts
-computed once from its inputs' (iterative, memoized): linear in the graph.
+computed once from its inputs' (iterative, memoized): linear in the graph,
+a loop's body followed at most `loop_layout.ROUNDS` times more (a loop in
+a loop: times its own).
 """
 
 import collections

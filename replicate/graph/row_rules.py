@@ -10,6 +10,13 @@ matmul of rows by weights, attention's batched matmuls within a row, the
 segment sums of embedding columns keyed by each row's own index, linear
 algebra on matrices that are each a row's). `rows_meet` refuses the op with
 the reason and the fix.
+
+On loops: a TF 1 loop's body is in the graph, each of its ops judged there
+on the facts the row analysis finds through the loop's frame; a TF 2
+`While`'s body is a function, judged by the rules that read the row
+analysis only (`_IN_BODY`: index ops, slices, loops inside it) on the
+body's facts at the loop's fixpoint. A loop over the batch's rows (`x[i]`
+at each step) is refused under both.
 """
 
 import types
