@@ -82,6 +82,19 @@ def _nested(x):
                        [0, tf.zeros_like(x[:, 0])])[1]
 
 
+def _reversed_by_loop(x):
+  """Row i's sum written at index rows - 1 - i of a TensorArray."""
+  rows = tf.shape(x)[0]
+  elements = tf.TensorArray(tf.float32, size=rows).unstack(x)
+
+  def body(i, out):
+    return i + 1, out.write(rows - 1 - i, tf.reduce_sum(elements.read(i), 0))
+
+  _, out = tf.while_loop(lambda i, out: i < rows, body,
+                         [0, tf.TensorArray(tf.float32, size=rows)])
+  return out.stack()
+
+
 # name: (what to build from x [rows, time, depth], {output: (kind, axis)}).
 LOOPS = {
     "dynamic_rnn": (lambda x: _rnn(x, False), [("aligned", 0),
@@ -91,10 +104,15 @@ LOOPS = {
     "scan_over_time": (lambda x: [tf.scan(
         lambda a, e: a * 0.5 + e, tf.transpose(x, [1, 0, 2]),
         initializer=tf.zeros_like(x[:, 0]))], [("aligned", 1)]),
-    # The rows across a list's elements are not followed: unknown, under
-    # both control flows alike.
+    # A list of the rows: each step's value is its own row's.
     "map_fn_over_rows": (lambda x: [tf.map_fn(
-        lambda r: tf.reduce_sum(r, 0), x)], [("unknown", None)]),
+        lambda r: tf.reduce_sum(r, 0), x)], [("aligned", 0)]),
+    # One row's value written at another row's index; a sum carried down
+    # the batch: rows along no one axis.
+    "rows_written_reversed": (lambda x: [_reversed_by_loop(x)],
+                              [("unknown", None)]),
+    "scan_down_the_batch": (lambda x: [tf.scan(
+        lambda a, r: a + r, x)], [("unknown", None)]),
     "nested_loops": (lambda x: [_nested(x)], [("aligned", 0)]),
 }
 
@@ -182,13 +200,16 @@ def _rnn_model_fn(time_major):
     if time_major:
       outputs = tf.transpose(outputs, [1, 0, 2])
     last = _last_relevant(outputs, lengths)
+    scores = tf.map_fn(lambda row: tf.reduce_sum(row * row), last)
     tf.compat.v1.summary.scalar("mean_outputs", tf.reduce_mean(outputs))
+    tf.compat.v1.summary.scalar("mean_score", tf.reduce_mean(scores))
     tf.compat.v1.summary.scalar("mean_last", tf.reduce_mean(last))
     tf.compat.v1.summary.scalar("max_state", tf.reduce_max(state))
     logits = tf.compat.v1.layers.dense(
         last, 3, kernel_initializer=tf.compat.v1.glorot_uniform_initializer(
             seed=4))
-    predictions = {"last": last, "classes": tf.argmax(logits, 1)}
+    predictions = {"last": last, "classes": tf.argmax(logits, 1),
+                   "scores": scores}
     if mode == tf.estimator.ModeKeys.PREDICT:
       return tf.estimator.EstimatorSpec(mode, predictions=predictions)
     loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
@@ -213,7 +234,7 @@ def _input_fn(static):
   return lambda: tf.data.Dataset.from_tensor_slices(data).batch(3)
 
 
-_TAGS = ("max_state", "mean_last", "mean_outputs")
+_TAGS = ("max_state", "mean_last", "mean_outputs", "mean_score")
 
 
 def _events(directory):
@@ -259,11 +280,11 @@ def test_a_dynamic_rnns_outputs_train_evaluate_predict_and_summarize_exactly(
                                err_msg=key)
   assert len(actual[1]) == len(expected[1]) == (ROWS * 2 if static else ROWS)
   for got, want in zip(actual[1], expected[1]):
-    np.testing.assert_allclose(got["last"], want["last"], rtol=1e-5,
-                               atol=1e-6)
+    for key in ("last", "scores"):
+      np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6)
     assert got["classes"] == want["classes"]
   assert sorted(actual[2]) == sorted(expected[2]) == list(_TAGS)
-  assert [len(values) for values in expected[2].values()] == [2, 2, 2]
+  assert [len(values) for values in expected[2].values()] == [2] * 4
   for tag, values in expected[2].items():
     np.testing.assert_allclose(actual[2][tag], values, rtol=1e-5, atol=1e-6,
                                err_msg=tag)
@@ -342,15 +363,20 @@ def test_a_scan_and_a_map_fn_train_exactly(name, static, control_flow):
                                atol=1e-6, err_msg=variable)
 
 
-def test_rows_reversed_after_a_dynamic_rnn_are_refused(control_flow):
-  """Refused under v2 before; under v1 on f65e512 it passed."""
+@pytest.mark.parametrize("loop", ["dynamic_rnn", "map_fn"])
+def test_rows_reversed_after_a_loop_are_refused(loop, control_flow):
+  """After a `dynamic_rnn`: refused under v2 before, passed under v1 on
+  f65e512; after a `tf.map_fn` over the rows, passed under both (its
+  output's rows were UNKNOWN, and a gather of those is not refused)."""
 
   def model_fn(features, labels, mode):
     del mode
-    outputs, _ = _rnn(features["x"], False)
-    rows = tf.shape(outputs)[0]
-    return _head(tf.gather(outputs[:, -1], tf.range(rows - 1, -1, -1)),
-                 labels)
+    if loop == "dynamic_rnn":
+      values = _rnn(features["x"], False)[0][:, -1]
+    else:
+      values = tf.map_fn(lambda row: tf.reduce_sum(row, 0), features["x"])
+    rows = tf.shape(values)[0]
+    return _head(tf.gather(values, tf.range(rows - 1, -1, -1)), labels)
 
   with pytest.raises(ValueError, match="GatherV2 op 'GatherV2' combines "
                      "different rows.*Fix: index the whole batch's rows"):

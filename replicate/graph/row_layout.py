@@ -182,9 +182,10 @@ class RowLayout:
       return [_constant_fact(t, self.static_rows) if t.shape.rank in (0, 1)
               else _filled_fact(t) for t in op.outputs]
     try:
-      facts = (loop_layout.loop_facts(self._of_body, op, inputs)
-               if op.type in loop_layout.LOOPS else
-               layout_ops.transfer(op, inputs))
+      facts = loop_layout.each_row(op, inputs) or (
+          loop_layout.loop_facts(self._of_body, op, inputs)
+          if op.type in loop_layout.LOOPS else
+          layout_ops.transfer(op, inputs))
     except (ValueError, TypeError, IndexError):  # an attr not as expected
       facts = None
     if facts is None:
