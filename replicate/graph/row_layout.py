@@ -32,8 +32,7 @@ elements' facts.
 
 On cost: one pass forward over the ops the tower built, each op's facts
 computed once from its inputs' (iterative, memoized): linear in the graph,
-a loop's body followed at most `loop_layout.ROUNDS` times more (a loop in
-a loop: times its own).
+a loop's body followed at most `loop_layout.ROUNDS` times more.
 """
 
 import collections
@@ -135,8 +134,8 @@ class RowLayout:
     return self._frames[merge]
 
   def _loop_facts(self, merge):
-    """The facts of a TF 1 loop variable (`merge`) and of its loop's
-    others: the fixpoint `replicate.graph.frame_layout` describes."""
+    """The facts of a TF 1 loop's variables (`merge`'s and its loop's
+    others'): `replicate.graph.frame_layout`'s fixpoint."""
     frame = self._frame(merge)
     if frame is None:
       return [UNKNOWN_ROWS if self._depends([merge]) else NO_ROWS, NO_ROWS]
