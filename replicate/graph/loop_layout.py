@@ -19,11 +19,13 @@ the rows themselves (`tf.map_fn` over `[rows, d]`) is ALIGNED along axis
 without rows (`each_row`); written back at the same index i, it makes
 its list one of the rows again, which stacks to the rows along axis 0.
 Such a value that a loop carries to its next step, written at another
-index, or meeting other rows, is UNKNOWN (a `tf.scan` down the batch). A TF 1
-`TensorArray` (`TensorArrayV3`: a handle and a float "flow" that each
-write returns and each read takes) keeps the same fact on its flow: what
-`TensorArrayScatterV3` and `TensorArrayWriteV3` put in, `TensorArrayReadV3`
-and `TensorArrayGatherV3` take out (a TF 1 loop's, see `frame_layout`).
+index, or meeting other rows, is UNKNOWN (a `tf.scan` down the batch).
+
+A TF 1 `TensorArray` (`TensorArrayV3`: a handle and a float "flow" that
+each write returns and each read takes) keeps the same fact on its flow:
+what `TensorArrayScatterV3` and `TensorArrayWriteV3` put in,
+`TensorArrayReadV3` and `TensorArrayGatherV3` take out (a TF 1 loop's,
+see `frame_layout`).
 """
 
 from replicate import _tf
