@@ -9,11 +9,12 @@ size. Every test runs under both control flows (the fixture switches
 them), and the module under TF 1 behaviour too (`REPLICATE_TF1_BEHAVIOR=1`).
 
 On f65e512, under v1 control flow, the rows after a loop were lost: a
-`dynamic_rnn`'s outputs had no rows (NONE), so a reversal of them passed,
-and a summary of their mean over the batch showed tower 0's rows only; a
-running sum down the batch written as a loop passed under both (silently
-unlike one device), and `tf.gather(x, i)` in such a loop was refused under
-v1 only.
+`dynamic_rnn`'s outputs had no rows (NONE), so a reversal of them passed;
+under both, a `tf.map_fn`'s over the rows were UNKNOWN (a reversal of them
+passed too); under v2 a summary of a mean over the batch after a
+`dynamic_rnn` showed tower 0's rows only; a running sum down the batch
+written as a loop passed under both (silently unlike one device), and
+`tf.gather(x, i)` in such a loop was refused under v1 only.
 """
 
 import glob
