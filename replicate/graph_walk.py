@@ -1,7 +1,8 @@
 """Walking a graph: backwards from tensors, to see what they are made from;
 forwards from ops, to see what is computed from them."""
 
-from typing import Container, Iterable, Iterator, Optional, Set, Union
+from typing import (Callable, Container, Iterable, Iterator, Optional, Set,
+                    Union)
 
 import tensorflow as tf
 
@@ -32,16 +33,19 @@ def ops_behind(starts: Iterable[Union[tf.Tensor, tf.Operation]],
 
 
 def ops_after(starts: Iterable[Union[tf.Tensor, tf.Operation]],
-              include_starts: bool = True) -> Set[tf.Operation]:
+              include_starts: bool = True,
+              stop: Optional[Callable[[tf.Operation], bool]] = None
+              ) -> Set[tf.Operation]:
   """Every op computed from `starts` (data edges): their consumers, theirs,
-  and so on; the starts' own ops too if `include_starts`."""
+  and so on; the starts' own ops too if `include_starts`; not through a
+  consumer for which `stop` is true (nor that consumer)."""
   pending = [getattr(start, "op", start) for start in starts]
   found = set(pending) if include_starts else set()
   while pending:
     op = pending.pop()
     for output in op.outputs:
       for consumer in output.consumers():
-        if consumer not in found:
+        if consumer not in found and not (stop and stop(consumer)):
           found.add(consumer)
           pending.append(consumer)
   return found

@@ -321,9 +321,9 @@ def test_a_crf_sequence_score_trains_exactly(pick, towers, static):
 
 
 def test_rows_reversed_after_an_rnn_are_refused():
-  """TF 2 control flow (a `While` whose body is followed); a TF 1 loop
-  (`Enter` ... `Exit`, `REPLICATE_TF1_BEHAVIOR=1`) is not followed yet:
-  docs/guarantees.md says so."""
+  """TF 2 control flow (a `While` whose body is followed), and a TF 1 loop
+  (`Enter` ... `Exit`, `REPLICATE_TF1_BEHAVIOR=1`) through its frame
+  (tests/test_loop_rows.py runs both control flows in one process)."""
   with pytest.raises(ValueError, match="GatherV2.*combines different rows"):
     harness.train(_rnn_model_fn("reversed"), _rnn_batches(), 2)
 

@@ -10,7 +10,8 @@
   (shapes, ranges, reshapes, transposes), `slice_layout` (slices),
   `index_layout` (gathers, scatters, segment ops), `sparse_layout` (the
   sparse ops of feature columns), `loop_layout` (TF 2 while loops, through
-  their bodies, and TensorLists).
+  their bodies, TensorLists and TF 1 TensorArrays), `frame_layout` (TF 1
+  while loops: their Enter ... Exit frames in the graph itself).
 - `index_rules`: index ops (gathers, scatters, segment ops, ...) keep rows
   apart exactly when they map each row to itself (read from `row_layout`);
   `slice_rules`: slices keep them apart where they keep the whole rows'

@@ -23,7 +23,8 @@ from replicate.graph.row_facts import (
 
 _IDENTITY = frozenset("""Identity Snapshot StopGradient PreventGradient
     CheckNumerics CheckNumericsV2 EnsureShape Cast DebugGradientIdentity
-    Enter RefEnter Exit RefExit Switch RefSwitch""".split())
+    Enter RefEnter Exit RefExit Switch RefSwitch NextIteration
+    RefNextIteration""".split())
 
 
 # Per entry: strings and lookups of feature columns too (a table's handle,

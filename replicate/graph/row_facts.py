@@ -23,6 +23,9 @@ class Fact(NamedTuple):
   dims: Optional[Tuple] = None  # shape-like: what each entry counts
   ones: bool = False  # every value is 1 (`tf.ones_like`): x * ones is x
   pos_of: object = None  # SPOS: the source of the SELECTED axis indexed
+  # NONE: one row's value, of the row at the list index `row_of` (the ref
+  # of the index tensor): `tf.map_fn`'s element of a list of the rows.
+  row_of: object = None
 
   @property
   def carries(self) -> bool:
@@ -35,7 +38,7 @@ class Fact(NamedTuple):
     if axis is None:
       return Fact(UNKNOWN) if self.kind != NONE else Fact()
     return self._replace(axis=axis, dims=None, ones=False, ids=None,
-                         component=None, pos_of=None)
+                         component=None, pos_of=None, row_of=None)
 
 
 NO_ROWS = Fact()

@@ -24,14 +24,24 @@ On what it knows of a tensor (a `Fact`):
   (ROWS, ROWS_K: rows times something, SELECTED_COUNT, a known number, or
   OTHER), so that `tf.shape(x)[0]` is told from `tf.shape(x)[1]`.
 
+On loops: a TF 2 `While` by its body (`replicate.graph.loop_layout`), a
+TF 1 loop by its frame's Merges (`replicate.graph.frame_layout`): each
+until its variables' facts agree from one step to the next, the same
+facts either way; lists (TensorLists, TF 1 TensorArrays) hold their
+elements' facts.
+
 On cost: one pass forward over the ops the tower built, each op's facts
-computed once from its inputs' (iterative, memoized): linear in the graph.
+computed once from its inputs' (iterative, memoized): linear in the graph,
+a loop's body followed at most `loop_layout.ROUNDS` times more.
 """
+
+import collections
 
 import numpy as np
 import tensorflow as tf
 
 from replicate import graph_walk
+from replicate.graph import frame_layout
 from replicate.graph import layout_ops
 from replicate.graph import loop_layout
 from replicate.graph.row_facts import (
@@ -50,13 +60,18 @@ class RowLayout:
       depend on the rows (a tensor that does not has no rows: NO_ROWS).
     static_rows: the shard's row count when known at build time (a shape
       TensorFlow folded to a constant counts it).
+    outer: for the body of a TF 1 loop followed in one round of its
+      fixpoint (`replicate.graph.frame_layout`): the layout that found the
+      loop, whose facts hold here; what is found here stays here.
   """
 
-  def __init__(self, shard, within, depends, static_rows=None):
+  def __init__(self, shard, within, depends, static_rows=None, outer=None):
     self._within = within
     self._depends = depends
     self.static_rows = static_rows
-    self._facts = {}
+    self._facts = ({} if outer is None else
+                   collections.ChainMap({}, outer._facts))
+    self._frames = {}  # a TF 1 loop's Merge: its `frame_layout.Frame`
     for leaf in tf.nest.flatten(shard, expand_composites=False):
       if isinstance(leaf, tf.SparseTensor):
         source = leaf.indices.ref()
@@ -78,9 +93,10 @@ class RowLayout:
 
   def _compute(self, start: tf.Operation) -> None:
     """Facts of `start`'s outputs, and of every op before it not yet known,
-    inputs first (an explicit stack: real models are deep). An input on a
-    loop's back edge (a TF 1 `NextIteration`) is taken as UNKNOWN."""
-    stack, on_path = [(start, iter(start.inputs))], {start}
+    inputs first (an explicit stack: real models are deep). A TF 1 loop's
+    Merge is computed after what enters its loop (`_reads`), by the
+    fixpoint of `_loop_facts`, never through its back edge."""
+    stack, on_path = [(start, iter(self._reads(start)))], {start}
     while stack:
       op, inputs = stack[-1]
       tensor = next(inputs, None)
@@ -89,7 +105,7 @@ class RowLayout:
         if (tensor.ref() not in self._facts and source not in on_path and
             self._inside(source)):
           on_path.add(source)
-          stack.append((source, iter(source.inputs)))
+          stack.append((source, iter(self._reads(source))))
         continue
       stack.pop()
       on_path.discard(op)
@@ -101,9 +117,51 @@ class RowLayout:
   def _inside(self, op) -> bool:
     return op in self._within
 
+  def _reads(self, op):
+    """The inputs to know before `op`: for a TF 1 loop's Merge, every
+    Enter of its loop (its body reads nothing else from outside)."""
+    if not frame_layout.is_loop_merge(op):
+      return op.inputs
+    frame = self._frame(op)
+    if frame is None:
+      return [t for t in op.inputs
+              if t.op.type not in frame_layout.NEXT_ITERATION]
+    return frame.entries
+
+  def _frame(self, merge):
+    if merge not in self._frames:
+      self._frames[merge] = frame_layout.frame_of(merge)
+    return self._frames[merge]
+
+  def _loop_facts(self, merge):
+    """The facts of a TF 1 loop's variables (`merge`'s and its loop's
+    others'): `replicate.graph.frame_layout`'s fixpoint."""
+    frame = self._frame(merge)
+    if frame is None:
+      return [UNKNOWN_ROWS if self._depends([merge]) else NO_ROWS, NO_ROWS]
+    facts = [self.fact(frame_layout.enter_of(m)) for m in frame.merges]
+    for _ in range(loop_layout.ROUNDS):
+      body = RowLayout((), self._within, self._depends, self.static_rows,
+                       outer=self)
+      for other, fact in zip(frame.merges, facts):
+        body.given(other.outputs[0], fact)
+        body.given(other.outputs[1], NO_ROWS)  # the input's index
+      joined = [loop_layout.join(fact, body.fact(frame_layout.back_edge(m)))
+                for m, fact in zip(frame.merges, facts)]
+      if joined == facts:  # the body as followed holds: keep its facts
+        self._facts.update(body._facts.maps[0])
+        return [self._facts[t.ref()] for t in merge.outputs]
+      facts = joined
+    for other, fact in zip(frame.merges, facts):
+      self.given(other.outputs[0], fact if fact.kind == NONE else
+                 UNKNOWN_ROWS)
+      self.given(other.outputs[1], NO_ROWS)
+    return [self._facts[t.ref()] for t in merge.outputs]
+
   def input_fact(self, tensor: tf.Tensor) -> Fact:
-    """An input's fact during the pass (outside the tower: no rows; on a
-    loop's back edge, not known yet: UNKNOWN if it depends on the rows)."""
+    """An input's fact during the pass (outside the tower: no rows; not
+    known yet, which only a loop not as `tf.while_loop` builds it leaves:
+    UNKNOWN if it depends on the rows)."""
     known = self._facts.get(tensor.ref())
     if known is not None:
       return known
@@ -112,6 +170,8 @@ class RowLayout:
     return UNKNOWN_ROWS if self._depends([tensor]) else NO_ROWS
 
   def _op_facts(self, op):
+    if frame_layout.is_loop_merge(op):
+      return self._loop_facts(op)
     if op.type == "Const":
       return [_constant_fact(op.outputs[0], self.static_rows)]
     if op.type == "Range" and self._counts_static_rows(op):
@@ -121,12 +181,8 @@ class RowLayout:
       return [_constant_fact(t, self.static_rows) if t.shape.rank in (0, 1)
               else _filled_fact(t) for t in op.outputs]
     try:
-      if op.type in loop_layout.LOOPS:
-        facts = loop_layout.loop_facts(self._of_body, op, inputs)
-      elif op.type in loop_layout.CONDS:
-        facts = loop_layout.cond_facts(self._of_body, op, inputs)
-      else:
-        facts = layout_ops.transfer(op, inputs)
+      facts = (loop_layout.calls_facts(self._of_body, op, inputs) or
+               layout_ops.transfer(op, inputs))
     except (ValueError, TypeError, IndexError):  # an attr not as expected
       facts = None
     if facts is None:
@@ -147,6 +203,16 @@ class RowLayout:
     for arg, fact in zip(body.inputs, facts):
       layout.given(arg, fact)
     return layout
+
+  def loop_body(self, op: tf.Operation):
+    """(the ops of a TF 2 `While`'s body, its layout at the loop's
+    fixpoint: its arguments' facts those of the loop's outputs), or None
+    where the body is not known."""
+    body = loop_layout.body_of(op)
+    if body is None:
+      return None
+    return body.get_operations(), self._of_body(
+        body, [self.fact(t) for t in op.outputs])
 
   def given(self, tensor: tf.Tensor, fact: Fact) -> None:
     """States `tensor`'s fact (a function's argument, given by its caller)."""

@@ -103,8 +103,8 @@ FAMILIES: Dict[str, Tuple[str, FrozenSet[str]]] = {
     "control flow": ("passes values on, or calls a function on them (TF 1 "
                      "loops and conds, TF 2 function calls)", _ops("""
         Switch RefSwitch Merge RefMerge Enter RefEnter Exit RefExit
-        NextIteration RefNextIteration LoopCond While StatelessWhile If
-        StatelessIf Case StatelessCase PartitionedCall
+        NextIteration RefNextIteration LoopCond If StatelessIf Case
+        StatelessCase PartitionedCall
         StatefulPartitionedCall""")),
     "loop containers": ("a loop's per-step values (dynamic_rnn, beam "
                         "search): stored and read back, rows kept",
@@ -194,7 +194,7 @@ FAMILIES: Dict[str, Tuple[str, FrozenSet[str]]] = {
 }
 
 # Function calls: their bodies' op types are checked (`unknown_in_calls`).
-CALLS = FAMILIES["control flow"][1] & op_types.FUNCTION_CALL_TYPES
+CALLS = op_types.FUNCTION_CALL_TYPES
 
 KEEPS_ROWS_APART: FrozenSet[str] = frozenset().union(
     *(types for _, types in FAMILIES.values()))

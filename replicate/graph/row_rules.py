@@ -10,8 +10,16 @@ matmul of rows by weights, attention's batched matmuls within a row, the
 segment sums of embedding columns keyed by each row's own index, linear
 algebra on matrices that are each a row's). `rows_meet` refuses the op with
 the reason and the fix.
+
+On loops: a TF 1 loop's body is in the graph, each of its ops judged there
+on the facts the row analysis finds through the loop's frame; a TF 2
+`While`'s body is a function, judged by the rules that read the row
+analysis only (`_IN_BODY`: index ops, slices, loops inside it) on the
+body's facts at the loop's fixpoint. A loop over the batch's rows (`x[i]`
+at each step) is refused under both.
 """
 
+import types
 from typing import Optional
 
 import numpy as np
@@ -187,9 +195,13 @@ def _along_batch(finder, op):
 
 def _along_rows_axis(finder, values, axis, why) -> Optional[str]:
   """`why` if `axis` (a number or a list, None: not known) is the axis of
-  `values` that holds the rows: 0, or where a transpose moved it."""
-  where = 0
-  if values.op.type == "Transpose" and finder.carries_rows(
+  `values` that holds the rows: 0, where a transpose moved it, or where
+  the row analysis follows them (a time-major loop's `[time, rows, d]`
+  outputs, reversed along time)."""
+  where, fact = 0, finder.layout.fact(values)
+  if fact.carries and fact.axis != 0:
+    where = fact.axis
+  elif values.op.type == "Transpose" and finder.carries_rows(
       values.op.inputs[0]):
     perm = tf.get_static_value(values.op.inputs[1])
     where = None if perm is None else np.ravel(perm).tolist().index(0)
@@ -205,6 +217,33 @@ def _along_rows_axis(finder, values, axis, why) -> Optional[str]:
   return None
 
 
+def _loop(finder, op):
+  """A TF 2 `tf.while_loop`: the ops of its body that `_IN_BODY`'s rules
+  judge from the row analysis alone, on the body's layout at the loop's
+  fixpoint. A TF 1 loop's body is in the graph, each op judged there: a
+  loop over the batch's rows is refused under both."""
+  body = finder.layout.loop_body(op)
+  if body is None:
+    return None
+  inner = types.SimpleNamespace(layout=body[1])
+  for body_op in body[0]:
+    rule = _IN_BODY.get(body_op.type)
+    why = rule and rule(inner, body_op)
+    if why:
+      return "its body's {} op {!r}: {}".format(body_op.type, body_op.name,
+                                                why)
+  return None
+
+
+# The rules that read the row analysis only (not the outer graph's shapes
+# and rows through `finder`): those a TF 2 loop's body is judged by.
+_IN_BODY = {
+    **dict.fromkeys(index_rules.RULES, _index),
+    **slice_rules.RULES,
+    **dict.fromkeys(["While", "StatelessWhile"], _loop),
+}
+
+
 # The op types that combine rows in some patterns, each with its rule.
 ROW_COMBINING = {
     **dict.fromkeys(["MatMul", "BatchMatMul", "BatchMatMulV2",
@@ -216,7 +255,7 @@ ROW_COMBINING = {
     **dict.fromkeys(index_rules.RULES, _index),
     **dict.fromkeys(["Roll", "ReverseV2"], _along_batch),
     "SparseTensorDenseMatMul": _sparse_matmul,
-    **slice_rules.RULES,
+    **_IN_BODY,
     **dict.fromkeys(["Softmax", "LogSoftmax",
                      "SoftmaxCrossEntropyWithLogits"], _softmax),
     **dict.fromkeys([

@@ -105,4 +105,15 @@ def _slice(op, inputs):
                                          component=fact.component)]
 
 
+def entries(vector, count):
+  """Each entry of an integer vector, None where not known when built (a
+  `tf.stack` of numbers and tensors: `x[i, 0]`'s begin is `[i, 0]`)."""
+  value = static(vector)
+  if value is not None:
+    return value
+  if vector.op.type == "Pack" and len(vector.op.inputs) == count:
+    return [(static(t) or [None])[0] for t in vector.op.inputs]
+  return [None] * count
+
+
 TRANSFER = {"StridedSlice": _strided_slice, "Slice": _slice}

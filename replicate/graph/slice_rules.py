@@ -9,12 +9,14 @@ apart only where it keeps the whole rows' axis: from its start (a begin of
 0, or masked) to its end (an end masked, or the rows' count
 `tf.shape(x)[0]`), step 1. Any other bound on that axis combines rows:
 refused on the loss's path (`replicate.shard.rows_meet`), computed on the
-whole batch's rows off it. Slices of other axes (`x[:, 0]`, `x[..., :k]`)
+whole batch's rows off it; a start known only when run (`x[i]`, a loop
+over the batch's rows, one row a step) too, inside a TF 2 loop's body as
+well (`replicate.graph.row_rules`). Slices of other axes (`x[:, 0]`, `x[..., :k]`)
 and of shape vectors (`tf.shape(x)[1:]`) are not looked at.
 """
 
 from replicate.graph import slice_layout
-from replicate.graph.row_facts import ROWS, ROWS_K, dims_of, static
+from replicate.graph.row_facts import ROWS, ROWS_K, dims_of
 
 
 def strided_slice(finder, op):
@@ -23,22 +25,26 @@ def strided_slice(finder, op):
   rank = op.inputs[0].shape.rank
   if not fact.carries or rank is None:
     return None
-  begin, strides = static(op.inputs[1]), static(op.inputs[3])
   masks = {name: op.get_attr(name + "_mask") for name in (
       "begin", "end", "ellipsis", "new_axis", "shrink_axis")}
   count = op.inputs[1].shape.num_elements()
-  mapping = slice_layout.slice_axes(rank, count or 0, masks)
-  if mapping is None or count is None:
+  if count is None:
     return None
+  mapping = slice_layout.slice_axes(rank, count, masks)
+  if mapping is None:
+    return None
+  # Each entry, None where known only when run (`x[0:n, i]`).
+  begin = slice_layout.entries(op.inputs[1], count)
+  strides = slice_layout.entries(op.inputs[3], count)
   spec = [s for axis, _, s in mapping if axis == fact.axis]
   if not spec or spec[0] is None:
     return None  # the rows' axis is under an ellipsis: whole
   spec = spec[0]
   if masks["shrink_axis"] >> spec & 1:
     return _PICKS.format("one row", "x[0]")
-  if strides is None or strides[spec] != 1:
+  if strides[spec] != 1:
     return _PICKS.format("rows by a step", "x[::2]")
-  if not masks["begin"] >> spec & 1 and (begin is None or begin[spec] != 0):
+  if not masks["begin"] >> spec & 1 and begin[spec] != 0:
     return _PICKS.format("rows from a start other than the first",
                          "x[1:]")
   if not masks["end"] >> spec & 1 and not _counts_rows(
@@ -53,12 +59,15 @@ def slice_(finder, op):
   fact = finder.layout.fact(op.inputs[0])
   if not fact.carries:
     return None
-  begin = static(op.inputs[1])
-  if begin is None or begin[fact.axis] != 0:
+  count = op.inputs[1].shape.num_elements()
+  if count is None or fact.axis >= count:
+    return None
+  begin = slice_layout.entries(op.inputs[1], count)
+  if begin[fact.axis] != 0:
     return _PICKS.format("rows from a start other than the first",
                          "tf.slice(x, [1, 0], [-1, -1])")
-  size = static(op.inputs[2])
-  if size is not None and size[fact.axis] == -1:
+  size = slice_layout.entries(op.inputs[2], count)
+  if size[fact.axis] == -1:
     return None
   if _counts_rows(finder, op.inputs[2], fact.axis):
     return None

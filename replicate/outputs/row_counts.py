@@ -15,7 +15,8 @@ are a `Where` of them. The walk stops at a value whose entries are told. A value
 rows if one is behind it through inputs that carry values; inputs that
 only give its output's shape (a `Reshape`'s shape, a `Fill`'s dims, a
 slice's bounds, a `Tile`'s multiples) or pick which values it holds (a
-gather's indices) count for its shape only. One pass over the ops asked, memoized: linear in the graph.
+gather's indices, a cond's predicate, a loop's counter, a list's index)
+count for its shape only. One pass over the ops asked, memoized: linear in the graph.
 """
 
 from replicate.graph import op_types
@@ -35,6 +36,15 @@ _SHAPE_INPUTS = {
     # that select values (`gather_nd(x, where(mask))` holds x's).
     "GatherV2": (1, 2), "Gather": (1,), "GatherNd": (1,),
     "ResourceGather": (1,), "ScatterNd": (0, 2),
+    # Which branch or step: a cond's predicate, a loop's counter and its
+    # bound (`i < tf.shape(x)[0]`), a list's size and the index it reads.
+    "Switch": (1,), "RefSwitch": (1,), "If": (0,), "StatelessIf": (0,),
+    "TensorArrayV3": (0,), "TensorArrayReadV3": (1,),
+    "TensorArrayWriteV3": (1,), "TensorArrayGatherV3": (1,),
+    "TensorArrayScatterV3": (1,), "TensorListReserve": (0, 1),
+    "TensorListFromTensor": (1,), "TensorListGetItem": (1, 2),
+    "TensorListSetItem": (1,), "TensorListStack": (1,),
+    "TensorListGather": (1, 2),
 }
 
 
@@ -70,7 +80,7 @@ class RowCounts:
   def _walk(self, start, memo, shape_inputs):
     """Post-order over the ops behind `start`, without recursion; it
     stops at values whose entries the analysis tells."""
-    stack = [(start, False)]
+    stack, expanded = [(start, False)], set()
     while stack:
       op, ready = stack.pop()
       if op in memo:
@@ -83,6 +93,9 @@ class RowCounts:
       if ready:
         memo[op] = any(memo.get(t.op, False) for t in inputs)
         continue
+      if op in expanded:
+        continue  # a TF 1 loop's back edge: its other inputs decide
+      expanded.add(op)
       stack.append((op, True))
       stack.extend((t.op, False) for t in inputs if t.op not in memo)
     return memo[start]

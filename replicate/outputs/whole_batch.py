@@ -14,25 +14,20 @@ whole batch's is wanted off the loss's path, `WholeBatch` builds it, once:
 
 On how: the spec's loss is the combined spec's loss. Otherwise the ops
 from the value back to the tower's per-row tensors are built again
-(`replicate.outputs.op_copies`): each per-row tensor (rows along a known
-axis, `replicate.graph.row_layout`, that counts no rows in its values or
-its other axes, `replicate.outputs.row_counts`; the shard's tensors; the
-spec's predictions) is read as the towers' concatenated along it in tower
-order (input order), each count of rows (`tf.shape(x)[0]`) as the towers'
-sum, a shape TensorFlow folded to a constant from the rows' as
-`replicate.outputs.folded_shapes` reads it, the rest (variables,
+(`replicate.outputs.op_copies`): each per-row tensor (rows along an axis
+the row analysis follows, `replicate.graph.row_layout`: through a fused
+LSTM, a TF 2 loop or cond, tf_ner's CRF; that counts no rows in its values
+or other axes, `replicate.outputs.row_counts`; the shard's tensors; the
+spec's predictions) is read as the towers' concatenated along it in input
+order, each count of rows (`tf.shape(x)[0]`) as the towers' sum, a folded
+shape as `replicate.outputs.folded_shapes` reads it, the rest (variables,
 constants, values replicate made the batch's already) as it is. Past an op
-where rows meet (`mixed`, the rows rule's: `replicate.shard.rows_meet`),
+where rows meet (`mixed`, the rows rule's: `replicate.shard.rows_meet`)
 nothing is concatenated: it is built again on the whole batch's rows. A
-mean over the rows is then the mean over every row, a `py_func` of the
-rows is called on every row, an in-batch similarity is over every pair of
-the batch's rows. A tower on a stand-in row adds no rows and counts 0. A
-TF 1 cond is built again with its Switch and Merge.
-
-A per-row tensor is taken from the towers where the row analysis follows
-its rows (through a fused LSTM, a TF 2 loop or cond, a CRF decode's ArgMax:
-tf_ner's BiLSTM-CRF), so the ops built again stop there; a TF 2 loop's
-TensorList is built again from its tensor's concatenation.
+mean over the rows is then the mean over every row, a `py_func` is called
+on every row, an in-batch similarity is over every pair of rows. A tower
+on a stand-in row adds no rows and counts 0. A TF 1 cond is built again
+with its Switch and Merge; a TF 2 loop's TensorList from its tensor's.
 
 What it cannot build again (`CannotBuild` says which, `op_copies` lists
 them: a dropout's draw, met where the analysis lost the rows before it, as
@@ -52,6 +47,7 @@ import tensorflow as tf
 
 from replicate import _tf
 from replicate import graph_walk
+from replicate.graph import loop_layout
 from replicate.graph import op_types
 from replicate.graph import row_layout
 from replicate.graph.row_facts import ROWS, ROWS_K, SELECTED_COUNT, UNKNOWN
@@ -87,7 +83,11 @@ class WholeBatch:
     ops = [op for op in progress.tower_ops[0]
            if op not in progress.own_ops and op not in progress.update_built]
     backward = [op for op in ops if is_backward(op)]
-    after = graph_walk.ops_after(backward) if backward else set()
+    # A TF 2 loop's gradient feeds its accumulators into the forward `While`
+    # (which then also returns each step's values): the walk stops there,
+    # or every value after a `dynamic_rnn` would count as backward.
+    after = graph_walk.ops_after(backward, stop=lambda op: (
+        op.type in loop_layout.LOOPS and not is_backward(op))) if backward else set()
     self.forward = frozenset(op for op in ops if op not in after)
     self._mixed = (graph_walk.ops_after(mixed) & self.forward
                    if mixed else frozenset())
