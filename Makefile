@@ -25,7 +25,8 @@ TF1_TESTS := tests/test_tf1_behavior.py tests/test_equivalence.py \
 	tests/test_replicated.py tests/test_canned.py tests/test_model_fn.py \
 	tests/test_specs.py tests/test_sharding.py tests/test_sync_batch_norm.py \
 	tests/test_seeded_start.py tests/test_tpu_spec.py tests/test_row_ops.py \
-	tests/test_batch_predictions.py tests/test_loop_rows.py
+	tests/test_batch_predictions.py tests/test_loop_rows.py \
+	tests/test_batch_summaries.py
 TF1_SELECTION := not v2 and not v1-1 and not v1-2
 
 .PHONY: venv demo test test-oracle test-oracle-full test-multiworker clean
