@@ -126,11 +126,14 @@ def test_synchronous_training_aggregates_both_and_stops_promptly(
   records = _records(str(model_dir))
   # Each global step is one update aggregating 2 gradients, so the two
   # workers ran at least about 2 steps per update together (stale ones
-  # are dropped; a worker that joins late leaves the first updates to the
-  # other); asynchronously, 100 updates take about 100 steps together.
+  # are dropped); asynchronously, 100 updates take about 100 steps
+  # together. How the steps split between them is the machine's timing: a
+  # worker that joins late leaves the first updates to the other (a loaded
+  # CI run: 192 + 10, the worker from global step 90), so only its joining
+  # is asserted.
   steps = [record["steps"] for record in records.values()]
   assert [r["last_global_step"] for r in records.values()] == [100, 100]
-  assert sum(steps) >= 196 and min(steps) >= 50, records
+  assert sum(steps) >= 196 and min(steps) >= 1, records
   # Unfixed, the chief waits 120 s at its close for gradients that never
   # come (SyncReplicasOptimizer's queue runner); a run takes about 12 s.
   assert elapsed < 60, elapsed
