@@ -129,6 +129,16 @@ def train_both(model_fn: Callable, towers: int, batches: Sequence[tuple],
       model_fn, batches, towers, **kwargs)
 
 
+def assert_trained_alike(expected: Run, actual: Run) -> None:
+  """`actual`'s loss at every step and every variable after the last equal
+  `expected`'s (one device's), to float rounding."""
+  np.testing.assert_allclose(actual.per_step("loss"),
+                             expected.per_step("loss"), rtol=1e-5)
+  for variable, value in expected.variables.items():
+    np.testing.assert_allclose(actual.variables[variable], value, rtol=1e-5,
+                               atol=1e-6, err_msg=variable)
+
+
 _TRAIN_ARGS = ("static", "known_rows", "step_fetches", "after_fetches",
                "in_graph", "named_inputs", "session_towers", "like")
 

@@ -357,11 +357,7 @@ def test_a_scan_and_a_map_fn_train_exactly(name, static, control_flow):
   model_fn = {"scan": _scan_model_fn, "map_fn": _map_fn_model_fn}[name]
   expected, actual = harness.train_both(model_fn, 2, _batches(),
                                         static=static, known_rows=static)
-  np.testing.assert_allclose(actual.per_step("loss"),
-                             expected.per_step("loss"), rtol=1e-5)
-  for variable, value in expected.variables.items():
-    np.testing.assert_allclose(actual.variables[variable], value, rtol=1e-5,
-                               atol=1e-6, err_msg=variable)
+  harness.assert_trained_alike(expected, actual)
 
 
 @pytest.mark.parametrize("loop", ["dynamic_rnn", "map_fn"])

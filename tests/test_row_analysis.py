@@ -130,11 +130,7 @@ def test_index_idioms_that_keep_rows_apart_train_exactly(name, towers,
       model_fn, towers, [batch, batch], static=static,
       after_fetches=lambda graph: graphs.append(graph) or {})
   assert len(expected.steps) == len(actual.steps) == 2
-  np.testing.assert_allclose(actual.per_step("loss"),
-                             expected.per_step("loss"), rtol=1e-5)
-  for variable, value in expected.variables.items():
-    np.testing.assert_allclose(actual.variables[variable], value, rtol=1e-5,
-                               atol=1e-6, err_msg=variable)
+  harness.assert_trained_alike(expected, actual)
   # Per tower: each tower scatters its own rows (no all_rows gather).
   scatters = [op.name for op in graphs[1].get_operations()
               if op.type == "ScatterNd"]
@@ -156,11 +152,7 @@ def test_groupwise_scatter_of_long_lists_of_known_size_trains_exactly():
   batch = {"items": items, "y": (items[:, :, 0] > 0).astype(np.float32)}
   expected, actual = harness.train_both(zoo_rows.ranking_model_fn, 2,
                                         [batch, batch], static=True)
-  np.testing.assert_allclose(actual.per_step("loss"),
-                             expected.per_step("loss"), rtol=1e-5)
-  for variable, value in expected.variables.items():
-    np.testing.assert_allclose(actual.variables[variable], value, rtol=1e-5,
-                               atol=1e-6, err_msg=variable)
+  harness.assert_trained_alike(expected, actual)
 
 
 def _gather_indexes(sequence_tensor, positions):
@@ -205,11 +197,7 @@ def test_berts_masked_lm_gather_trains_exactly(towers, static):
              for _ in range(2)]
   expected, actual = harness.train_both(_masked_lm_model_fn, towers, batches,
                                         static=static, known_rows=static)
-  np.testing.assert_allclose(actual.per_step("loss"),
-                             expected.per_step("loss"), rtol=1e-5)
-  for variable, value in expected.variables.items():
-    np.testing.assert_allclose(actual.variables[variable], value, rtol=1e-5,
-                               atol=1e-6, err_msg=variable)
+  harness.assert_trained_alike(expected, actual)
 
 
 def _rnn_model_fn(pick):
@@ -260,11 +248,7 @@ def test_an_rnns_last_relevant_output_trains_exactly(pick, towers, static):
   expected, actual = harness.train_both(_rnn_model_fn(pick), towers,
                                         _rnn_batches(), static=static,
                                         known_rows=static)
-  np.testing.assert_allclose(actual.per_step("loss"),
-                             expected.per_step("loss"), rtol=1e-5)
-  for variable, value in expected.variables.items():
-    np.testing.assert_allclose(actual.variables[variable], value, rtol=1e-5,
-                               atol=1e-6, err_msg=variable)
+  harness.assert_trained_alike(expected, actual)
 
 
 def _crf_score_model_fn(pick):
@@ -313,11 +297,7 @@ def test_a_crf_sequence_score_trains_exactly(pick, towers, static):
   expected, actual = harness.train_both(_crf_score_model_fn(pick), towers,
                                         batches, static=static,
                                         known_rows=static)
-  np.testing.assert_allclose(actual.per_step("loss"),
-                             expected.per_step("loss"), rtol=1e-5)
-  for variable, value in expected.variables.items():
-    np.testing.assert_allclose(actual.variables[variable], value, rtol=1e-5,
-                               atol=1e-6, err_msg=variable)
+  harness.assert_trained_alike(expected, actual)
 
 
 def test_rows_reversed_after_an_rnn_are_refused():
@@ -452,8 +432,4 @@ def test_a_refused_gathers_fix_as_the_message_writes_it_is_exact(towers):
   batches = [_reversal_batch()] * 2
   expected = harness.train(_reversal_model_fn(False), batches)
   actual = harness.train(_reversal_model_fn(True), batches, towers)
-  np.testing.assert_allclose(actual.per_step("loss"),
-                             expected.per_step("loss"), rtol=1e-5)
-  for variable, value in expected.variables.items():
-    np.testing.assert_allclose(actual.variables[variable], value, rtol=1e-5,
-                               atol=1e-6, err_msg=variable)
+  harness.assert_trained_alike(expected, actual)
