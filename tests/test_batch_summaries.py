@@ -360,9 +360,12 @@ def _precision(labels, predicted, weights):
 
 def _tagger_model_fn(features, labels, mode):
   x, lengths = features["x"], features["nwords"]
+  if "chars" in features:
+    x = tf.concat([x, _char_features(features["chars"],
+                                     features["nchars"])], -1)
   init = np.random.RandomState(6)
   kernel = tf.compat.v1.get_variable("kernel", initializer=init.randn(
-      DIM + UNITS, 4 * UNITS).astype(np.float32) * 0.5)
+      x.shape[-1] + UNITS, 4 * UNITS).astype(np.float32) * 0.5)
   bias = tf.compat.v1.get_variable("bias", initializer=np.zeros(
       4 * UNITS, np.float32))
   dense = tf.compat.v1.get_variable("dense", initializer=init.randn(
@@ -382,7 +385,9 @@ def _tagger_model_fn(features, labels, mode):
   outputs = tf.nn.dropout(tf.transpose(outputs, [1, 0, 2]), rate=0.5,
                           noise_shape=[1, 1, UNITS], seed=7)
   logits = tf.tensordot(outputs, dense, 1)
-  weights = tf.sequence_mask(lengths, TIME)
+  # tf_ner's chars model pads each batch to its longest sentence.
+  weights = (tf.sequence_mask(lengths) if "chars" in features else
+             tf.sequence_mask(lengths, TIME))
   xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
                                                         logits=logits)
   loss = tf.compat.v1.losses.compute_weighted_loss(xent, weights)
@@ -424,6 +429,92 @@ def test_tagger_metric_summaries_are_the_batch(tmp_path, dynamic):
   values = _values(expected, TAGGER_TAGS + ("loss",))
   assert len(values) == (len(TAGGER_TAGS) + 1) * STEPS
   for key, value in values.items():
+    np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,
+                               err_msg=str(key))
+
+
+# tf_ner's chars_lstm_lstm_crf adds to each word its characters' fused
+# LSTM: the words of every row folded into one batch of words, `[rows *
+# words, chars, d]`, by a words' count known only when run, then back to
+# `[-1, words, units]` by it. On 405e424 the row analysis lost the rows at
+# that second reshape, and a stateful op before it (the dropout) left
+# every summary tower 0's; then the metrics' weights (`tf.ones_like` of a
+# shape whose first entry counts the rows) were taken for values whose
+# other axes count them.
+CHARS, CHAR_DIM, CHAR_UNITS = 4, 2, 3
+TAGGER_CHARS = np.random.RandomState(8).randn(
+    ROWS, TIME, CHARS, CHAR_DIM).astype(np.float32)
+TAGGER_NCHARS = np.random.RandomState(9).randint(
+    1, CHARS + 1, size=(ROWS, TIME)).astype(np.int32)
+
+
+def _char_features(chars, nchars):
+  """Each word's last character state, `[rows, words, CHAR_UNITS]`, as
+  tf_ner computes it (dropout, then the fused LSTM over `[chars, rows *
+  words, d]`, its last relevant output gathered)."""
+  init = np.random.RandomState(10)
+  kernel = tf.compat.v1.get_variable("char_kernel", initializer=init.randn(
+      CHAR_DIM + CHAR_UNITS, 4 * CHAR_UNITS).astype(np.float32))
+  bias = tf.compat.v1.get_variable("char_bias", initializer=np.zeros(
+      4 * CHAR_UNITS, np.float32))
+  chars = tf.nn.dropout(chars, rate=0.5, noise_shape=[1, 1, 1, CHAR_DIM],
+                        seed=12)
+  dim_words = tf.shape(chars)[1]
+  dim_chars = tf.shape(chars)[2]
+  flat = tf.reshape(chars, [-1, dim_chars, CHAR_DIM])
+  time_major = tf.transpose(flat, [1, 0, 2])
+  zeros = tf.zeros(tf.stack([tf.shape(time_major)[1], CHAR_UNITS]))
+  peephole = tf.zeros([CHAR_UNITS])
+  states = tf.raw_ops.BlockLSTM(
+      seq_len_max=tf.cast(dim_chars, tf.int64), x=time_major, cs_prev=zeros,
+      h_prev=zeros, w=kernel, wci=peephole, wcf=peephole, wco=peephole,
+      b=bias).h
+  lengths = tf.reshape(nchars, [-1])
+  last = tf.gather_nd(states, tf.stack(
+      [tf.maximum(lengths - 1, 0), tf.range(tf.shape(lengths)[0])], 1))
+  return tf.reshape(last, [-1, dim_words, CHAR_UNITS])
+
+
+def _sentences():
+  """tf_ner's input: one sentence a row, of its own length, padded to the
+  batch's longest (`padded_batch`): words and characters of sizes known
+  only when run."""
+  for row, length in enumerate(TAGGER_LENGTHS):
+    yield ({"x": TAGGER_X[row, :length], "nwords": length,
+            "chars": TAGGER_CHARS[row, :length],
+            "nchars": TAGGER_NCHARS[row, :length]},
+           TAGGER_Y[row, :length])
+
+
+def _sentence_batches():
+  shapes = ({"x": [None, DIM], "nwords": [], "chars": [None, CHARS,
+                                                       CHAR_DIM],
+             "nchars": [None]}, [None])
+  types = ({"x": tf.float32, "nwords": tf.int32, "chars": tf.float32,
+            "nchars": tf.int32}, tf.int32)
+  return tf.data.Dataset.from_generator(
+      _sentences, output_types=types, output_shapes=shapes).padded_batch(3)
+
+
+@pytest.mark.parametrize("towers", [2, 3])
+def test_char_tagger_metric_summaries_are_the_batch(tmp_path, towers):
+  events = []
+  for count in (0, towers):
+    model_fn = _tagger_model_fn
+    if count:
+      model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(count))
+    model_dir = str(tmp_path / str(count))
+    tf.estimator.Estimator(model_fn, model_dir=model_dir, config=(
+        tf.estimator.RunConfig(session_config=session_config(count or 1),
+                               tf_random_seed=11, save_summary_steps=1,
+                               log_step_count_steps=None,
+                               save_checkpoints_steps=None,
+                               save_checkpoints_secs=None))).train(
+                                   _sentence_batches, max_steps=STEPS)
+    events.append(_values(_events(model_dir), TAGGER_TAGS + ("loss",)))
+  expected, got = events
+  assert len(expected) == (len(TAGGER_TAGS) + 1) * STEPS
+  for key, value in expected.items():
     np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,
                                err_msg=str(key))
 

@@ -7,7 +7,8 @@
   axis carries its rows, and for integer tensors, whether their values are
   the tower's own row positions; `row_facts` the facts it keeps of a
   tensor; `layout_ops` how each op moves them, by family: `shape_layout`
-  (shapes, ranges, reshapes, transposes), `slice_layout` (slices),
+  (shapes, ranges, transposes), `reshape_layout` (reshapes to and from
+  blocks of rows), `slice_layout` (slices),
   `index_layout` (gathers, scatters, segment ops), `sparse_layout` (the
   sparse ops of feature columns), `loop_layout` (TF 2 while loops, through
   their bodies, TensorLists and TF 1 TensorArrays), `frame_layout` (TF 1

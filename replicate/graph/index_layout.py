@@ -10,7 +10,7 @@ segment op whose targets are each value's own row gives one entry per row.
 
 from replicate.graph.row_facts import (
     ALIGNED, BLOCKED, BPOS, NONE, NO_ROWS, OTHER, ROW, ROWS, ROWS_K, SELECTED,
-    SPOS, UNKNOWN, UNKNOWN_ROWS, Fact, dims_of, rank_of, static)
+    SPOS, UNKNOWN, UNKNOWN_ROWS, Fact, dims_of, rank_of, static, with_blocks)
 
 
 # What a gather axis's kind of rows asks of the indices' values.
@@ -56,7 +56,8 @@ def _gather(op, inputs):
     if positions_for(params, indices, None):
       # An order-kept selection: each entry keeps its row, and what its
       # values say of positions (an index matrix's row part).
-      moved = indices.moved(axis + indices.axis - batch_dims)
+      moved = with_blocks(indices.moved(axis + indices.axis - batch_dims),
+                          params)
       return [moved._replace(ids=params.ids, component=params.component,
                              pos_of=params.pos_of)]
     return [UNKNOWN_ROWS]
@@ -117,7 +118,7 @@ def _gather_nd(op, inputs):
   if params.axis < depth:
     if (positions_for(params, indices, params.axis) and
         indices.axis < index_rank - 1):
-      moved = indices.moved(indices.axis)
+      moved = with_blocks(indices.moved(indices.axis), params)
       if params.component is not None and (
           rank_of(op.inputs[0]) or 0) - 1 >= depth:
         # Whole index tuples taken: their row part stays their row.

@@ -12,13 +12,14 @@ any axis).
 from replicate.graph import index_layout
 from replicate.graph.index_layout import same_rows
 from replicate.graph import loop_layout
+from replicate.graph import reshape_layout
 from replicate.graph import row_ops
 from replicate.graph import shape_layout
 from replicate.graph import slice_layout
 from replicate.graph import sparse_layout
 from replicate.graph.row_facts import (
     ALIGNED, BLOCKED, BPOS, CARRIES, NONE, NO_ROWS, ROW, ROWS, ROWS_K, STARTS,
-    UNKNOWN, UNKNOWN_ROWS, Fact, dims_of, rank_of, static)
+    UNKNOWN, UNKNOWN_ROWS, Fact, dims_of, rank_of, static, with_blocks)
 
 
 _IDENTITY = frozenset("""Identity Snapshot StopGradient PreventGradient
@@ -76,6 +77,8 @@ def _broadcast(op, inputs):
     moved = fact.moved(axis)
     if found is None:
       found = moved
+    elif same_rows(found, moved):
+      found = with_blocks(found, moved)
     elif (found.kind, found.axis, found.source) != (moved.kind, moved.axis,
                                                     moved.source):
       return UNKNOWN_ROWS  # two row axes meet (an outer product of rows)
@@ -226,7 +229,8 @@ def _time_major(op, inputs):
     return None
   if any(f.kind != NONE and not same_rows(f, x.moved(0)) for f in states):
     return None
-  return [x.moved(1) for _ in op.outputs]
+  return [with_blocks(x.moved(1), *states)
+          for _ in op.outputs]
 
 
 def _select(op, inputs):
@@ -258,9 +262,9 @@ _TRANSFER = {
     **dict.fromkeys(["BlockLSTM", "BlockLSTMV2"], _time_major),
     "Select": _select,
 }
-_TABLES = (shape_layout.TRANSFER, slice_layout.TRANSFER,
-           index_layout.TRANSFER, sparse_layout.TRANSFER,
-           loop_layout.TRANSFER, _TRANSFER)
+_TABLES = (shape_layout.TRANSFER, reshape_layout.TRANSFER,
+           slice_layout.TRANSFER, index_layout.TRANSFER,
+           sparse_layout.TRANSFER, loop_layout.TRANSFER, _TRANSFER)
 
 
 def transfer(op, inputs):

@@ -116,7 +116,8 @@ def join(first: Fact, second: Fact) -> Fact:
     fact = second if first.kind == NONE else first
     return fact.moved(fact.axis) if fact.carries else fact
   if first.kind == second.kind and first.axis == second.axis:
-    return first.moved(first.axis)
+    return first.moved(first.axis)._replace(
+        block=first.block if first.block == second.block else None)
   return UNKNOWN_ROWS
 
 

@@ -4,7 +4,8 @@ On what it knows of a tensor (a `Fact`):
 - `kind` and `axis`: how the tower's rows lie along one axis. ALIGNED:
   index i along `axis` is row i (the shard itself, `tf.range(rows)`).
   BLOCKED: the axis holds rows * k entries, row-major (`tf.reshape(x, [-1,
-  d])` of a `[rows, length, d]` tensor): entry p is row p // k. SELECTED:
+  d])` of a `[rows, length, d]` tensor): entry p is row p // k (`block`:
+  what k is made of, where known). SELECTED:
   the entries along `axis` are an order-kept selection of the rows' entries
   (`tf.where(mask)`, a `SparseTensor`'s values, `tf.gather_nd(x,
   tf.where(mask))`), each labelled by the index tensor `source`. NONE: no

@@ -1,15 +1,15 @@
 """How shape and layout ops move the rows: `tf.shape(x)[0]` told from
 `tf.shape(x)[1]` (a shape-like value's entries: ROWS, ROWS_K, known
-numbers), `tf.range(rows)`, reshapes to and from `[rows * k, ...]` blocks,
-transposes, expand / squeeze, stack / concat, slices."""
+numbers), `tf.range(rows)`, transposes, expand / squeeze, stack / concat
+(reshapes: `replicate.graph.reshape_layout`)."""
 
 import numpy as np
 
 from replicate.graph import index_layout
 from replicate.graph.row_facts import (
     ALIGNED, BLOCKED, BPOS, NONE, NO_ROWS, OTHER, ROW, ROWS, ROWS_K,
-    ROWS_PLUS, SELECTED, SELECTED_COUNT, UNKNOWN, UNKNOWN_ROWS, Fact, dims_of,
-    rank_of, static)
+    ROWS_PLUS, SELECTED, SELECTED_COUNT, UNKNOWN, UNKNOWN_ROWS, Fact, Size,
+    dims_of, rank_of, static, with_blocks)
 
 
 COUNT_ARITHMETIC = frozenset(["Mul", "Add", "AddV2", "Sub", "Maximum"])
@@ -52,7 +52,7 @@ def _shape(op, inputs):
         dims.append({ALIGNED: ROWS, BLOCKED: ROWS_K,
                      SELECTED: SELECTED_COUNT}[fact.kind])
       else:
-        dims.append(OTHER if size is None else size)
+        dims.append(Size((tensor.ref(), axis)) if size is None else size)
     facts.append(Fact(dims=tuple(dims)))
   return facts
 
@@ -131,6 +131,8 @@ def _stacked(op, inputs, axis, new_axis):
                                     fact.axis >= new_axis else 0))
     if found is None:
       found = moved
+    elif index_layout.same_rows(found, moved):
+      found = with_blocks(found, moved)
     elif (found.kind, found.axis, found.source) != (moved.kind, moved.axis,
                                                     moved.source):
       return UNKNOWN_ROWS
@@ -194,66 +196,6 @@ def _transpose(op, inputs):
   return [fact.moved(perm.index(fact.axis))]
 
 
-def _reshape(op, inputs):
-  facts = _reshaped(op, inputs)
-  fact = inputs[0]
-  if fact.component is not None and facts[0].ids:
-    # `tf.reshape(tf.where(mask), [-1])` of one column: the values themselves.
-    sizes = op.inputs[0].shape.as_list() if rank_of(op.inputs[0]) else []
-    if sizes and sizes[-1] == 1 and fact.component == 0 and (
-        rank_of(op.outputs[0]) == len(sizes) - 1):
-      return [facts[0]._replace(component=None)]
-  return facts
-
-
-def _static_reshape(fact, tensor, dims):
-  """Known sizes (a batch of known size, `[3, 5, w]` to `[15, w]`): the
-  rows lead both, the new first size a multiple of the rows'."""
-  rows = tensor.shape.as_list()[0] if fact.axis == 0 else None
-  first = dims[0] if dims else None
-  if (fact.kind not in (ALIGNED, BLOCKED) or not isinstance(rows, int) or
-      not isinstance(first, int) or rows <= 0 or first % rows):
-    return UNKNOWN_ROWS
-  if first == rows:
-    return fact._replace(axis=0, dims=None, ones=False)
-  return fact._replace(kind=BLOCKED, axis=0, dims=None, ones=False)
-
-
-def _reshaped(op, inputs):
-  """Rows to and from `[rows * k, ...]` blocks: the new shape's entry that
-  counts the rows (`tf.shape(x)[0] * length`), or a leading -1."""
-  fact, tensor = inputs[0], op.inputs[0]
-  dims = dims_of(inputs[1], op.inputs[1])
-  if not fact.carries or dims is None or rank_of(tensor) is None:
-    return [fact if fact.kind == NONE else UNKNOWN_ROWS]
-  before = tensor.shape.as_list()[:fact.axis]
-  if any(size != 1 for size in before):
-    return [UNKNOWN_ROWS]
-  counts = [i for i, d in enumerate(dims)
-            if d in (ROWS, ROWS_K, SELECTED_COUNT)]
-  if len(counts) == 1 and all(d == 1 for d in dims[:counts[0]]):
-    entry = dims[counts[0]]
-    kind = {ROWS: ALIGNED, ROWS_K: BLOCKED, SELECTED_COUNT: SELECTED}[entry]
-    if (kind == SELECTED) != (fact.kind == SELECTED):
-      return [UNKNOWN_ROWS]
-    return [fact._replace(kind=kind, axis=counts[0], dims=None, ones=False)]
-  if counts:
-    return [UNKNOWN_ROWS]
-  if -1 not in dims:
-    return [_static_reshape(fact, tensor, dims)]
-  where = dims.index(-1)
-  if any(d != 1 for d in dims[:where]):
-    return [UNKNOWN_ROWS]
-  after_in = tensor.shape.as_list()[fact.axis + 1:]
-  after_out = list(dims[where + 1:])
-  if (None not in after_in and all(isinstance(d, int) for d in after_out) and
-      np.prod(after_in) == np.prod(after_out)):
-    return [fact._replace(axis=where, dims=None, ones=False)]
-  if fact.kind == ALIGNED:
-    return [fact._replace(kind=BLOCKED, axis=where, dims=None, ones=False)]
-  return [UNKNOWN_ROWS]
-
-
 def _gather_dims(op, inputs):
   """A gather of entries of a shape-like vector by known positions."""
   dims, where = inputs[0].dims, static(op.inputs[1])
@@ -293,7 +235,6 @@ TRANSFER = {
     "ExpandDims": _expand_dims,
     "Squeeze": _squeeze,
     "Transpose": _transpose,
-    "Reshape": _reshape,
     "GatherV2": _gather_dims,
     "Prod": _prod,
 }

@@ -26,6 +26,11 @@ from replicate.graph.row_facts import ROWS, ROWS_K, ROWS_PLUS, SELECTED_COUNT
 _POSITIONS = (op_types.SHAPE_TYPES - {"Rank"}) | {"Where"}
 # What an entry of a shape-like value that counts rows is.
 _COUNTS = (ROWS, ROWS_K, ROWS_PLUS, SELECTED_COUNT)
+# The inputs of an op that are its output's sizes, axis by axis.
+_SIZES = {"Reshape": (1,), "BroadcastTo": (1,), "Fill": (0,), "Tile": (1,),
+          "Slice": (1, 2), "StridedSlice": (1, 2, 3)}
+_STRIDED_MASKS = ("ellipsis_mask", "new_axis_mask", "shrink_axis_mask")
+_GATHERS = frozenset(["GatherV2", "Gather", "GatherNd", "ResourceGather"])
 # The inputs of an op that give its output's shape, not its values.
 _SHAPE_INPUTS = {
     "Reshape": (1,), "BroadcastTo": (1,), "Fill": (0,), "Tile": (1,),
@@ -102,8 +107,35 @@ class RowCounts:
 
   def _inputs(self, op, shape_inputs):
     inputs = list(op.inputs)
-    if shape_inputs or op.type not in _SHAPE_INPUTS:
+    if shape_inputs:
+      return [t for index, t in enumerate(inputs)
+              if not self._counts_own_rows(op, index)]
+    if op.type not in _SHAPE_INPUTS:
       return inputs
     skipped = {index % len(inputs) for index in _SHAPE_INPUTS[op.type]
                } if inputs else set()
     return [t for index, t in enumerate(inputs) if index not in skipped]
+
+  def _counts_own_rows(self, op, index) -> bool:
+    """Whether input `index` of `op` gives its output's shape and counts
+    rows only along the output's rows: sizes axis by axis that count
+    them only at the output's rows' axis (`tf.zeros([tf.shape(x)[0],
+    units])`), or a gather's indices with rows along one axis and known
+    sizes elsewhere (each row's own positions). The towers' values are
+    put together along that axis."""
+    tensor = op.inputs[index]
+    if index in _SIZES.get(op.type, ()):
+      if op.type == "StridedSlice" and any(
+          op.get_attr(mask) for mask in _STRIDED_MASKS):
+        return False
+      out = self._fact(op.outputs[0])
+      dims = self._fact(tensor).dims
+      return out.carries and dims is not None and all(
+          entry not in _COUNTS for axis, entry in enumerate(dims)
+          if axis != out.axis)
+    if op.type in _GATHERS and index == 1:
+      fact = self._fact(tensor)
+      return fact.carries and tensor.shape.rank is not None and all(
+          size is not None for axis, size in enumerate(
+              tensor.shape.as_list()) if axis != fact.axis)
+    return False
