@@ -395,3 +395,43 @@ def test_a_running_sum_down_the_batch_as_a_loop_is_refused(pick, static,
            "While op 'while' .*its body's " + op.format(""))
   with pytest.raises(ValueError, match=where + ".*On 2 towers.*Fix: "):
     harness.train(model_fn, _batches(), 2, static=static, known_rows=static)
+
+
+def _rows_meet_in_a_loop_model_fn(meet):
+  """Each step of a loop over time lets the rows meet: each row's state
+  attends to every row's (`tf.matmul(s, s, transpose_b=True)`), or is
+  ranked against the others (`tf.nn.top_k` of one value per row)."""
+
+  def model_fn(features, labels, mode):
+    del mode
+    w = _weights()
+
+    def step(state, x):
+      if meet == "matmul":
+        mixed = tf.matmul(tf.nn.softmax(tf.matmul(state, state,
+                                                  transpose_b=True)), state)
+      else:
+        ranks = tf.nn.top_k(tf.reduce_sum(state, 1),
+                            k=tf.shape(state)[0]).indices
+        mixed = tf.gather(state, ranks)
+      return tf.tanh(tf.matmul(mixed, w) + x)
+
+    steps = tf.transpose(features["x"], [1, 0, 2])
+    states = tf.scan(step, steps, initializer=steps[0])
+    return _head(states[-1], labels)
+
+  return model_fn
+
+
+@pytest.mark.parametrize("meet", ["matmul", "top_k"])
+def test_rows_meeting_inside_a_loops_body_are_refused(meet, control_flow):
+  """Unlike one device on 2 towers (each tower's rows meet its own only).
+  On 405e424 a TF 2 loop's body was judged by its index, slice and loop
+  rules alone: under v2 control flow both passed, silently; under v1 the
+  body's op was refused."""
+  op = {"matmul": "MatMul op '{}MatMul(_1)?'",
+        "top_k": "TopKV2 op '{}TopKV2'"}[meet]
+  where = (op.format("scan/while/") if control_flow == "v1" else
+           "While op 'scan/while' .*its body's " + op.format(""))
+  with pytest.raises(ValueError, match=where + ".*On 2 towers.*Fix: "):
+    harness.train(_rows_meet_in_a_loop_model_fn(meet), _batches(), 2)

@@ -13,10 +13,9 @@ the reason and the fix.
 
 On loops: a TF 1 loop's body is in the graph, each of its ops judged there
 on the facts the row analysis finds through the loop's frame; a TF 2
-`While`'s body is a function, judged by the rules that read the row
-analysis only (`_IN_BODY`: index ops, slices, loops inside it) on the
-body's facts at the loop's fixpoint. A loop over the batch's rows (`x[i]`
-at each step) is refused under both.
+`While`'s body is a function, each of its ops judged by the same rules on
+the body's facts at the loop's fixpoint (`InBody`). A loop over the
+batch's rows (`x[i]` at each step) is refused under both.
 """
 
 import types
@@ -25,10 +24,12 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from replicate import graph_walk
 from replicate.graph import index_layout
 from replicate.graph import index_rules
+from replicate.graph import op_types
 from replicate.graph import slice_rules
-from replicate.graph.row_facts import UNKNOWN
+from replicate.graph.row_facts import NONE, UNKNOWN
 
 
 def named_inputs(op):
@@ -218,16 +219,16 @@ def _along_rows_axis(finder, values, axis, why) -> Optional[str]:
 
 
 def _loop(finder, op):
-  """A TF 2 `tf.while_loop`: the ops of its body that `_IN_BODY`'s rules
-  judge from the row analysis alone, on the body's layout at the loop's
-  fixpoint. A TF 1 loop's body is in the graph, each op judged there: a
-  loop over the batch's rows is refused under both."""
+  """A TF 2 `tf.while_loop`: the ops of its body, each judged by its rule
+  as outside it (`InBody` reads the body's layout at the loop's
+  fixpoint). A TF 1 loop's body is in the graph, each op judged there:
+  the same decisions under both control flows."""
   body = finder.layout.loop_body(op)
   if body is None:
     return None
-  inner = types.SimpleNamespace(layout=body[1])
+  inner = InBody(body[1], body[0], finder.tower_rows)
   for body_op in body[0]:
-    rule = _IN_BODY.get(body_op.type)
+    rule = ROW_COMBINING.get(body_op.type)
     why = rule and rule(inner, body_op)
     if why:
       return "its body's {} op {!r}: {}".format(body_op.type, body_op.name,
@@ -235,13 +236,40 @@ def _loop(finder, op):
   return None
 
 
-# The rules that read the row analysis only (not the outer graph's shapes
-# and rows through `finder`): those a TF 2 loop's body is judged by.
-_IN_BODY = {
-    **dict.fromkeys(index_rules.RULES, _index),
-    **slice_rules.RULES,
-    **dict.fromkeys(["While", "StatelessWhile"], _loop),
-}
+def leads_with_rows(tensor, tower_rows) -> bool:
+  """Whether `tensor`'s dimension 0 may hold rows: it has one, not of
+  size 1 where the tower has more rows than that (a value reduced over
+  the batch to one row)."""
+  if tensor.shape.rank == 0:
+    return False
+  first = tensor.shape[0]
+  first = getattr(first, "value", first)  # TF 1 behaviour's Dimension
+  return not (first == 1 and tower_rows != 1)
+
+
+class InBody:
+  """What the rules ask of a tensor of a TF 2 loop's body (a function: no
+  tensor of the tower's graph), read from the body's row analysis."""
+
+  def __init__(self, layout, ops, tower_rows):
+    self.layout = layout
+    self.tower_rows = tower_rows
+    self.rows = types.SimpleNamespace(depend=self._depend)
+    self._ops = frozenset(ops)
+
+  def _depend(self, tensors) -> bool:
+    return any(self.layout.fact(t).kind != NONE for t in tensors)
+
+  def carries_rows(self, tensor) -> bool:
+    return self._depend([tensor]) and leads_with_rows(tensor,
+                                                      self.tower_rows)
+
+  def from_row_values(self, tensor) -> bool:
+    return self.carries_rows(tensor)
+
+  def sampled(self, tensor) -> bool:
+    return any(op.type in op_types.SAMPLER_TYPES for op in
+               graph_walk.ops_behind([tensor], within=self._ops))
 
 
 # The op types that combine rows in some patterns, each with its rule.
@@ -255,7 +283,8 @@ ROW_COMBINING = {
     **dict.fromkeys(index_rules.RULES, _index),
     **dict.fromkeys(["Roll", "ReverseV2"], _along_batch),
     "SparseTensorDenseMatMul": _sparse_matmul,
-    **_IN_BODY,
+    **slice_rules.RULES,
+    **dict.fromkeys(["While", "StatelessWhile"], _loop),
     **dict.fromkeys(["Softmax", "LogSoftmax",
                      "SoftmaxCrossEntropyWithLogits"], _softmax),
     **dict.fromkeys([

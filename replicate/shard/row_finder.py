@@ -44,11 +44,7 @@ class Finder:
       return False
     if not is_shard and self.layout.fact(tensor).kind == row_facts.NONE:
       return False  # made from the rows' count only (`tf.range(list_size)`)
-    if tensor.shape.rank == 0:
-      return False
-    first = tensor.shape[0]
-    first = getattr(first, "value", first)  # TF 1 behaviour's Dimension
-    return not (first == 1 and self.tower_rows != 1)
+    return row_rules.leads_with_rows(tensor, self.tower_rows)
 
   def sampled(self, tensor: tf.Tensor) -> bool:
     """Computed from a candidate sampler's draws (`sampled_softmax_loss`'s
