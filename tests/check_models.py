@@ -47,6 +47,19 @@ def with_dropout(features, labels, mode):
   return _spec(mode, hidden, labels)
 
 
+def with_dropout_summarized(features, labels, mode):
+  # A metric's update after a dropout, written as a TRAIN summary, as
+  # tf_ner writes its metrics'.
+  hidden = tf.compat.v1.layers.dense(features["x"], 8, tf.nn.relu)
+  hidden = tf.compat.v1.layers.dropout(
+      hidden, 0.5, training=mode == tf.estimator.ModeKeys.TRAIN)
+  spec = _spec(mode, hidden, labels)
+  if mode == tf.estimator.ModeKeys.TRAIN:
+    tf.compat.v1.summary.scalar("accuracy",
+                                spec.eval_metric_ops["accuracy"][1])
+  return spec
+
+
 def with_dropout_per_item(features, labels, mode):
   # Each row's 2 items through one layer, as a ranking model scores a
   # list's items: flattened to [rows * 2, 2], so the dropout draws 2
@@ -92,6 +105,21 @@ def declared_wrong(features, labels, mode):
   hidden = mixed
   replicate.rows_apart(hidden)
   return _spec(mode, hidden, labels)
+
+
+def declared_wrong_after_positions(features, labels, mode):
+  # Each row's last relevant entry, by index tuples of its own position
+  # (`tf.range(rows)`: a tower's are its own shard's, 0 to n_i - 1), then
+  # the wrong declaration.
+  x = features["x"]
+  lengths = 1 + tf.cast(x[:, 0] * 3, tf.int32)
+  last = tf.gather_nd(tf.expand_dims(x, -1), tf.stack(
+      [tf.range(tf.shape(x)[0]), lengths - 1], 1))
+  joined = tf.compat.v1.layers.dense(tf.concat([x, last], 1), 8, tf.nn.relu)
+  mixed = tf.compat.v1.py_func(_minus_first_row, [joined], tf.float32, False)
+  mixed.set_shape([None, 8])  # the line above is PLANTED: it mixes rows
+  replicate.rows_apart(mixed)
+  return _spec(mode, mixed, labels)
 
 
 def max_metric(features, labels, mode):

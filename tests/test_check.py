@@ -73,6 +73,18 @@ def test_a_model_with_dropout_is_exact_fed_one_devices_draws():
   assert "fed the one-device draw's rows" in str(report)
 
 
+def test_a_metric_summary_after_a_dropout_is_the_whole_batchs():
+  # On f60d3dc the dropout's mask, a draw of `tf.shape(hidden)` (whose
+  # first entry counts the tower's rows), was taken for values that count
+  # the rows: the summary was not put together from the towers' values,
+  # and stayed tower 0's (tf_ner's four metric summaries, under the check).
+  report = _check(check_models.with_dropout_summarized, towers=(2, 3),
+                  modes=("train",))
+  assert report.exact, str(report)
+  assert not [note for note in report.notes if "summar" in note], (
+      report.notes)
+
+
 def test_a_dropout_over_each_rows_items_is_fed_each_towers_rows():
   # A draw of [rows * 2, 8]: tower i is fed its rows' 2 entries each (on
   # a1c186a the whole draw was fed: TF-Ranking's LibSVM example failed to
@@ -165,6 +177,20 @@ def test_a_wrong_rows_apart_declaration_is_rejected_at_the_op():
   assert first.tower == 1  # tower 0's rows start with the batch's row 0
   assert _line_of("py_func(_minus_first_row") in first.source
   assert "the declaration does not hold" in str(report)
+
+
+def test_positions_among_the_towers_rows_are_not_taken_for_a_difference():
+  # A tower's row positions (`tf.range(rows)` in index tuples, a
+  # `tf.where`'s) are its own shard's, not one device's rows': on f60d3dc
+  # the index tuples' `Pack` was named as the first op that differs, not
+  # the wrong declaration after it (tf_ner's and census' reports too).
+  report = _check(check_models.declared_wrong_after_positions,
+                  modes=("train",))
+  assert not report.exact
+  first = report.differences[0].first_op
+  assert first.type == "PyFuncStateless", first
+  assert first.declared
+  assert _line_of("py_func(_minus_first_row, [joined]") in first.source
 
 
 def test_an_op_type_declaration_is_trusted_by_the_rule():

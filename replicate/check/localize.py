@@ -214,8 +214,10 @@ _WRITE_PARTS = ("Assign", "Scatter", "Apply")
 def _compared(graph, ordered):
   """The ops of `ordered` whose tower values must be one device's: not
   made from shapes only (a tower's batch has its own size: `tf.shape(x)[0]`
-  is n_i there), and not reading or computed from state a step changes (a
-  metric's local totals, or after an assignment)."""
+  is n_i there), not positions among the rows (integers computed from
+  such sizes or from a `tf.where`: a tower's `tf.range(n_i)` counts its
+  own shard's rows from 0), and not reading or computed from state a step
+  changes (a metric's local totals, or after an assignment)."""
   local = {v.op.name for key in (tf.compat.v1.GraphKeys.LOCAL_VARIABLES,
                                  tf.compat.v1.GraphKeys.METRIC_VARIABLES)
            for v in graph.get_collection(key)}
@@ -225,6 +227,10 @@ def _compared(graph, ordered):
     if op.type in op_types.SHAPE_TYPES or (inputs and all(
         i in sizes or i.type == "Const" for i in inputs)):
       sizes.add(op)
+    elif op.type == "Where" or (
+        op.outputs and all(t.dtype.is_integer for t in op.outputs) and
+        any(i in sizes for i in inputs)):
+      sizes.add(op)  # positions: the tower's own
     if (any(part in op.type for part in _WRITE_PARTS) or
         any(i.name in local or i in state for i in inputs)):
       state.add(op)

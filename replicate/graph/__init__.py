@@ -12,7 +12,9 @@
   `index_layout` (gathers, scatters, segment ops), `sparse_layout` (the
   sparse ops of feature columns), `loop_layout` (TF 2 while loops, through
   their bodies, TensorLists and TF 1 TensorArrays), `frame_layout` (TF 1
-  while loops: their Enter ... Exit frames in the graph itself).
+  while loops: their Enter ... Exit frames in the graph itself),
+  `static_layout` (what a shard of known size tells: folded constants,
+  `tf.range` of the known row count).
 - `index_rules`: index ops (gathers, scatters, segment ops, ...) keep rows
   apart exactly when they map each row to itself (read from `row_layout`);
   `slice_rules`: slices keep them apart where they keep the whole rows'

@@ -26,6 +26,14 @@ SAMPLER_TYPES = frozenset([
     "LogUniformCandidateSampler", "UniformCandidateSampler",
     "FixedUnigramCandidateSampler", "LearnedUnigramCandidateSampler",
     "AllCandidateSampler", "ThreadUnsafeUnigramCandidateSampler"])
+# Random draws of the shape their first input gives (dropout's mask).
+RANDOM_OF_SHAPE_TYPES = frozenset([
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal",
+    "TruncatedNormal", "StatelessRandomUniform", "StatelessRandomUniformInt",
+    "StatelessRandomNormal", "StatelessTruncatedNormal",
+    "StatelessRandomUniformV2", "StatelessRandomUniformIntV2",
+    "StatelessRandomNormalV2", "StatelessTruncatedNormalV2",
+    "StatelessRandomUniformFullInt", "StatelessRandomUniformFullIntV2"])
 # A TF 1 `while_loop`'s frame.
 TF1_LOOP_TYPES = frozenset(["Enter", "RefEnter", "Exit", "RefExit",
                             "NextIteration", "RefNextIteration", "LoopCond"])

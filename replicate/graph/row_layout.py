@@ -38,16 +38,16 @@ a loop's body followed at most `loop_layout.ROUNDS` times more.
 
 import collections
 
-import numpy as np
 import tensorflow as tf
 
 from replicate import graph_walk
 from replicate.graph import frame_layout
 from replicate.graph import layout_ops
 from replicate.graph import loop_layout
+from replicate.graph import static_layout
 from replicate.graph.row_facts import (
-    ALIGNED, BLOCKED, NONE, NO_ROWS, OTHER, ROW, ROWS, ROWS_K, ROWS_PLUS,
-    SELECTED, SELECTED_COUNT, UNKNOWN_ROWS, Fact, static)
+    ALIGNED, NONE, NO_ROWS, OTHER, ROW, ROWS, ROWS_K, ROWS_PLUS, SELECTED,
+    SELECTED_COUNT, UNKNOWN_ROWS, Fact)
 
 
 class RowLayout:
@@ -167,20 +167,23 @@ class RowLayout:
     if known is not None:
       return known
     if not self._inside(tensor.op):
-      return _constant_fact(tensor, self.static_rows)
+      return static_layout.constant_fact(tensor, self.static_rows)
     return UNKNOWN_ROWS if self._depends([tensor]) else NO_ROWS
 
   def _op_facts(self, op):
     if frame_layout.is_loop_merge(op):
       return self._loop_facts(op)
     if op.type == "Const":
-      return [_constant_fact(op.outputs[0], self.static_rows)]
-    if op.type == "Range" and self._counts_static_rows(op):
-      return [Fact(ALIGNED, 0, ids=ROW)]
+      return [static_layout.constant_fact(op.outputs[0], self.static_rows)]
+    positions = op.type == "Range" and static_layout.positions(
+        op, self.static_rows)
+    if positions:
+      return [positions]
     inputs = [self.input_fact(t) for t in op.inputs]
     if not self._depends([op]) and not any(_about_rows(f) for f in inputs):
-      return [_constant_fact(t, self.static_rows) if t.shape.rank in (0, 1)
-              else _filled_fact(t) for t in op.outputs]
+      return [static_layout.constant_fact(t, self.static_rows)
+              if t.shape.rank in (0, 1) else static_layout.filled_fact(t)
+              for t in op.outputs]
     try:
       facts = (loop_layout.calls_facts(self._of_body, op, inputs) or
                layout_ops.transfer(op, inputs))
@@ -190,7 +193,7 @@ class RowLayout:
       facts = layout_ops.default(op, inputs)
     facts = list(facts)
     if op.type == "Reshape" and facts and facts[0] == UNKNOWN_ROWS:
-      facts[0] = self._unblocked(op, inputs[0])
+      facts[0] = static_layout.unblocked(op, inputs[0], self.static_rows)
     return facts + [UNKNOWN_ROWS] * (len(op.outputs) - len(facts))
 
   def _of_body(self, body, facts) -> "RowLayout":
@@ -219,38 +222,6 @@ class RowLayout:
     """States `tensor`'s fact (a function's argument, given by its caller)."""
     self._facts[tensor.ref()] = fact
 
-  def _unblocked(self, op, fact) -> Fact:
-    """Blocks of rows back to rows between known sizes (`[rows * k, w]`
-    to `[rows, k, w]`: a dense layer's `Tensordot` on a batch of known
-    size), the new first size the tower's known row count."""
-    if op.inputs[0].shape.rank is None or op.outputs[0].shape.rank is None:
-      return UNKNOWN_ROWS
-    sizes, dims = op.inputs[0].shape.as_list(), op.outputs[0].shape.as_list()
-    if (fact.kind != BLOCKED or fact.axis != 0 or self.static_rows is None or
-        not sizes or not dims or None in sizes or None in dims or
-        dims[0] != self.static_rows or sizes[0] % self.static_rows or
-        int(np.prod(sizes[1:])) * (sizes[0] // self.static_rows) != int(
-            np.prod(dims[1:]))):
-      return UNKNOWN_ROWS
-    return fact._replace(kind=ALIGNED, axis=0, dims=None, ones=False)
-
-  def _counts_static_rows(self, op) -> bool:
-    """`tf.range(batch_size)` of a static shard: `batch_size` is the
-    Python number of a static shape (BERT's `gather_indexes` takes it from
-    `get_shape_list`), so the range is a constant; 0, 1, ... up to the
-    tower's known row count is each row's own position, as `tf.range(
-    tf.shape(x)[0])` is when the count is known only when run. A limit
-    computed from a shape (`tf.unstack(tf.shape(x))[1]` folded) is not
-    taken this way: the shape says which axis it counts."""
-    if self.static_rows is None or op.inputs[1].op.type != "Const" or (
-        _constant_fact(op.inputs[1], self.static_rows).dims != (
-            self.static_rows,)):
-      return False  # a limit taken from a shape is followed as any other
-    value = tf.get_static_value(op.outputs[0])
-    return value is not None and np.array_equal(
-        np.ravel(value), np.arange(self.static_rows))
-
-
 def _about_rows(fact: Fact) -> bool:
   """Whether a fact says something of the rows that an op not computed
   from their values passes on: rows along an axis, or a shape-like value
@@ -258,42 +229,3 @@ def _about_rows(fact: Fact) -> bool:
   by `safe_embedding_lookup_sparse` into the shape it reshapes to)."""
   return fact.carries or bool(fact.dims and set(fact.dims) & {
       ROWS, ROWS_K, ROWS_PLUS, SELECTED_COUNT})
-
-
-def _filled_fact(tensor: tf.Tensor) -> Fact:
-  """A value without rows of rank 2 or more: whether it is all ones.
-
-  `tf.ones_like(x)` and `tf.ones(shape)` of a known shape are a constant
-  below 1000 entries and a `Fill` of the number 1 from there on (TF-Ranking's
-  index tuples `tf.ones_like(indices) * tf.expand_dims(tf.range(rows), 1)`
-  on lists of 100 items): either way x * it is x. The fill's value is read,
-  not the filled tensor (which may be large)."""
-  value = static(tensor.op.inputs[1]) if tensor.op.type == "Fill" else None
-  return Fact(ones=value == [1])
-
-
-def _constant_fact(tensor: tf.Tensor, static_rows) -> Fact:
-  """A constant (or a value without rows): its entries as known numbers.
-
-  A shape TensorFlow folded to a constant (`tf.shape(x)` of a static
-  shape) keeps the name `Shape` but not `x`: its first entry, if equal to
-  the static row count, is taken for the rows (rows lead the tensors a
-  model takes shapes of; `tf.shape(x)[1]` of the same size is a number).
-  """
-  shape_like = tensor.dtype.is_integer and tensor.shape.rank in (0, 1)
-  if not shape_like and tensor.op.type != "Const":
-    return NO_ROWS
-  value = tf.get_static_value(tensor)
-  if value is None:
-    return NO_ROWS
-  if not shape_like:  # `tf.ones_like(x)` folded: x * it is x
-    value = np.asarray(value)
-    return Fact(ones=bool(value.size and value.dtype.kind in "biuf" and
-                          np.all(value == 1)))
-  values = np.ravel(value).tolist()
-  folded = (tensor.op.type == "Const" and
-            tensor.op.name.split("/")[-1].split("_")[0] in ("Shape", "Size"))
-  dims = tuple(ROWS if folded and i == 0 and v == static_rows else int(v)
-               for i, v in enumerate(values))
-  ones = bool(values) and all(v == 1 for v in values)
-  return Fact(dims=dims, ones=ones)

@@ -28,7 +28,8 @@ _POSITIONS = (op_types.SHAPE_TYPES - {"Rank"}) | {"Where"}
 _COUNTS = (ROWS, ROWS_K, ROWS_PLUS, SELECTED_COUNT)
 # The inputs of an op that are its output's sizes, axis by axis.
 _SIZES = {"Reshape": (1,), "BroadcastTo": (1,), "Fill": (0,), "Tile": (1,),
-          "Slice": (1, 2), "StridedSlice": (1, 2, 3)}
+          "Slice": (1, 2), "StridedSlice": (1, 2, 3),
+          **dict.fromkeys(op_types.RANDOM_OF_SHAPE_TYPES, (0,))}
 _STRIDED_MASKS = ("ellipsis_mask", "new_axis_mask", "shrink_axis_mask")
 _GATHERS = frozenset(["GatherV2", "Gather", "GatherNd", "ResourceGather"])
 # The inputs of an op that give its output's shape, not its values.
@@ -50,6 +51,8 @@ _SHAPE_INPUTS = {
     "TensorListFromTensor": (1,), "TensorListGetItem": (1, 2),
     "TensorListSetItem": (1,), "TensorListStack": (1,),
     "TensorListGather": (1, 2),
+    # A random draw of a shape (dropout's mask of `tf.shape(x)`).
+    **dict.fromkeys(op_types.RANDOM_OF_SHAPE_TYPES, (0,)),
 }
 
 
