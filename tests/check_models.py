@@ -60,6 +60,24 @@ def with_dropout_summarized(features, labels, mode):
   return spec
 
 
+def with_dropout_after_padding_removal(features, labels, mode):
+  # tensorflow/models' Transformer FFN: the tokens that are not padding
+  # (x < 0.3 here) gathered into one [1, tokens, d] sequence, a dropout on
+  # it (a draw of that shape: tower i's tokens are the ones after towers
+  # 0..i-1's in one device's), scattered back to their positions.
+  x = features["x"]
+  rows, length = tf.shape(x)[0], tf.shape(x)[1]
+  hidden = tf.compat.v1.layers.dense(x[:, :, None], 3, name="embed")
+  kept = tf.cast(tf.where(tf.reshape(x, [-1]) >= 0.3), tf.int32)
+  tokens = tf.expand_dims(tf.gather_nd(tf.reshape(hidden, [-1, 3]), kept), 0)
+  tokens = tf.compat.v1.layers.dense(tokens, 5, tf.nn.relu, name="filter")
+  tokens = tf.compat.v1.layers.dropout(
+      tokens, 0.5, training=mode == tf.estimator.ModeKeys.TRAIN)
+  tokens = tf.compat.v1.layers.dense(tokens, 3, name="output")
+  back = tf.scatter_nd(kept, tf.squeeze(tokens, 0), [rows * length, 3])
+  return _spec(mode, tf.reshape(back, [rows, length * 3]), labels)
+
+
 def with_dropout_per_item(features, labels, mode):
   # Each row's 2 items through one layer, as a ranking model scores a
   # list's items: flattened to [rows * 2, 2], so the dropout draws 2

@@ -73,6 +73,18 @@ def test_a_model_with_dropout_is_exact_fed_one_devices_draws():
   assert "fed the one-device draw's rows" in str(report)
 
 
+def test_a_dropout_on_the_tokens_a_padding_removal_keeps_is_fed_each_towers():
+  # A draw of [1, tokens, d]: each tower's own count of tokens, the ones
+  # after the towers before it in one device's draw. On 907cb2e it was
+  # fed sliced along the first axis only, and the check failed to run
+  # ("condition [1,111,256], then [1,58,256] ... must be broadcastable")
+  # on the Transformer's training as written.
+  report = _check(check_models.with_dropout_after_padding_removal,
+                  towers=(2, 3), modes=("train",))
+  assert report.exact, str(report)
+  assert any("dropout" in name for name in report.random_ops)
+
+
 def test_a_metric_summary_after_a_dropout_is_the_whole_batchs():
   # On f60d3dc the dropout's mask, a draw of `tf.shape(hidden)` (whose
   # first entry counts the tower's rows), was taken for values that count
@@ -100,7 +112,7 @@ def test_without_feeding_draws_dropout_would_differ():
   from replicate.check import randoms  # pylint: disable=import-outside-toplevel
   original = randoms.feeds
   try:
-    randoms.feeds = lambda graph, draws, rows, towers: {}
+    randoms.feeds = lambda graph, draws, rows, towers, shapes=None: {}
     report = _check(check_models.with_dropout, modes=("train",))
   finally:
     randoms.feeds = original

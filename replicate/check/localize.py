@@ -86,7 +86,7 @@ def first_op(setup: runs.Setup, mode: str, batch, checkpoint: str,
   wrapped = runs.build(setup, mode, [batch], towers, strategy)
   with one.graph.as_default():
     ordered = _candidates(one, mode, what)
-  one_values = _values(setup, one, checkpoint, draws, batch.rows, 1,
+  one_values = _values(setup, one, checkpoint, draws, batch, 1,
                        {t.name: t for t in ordered})
   names = {}
   for tensor in ordered:
@@ -97,8 +97,8 @@ def first_op(setup: runs.Setup, mode: str, batch, checkpoint: str,
         names[(tensor.name, tower)] = wrapped.graph.get_tensor_by_name(name)
       except (KeyError, ValueError):
         continue
-  tower_values = _values(setup, wrapped, checkpoint, draws, batch.rows,
-                         towers, names)
+  tower_values = _values(setup, wrapped, checkpoint, draws, batch, towers,
+                         names)
   sizes = batches_lib.shard_rows(batch.rows, towers)
   starts = np.cumsum([0] + sizes[:-1])
   # Differences in order: (tensor, tower, holds rows, one device's, the
@@ -237,7 +237,7 @@ def _compared(graph, ordered):
   return [op for op in ordered if op not in sizes and op not in state]
 
 
-def _values(setup, built, checkpoint, draws, rows, towers, fetches):
+def _values(setup, built, checkpoint, draws, batch, towers, fetches):
   """`fetches`' values in one run of `built` on its batch, random ops fed."""
   with built.graph.as_default():
     creator = tf.compat.v1.train.ChiefSessionCreator(
@@ -245,5 +245,7 @@ def _values(setup, built, checkpoint, draws, rows, towers, fetches):
         checkpoint_filename_with_path=checkpoint,
         config=setup.session_config)
     with tf.compat.v1.train.MonitoredSession(session_creator=creator) as s:
-      feed = randoms.feeds(built.graph, draws, rows, towers) if draws else {}
+      feed = randoms.feeds(
+          built.graph, draws, batch.rows, towers,
+          runs.tower_shapes(s, built, draws, batch)) if draws else {}
       return s.run(fetches, feed_dict=feed)

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from replicate import graph_walk
 from replicate.check import batches as batches_lib
+from replicate.graph import op_types
 
 # Op types that draw at random but are not "Random..." by name.
 _OTHER_RANDOM_TYPES = frozenset([
@@ -51,29 +52,79 @@ def fetches(ops: List[tf.Operation]) -> Dict[str, List[tf.Tensor]]:
   return {op.name: list(op.outputs) for op in ops}
 
 
+def _copies(graph, name, towers):
+  """(tower, its copy of the op `name`) for each tower that has one."""
+  for tower in range(towers):
+    try:
+      yield tower, graph.get_operation_by_name(
+          name if tower == 0 else "tower_{}/{}".format(tower, name))
+    except KeyError:
+      continue
+
+
+def shapes_to_fetch(graph: tf.Graph, draws, towers: int):
+  """{output name: its shape input} of the towers' copies of the recorded
+  ops that draw to a shape they are given (dropout's mask)."""
+  if towers < 2:
+    return {}
+  return {op.outputs[0].name: op.inputs[0] for name in draws
+          for _, op in _copies(graph, name, towers)
+          if op.type in op_types.RANDOM_OF_SHAPE_TYPES}
+
+
 def feeds(graph: tf.Graph, draws: Dict[str, List[np.ndarray]], rows: int,
-          towers: int) -> Dict[str, np.ndarray]:
+          towers: int, shapes=None) -> Dict[str, np.ndarray]:
   """Tower i's copy of each recorded op, fed the draw's rows for tower i
   (or the whole draw, when its first dimension is not the batch's rows);
-  by tensor name, as a session's feed_dict takes them."""
+  by tensor name, as a session's feed_dict takes them. `shapes`: the
+  towers' draws' shapes when run (`shapes_to_fetch`'s): where they part
+  one device's along one axis, each tower is fed its part there (the
+  tokens a padding removal keeps, `[1, tokens, d]`: tower i's are the
+  ones after towers 0..i-1's)."""
   sizes = batches_lib.shard_rows(rows, towers)
   starts = np.cumsum([0] + sizes[:-1])
   found = {}
   for name, values in draws.items():
-    for tower in range(towers):
-      try:
-        op = graph.get_operation_by_name(
-            name if tower == 0 else "tower_{}/{}".format(tower, name))
-      except KeyError:
-        continue
-      for tensor, value in zip(op.outputs, values):
+    copies = list(_copies(graph, name, towers))
+    parts = _parts(copies, values, shapes or {})
+    for tower, op in copies:
+      for index, (tensor, value) in enumerate(zip(op.outputs, values)):
         value = np.asarray(value)
         block = _rows_block(tensor, value, rows, sizes[tower])
-        if towers > 1 and block:
+        if index == 0 and parts:
+          value = value[parts[tower]]
+        elif towers > 1 and block:
           value = value[starts[tower] * block:
                         (starts[tower] + sizes[tower]) * block]
         found[tensor.name] = value
   return found
+
+
+def _parts(copies, values, shapes):
+  """{tower: the index of its part of one device's first draw}, where the
+  towers' shapes differ from one device's along one axis only and their
+  sizes there add up to its; else None."""
+  if not values or len(copies) < 2 or any(
+      op.outputs[0].name not in shapes for _, op in copies):
+    return None
+  whole = np.shape(values[0])
+  towers = {tower: tuple(np.ravel(shapes[op.outputs[0].name]))
+            for tower, op in copies}
+  if any(len(shape) != len(whole) for shape in towers.values()):
+    return None
+  axes = {axis for shape in towers.values()
+          for axis, size in enumerate(shape) if size != whole[axis]}
+  if len(axes) != 1:
+    return None
+  axis = axes.pop()
+  if sum(shape[axis] for shape in towers.values()) != whole[axis]:
+    return None
+  parts, start = {}, 0
+  for tower in sorted(towers):
+    end = start + towers[tower][axis]
+    parts[tower] = (slice(None),) * axis + (slice(start, end),)
+    start = end
+  return parts
 
 
 def _rows_block(tensor, value, rows, tower_rows):

@@ -44,6 +44,7 @@ class Built:
   graph: tf.Graph
   spec: Any
   towers: int
+  inputs: Any = None  # (features, labels) the pipeline gives the model_fn
 
 
 class Refused(Exception):
@@ -86,7 +87,7 @@ def build(setup: Setup, mode: str, batches, towers: int = 1,
       raise Refused(error, graph) from error
     if hasattr(spec, "as_estimator_spec"):  # a TPUEstimatorSpec
       spec = spec.as_estimator_spec()
-  return Built(graph, spec, towers)
+  return Built(graph, spec, towers, (features, labels))
 
 
 def _call(setup, features, labels, mode):
@@ -118,6 +119,27 @@ class _KeepSession(tf.compat.v1.train.SessionRunHook):
   def after_create_session(self, session, coord):
     del coord
     self.session = session
+
+
+def tower_shapes(session, built: Built, draws, batch):
+  """The shapes of the towers' copies of the recorded random ops on
+  `batch` (`randoms.feeds` splits one device's draw by them), from one
+  run of their shape inputs, the pipeline's outputs fed `batch` (no batch
+  is read from it)."""
+  wanted = randoms.shapes_to_fetch(built.graph, draws, built.towers)
+  if not wanted:
+    return {}
+  feed = {}
+  for tensors, values in zip(built.inputs, (batch.features, batch.labels)):
+    if tensors is None:
+      continue
+    # A SparseTensor's parts in the order of a SparseTensorValue's fields.
+    tensors = tf.nest.flatten(tensors, expand_composites=True)
+    values = tf.nest.flatten(values)
+    if len(tensors) != len(values):
+      return {}
+    feed.update(zip(tensors, values))
+  return session.run(wanted, feed_dict=feed)
 
 
 def _session(setup, built, checkpoint, hooks):
@@ -182,7 +204,8 @@ def run(setup: Setup, built: Built, mode: str, batches, checkpoint: str,
         else:
           fetch.update(predictions=spec.predictions)
         feed = ({} if draws is None else randoms.feeds(
-            graph, draws[step], batch.rows, built.towers))
+            graph, draws[step], batch.rows, built.towers,
+            tower_shapes(keep.session, built, draws[step], batch)))
         got = session.run(fetch, feed_dict=feed)
         recorded.append(got["draws"])
         if mode != "predict":
