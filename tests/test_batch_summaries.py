@@ -505,28 +505,31 @@ def _sentence_batches(static):
       _sentences, output_types=types, output_shapes=shapes).padded_batch(3)
 
 
+def _trained_summaries(model_fn, towers, input_fn, model_dir, tags):
+  """The summaries of `tags` that STEPS steps of training write, on one
+  device (`towers` 0) or wrapped on `towers`."""
+  if towers:
+    model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(towers))
+  tf.estimator.Estimator(model_fn, model_dir=model_dir, config=(
+      tf.estimator.RunConfig(session_config=session_config(towers or 1),
+                             tf_random_seed=11, save_summary_steps=1,
+                             log_step_count_steps=None,
+                             save_checkpoints_steps=None,
+                             save_checkpoints_secs=None))).train(
+                                 input_fn, max_steps=STEPS)
+  return _values(_events(model_dir), tags)
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("towers", [2, 3])
 def test_char_tagger_metric_summaries_are_the_batch(tmp_path, towers, static):
   """On batches of known sizes the words' count is a number: a constant
   `tf.range(rows * words)` (on 405e424 refused on 3 towers, where the
   analysis knew the rows of the states it indexes)."""
-  events = []
-  for count in (0, towers):
-    model_fn = _tagger_model_fn
-    if count:
-      model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(count))
-    model_dir = str(tmp_path / str(count))
-    tf.estimator.Estimator(model_fn, model_dir=model_dir, config=(
-        tf.estimator.RunConfig(session_config=session_config(count or 1),
-                               tf_random_seed=11, save_summary_steps=1,
-                               log_step_count_steps=None,
-                               save_checkpoints_steps=None,
-                               save_checkpoints_secs=None))).train(
-                                   lambda: _sentence_batches(static),
-                                   max_steps=STEPS)
-    events.append(_values(_events(model_dir), TAGGER_TAGS + ("loss",)))
-  expected, got = events
+  expected, got = (_trained_summaries(
+      _tagger_model_fn, count, lambda: _sentence_batches(static),
+      str(tmp_path / str(count)), TAGGER_TAGS + ("loss",))
+                   for count in (0, towers))
   assert len(expected) == (len(TAGGER_TAGS) + 1) * STEPS
   for key, value in expected.items():
     np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,
@@ -560,23 +563,10 @@ def _scan_model_fn(features, labels, mode):
 
 
 def test_a_metric_of_a_scan_the_analysis_cannot_follow(tmp_path):
-  events = []
-  for towers in (0, 2):
-    model_fn = _scan_model_fn
-    if towers:
-      model_fn = replicate.replicate_model_fn(model_fn, devices=cpus(towers))
-    model_dir = str(tmp_path / str(towers))
-    tf.estimator.Estimator(model_fn, model_dir=model_dir, config=(
-        tf.estimator.RunConfig(session_config=session_config(towers or 1),
-                               save_summary_steps=1,
-                               log_step_count_steps=None,
-                               save_checkpoints_steps=None,
-                               save_checkpoints_secs=None))).train(
-                                   lambda: tf.data.Dataset.from_tensor_slices(
-                                       {"x": TAGGER_X}).batch(3),
-                                   max_steps=STEPS)
-    events.append(_values(_events(model_dir), ("mean_state",)))
-  expected, got = events
+  expected, got = (_trained_summaries(
+      _scan_model_fn, towers,
+      lambda: tf.data.Dataset.from_tensor_slices({"x": TAGGER_X}).batch(3),
+      str(tmp_path / str(towers)), ("mean_state",)) for towers in (0, 2))
   assert len(expected) == STEPS
   for key, value in expected.items():
     if IS_TF1_BEHAVIOR:  # a TF 1 loop: tower 0's (docs/guarantees.md)
