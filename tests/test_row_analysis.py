@@ -118,7 +118,7 @@ IDIOMS = {"ranking": (zoo_rows.ranking_model_fn, zoo_rows.ranking_data()),
 
 @pytest.mark.parametrize("name, towers, static", [
     ("ranking", 2, False), ("ranking", 3, True), ("pad_remover", 2, True),
-    ("pad_remover", 3, False)])
+    ("pad_remover", 3, False), ("pad_remover", 3, True)])
 def test_index_idioms_that_keep_rows_apart_train_exactly(name, towers,
                                                          static):
   """`static`: batches of known size, where TensorFlow folds `tf.shape(x)`

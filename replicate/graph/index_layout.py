@@ -71,16 +71,22 @@ def _gather(op, inputs):
   return [UNKNOWN_ROWS]
 
 
-def tuple_part(op, inputs, new_axis):
+def tuple_part(op, inputs, new_axis, rows=None):
   """(ids, component) of index tuples that a stack (`new_axis`) or a concat
   `op` of parts builds along the last axis, from the first part holding
   positions: its own component (or 0) past the parts before it (tfa's CRF
   score's `(row, 0)` then the tag; `LSTMBlockFusedCell`'s final states by
-  `(length, row)`); None if not such tuples."""
-  index = next((i for i, f in enumerate(inputs) if f.ids), None)
+  `(length, row)`); None if not such tuples. `rows`: the tuples' rows
+  (along their first axis): a part that is the constant 0, 1, ... along
+  it (`tf.range(batch_size)` of a known size) holds each tuple's own
+  position there."""
+  index = next((i for i, f in enumerate(inputs)
+                if f.ids or _counts_along(f, op.inputs[i], rows)), None)
   if index is None:
     return None
   part, tensor = inputs[index], op.inputs[index]
+  if not part.ids:
+    part = Fact(rows.kind, 0, ids=_IDS_FOR[rows.kind])
   widths = [1 if new_axis is not None else
             t.shape.as_list()[-1] if rank_of(t) else None
             for t in op.inputs[:index]]
@@ -90,6 +96,17 @@ def tuple_part(op, inputs, new_axis):
       rank_of(tensor) and tensor.shape.as_list()[-1] == 1):
     return None
   return part.ids, sum(widths) + (part.component or 0)
+
+
+def _counts_along(fact, tensor, rows) -> bool:
+  """`tensor` is the constant 0, 1, ..., n - 1 along a first axis of n
+  entries that holds `rows` (ALIGNED or BLOCKED): each entry's own
+  position along the rows' axis."""
+  if (rows is None or rows.kind not in _IDS_FOR or rows.axis != 0 or
+      fact.kind != NONE or fact.dims is None or rank_of(tensor) != 1):
+    return False
+  size = tensor.shape.as_list()[0]
+  return size is not None and size > 0 and fact.dims == tuple(range(size))
 
 
 def positions_for(params: Fact, indices: Fact, component) -> bool:

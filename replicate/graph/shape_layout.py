@@ -138,7 +138,7 @@ def _stacked(op, inputs, axis, new_axis):
       return UNKNOWN_ROWS
   if found is None:
     return NO_ROWS
-  part = (index_layout.tuple_part(op, inputs, new_axis)
+  part = (index_layout.tuple_part(op, inputs, new_axis, found)
           if rank_of(op.outputs[0]) == axis + 1 else None)
   if part is not None:
     return found._replace(ids=part[0], component=part[1])

@@ -1,7 +1,7 @@
 """What a shard of known size tells the row analysis: constants (a shape
 TensorFlow folded counts the rows, `tf.ones_like(x)` folded is ones),
-`tf.range` of the known row count (or a multiple of it), and blocks of
-rows reshaped back between known sizes."""
+`tf.range` of the known row count, and blocks of rows reshaped back
+between known sizes."""
 
 from typing import Optional
 
@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from replicate.graph.row_facts import (
-    ALIGNED, BLOCKED, BPOS, NO_ROWS, ROW, ROWS, UNKNOWN_ROWS, Fact, static)
+    ALIGNED, BLOCKED, NO_ROWS, ROW, ROWS, UNKNOWN_ROWS, Fact, static)
 
 
 def positions(op, static_rows) -> Optional[Fact]:
@@ -17,27 +17,19 @@ def positions(op, static_rows) -> Optional[Fact]:
   Python number of a static shape (BERT's `gather_indexes` takes it from
   `get_shape_list`), so the range is a constant; 0, 1, ... up to the
   tower's known row count is each row's own position, as `tf.range(
-  tf.shape(x)[0])` is when the count is known only when run; up to a
-  multiple of it, k rows' worth (a fused LSTM's `tf.range(batch_size)`
-  over `[time, rows * words, d]`), each entry's position in blocks of
-  k. A limit computed from a shape (`tf.unstack(tf.shape(x))[1]`
-  folded) is not taken this way: the shape says which axis it counts."""
-  if static_rows is None or static_rows < 1 or (
-      op.inputs[1].op.type != "Const"):
-    return None
-  limit = constant_fact(op.inputs[1], static_rows).dims
-  if (limit is None or len(limit) != 1 or not isinstance(limit[0], int) or
-      limit[0] % static_rows or (
-          limit[0] != static_rows and static_rows == 1)):
+  tf.shape(x)[0])` is when the count is known only when run. A limit
+  computed from a shape (`tf.unstack(tf.shape(x))[1]` folded) is not
+  taken this way: the shape says which axis it counts. (A constant range
+  as the part of index tuples along their rows is read where they are
+  built: `index_layout.tuple_part`.)"""
+  if static_rows is None or op.inputs[1].op.type != "Const" or (
+      constant_fact(op.inputs[1], static_rows).dims != (static_rows,)):
     return None  # a limit taken from a shape is followed as any other
   value = tf.get_static_value(op.outputs[0])
   if value is None or not np.array_equal(np.ravel(value),
-                                         np.arange(limit[0])):
+                                         np.arange(static_rows)):
     return None
-  if limit[0] == static_rows:
-    return Fact(ALIGNED, 0, ids=ROW)
-  return Fact(BLOCKED, 0, ids=BPOS, block=frozenset(
-      [(limit[0] // static_rows,)]))
+  return Fact(ALIGNED, 0, ids=ROW)
 
 
 def unblocked(op, fact, static_rows) -> Fact:

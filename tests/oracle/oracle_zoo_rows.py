@@ -404,6 +404,22 @@ def _feed_forward(x, padding):
   return output
 
 
+def _position_encoding(length):
+  """The Transformer's `get_position_encoding`: sinusoids of `tf.range(
+  length)` at `tf.range(num_timescales)` timescales, `num_timescales` a
+  Python number (its `hidden_size // 2`): a constant range, here of 6,
+  a multiple of a tower's 3 rows on a batch of known size, which is not
+  the rows' positions (on 907cb2e taken for them: the Transformer's
+  training on static batches was refused on 2 towers)."""
+  timescales = 6
+  position = tf.cast(tf.range(length), tf.float32)
+  inverse = tf.exp(tf.cast(tf.range(timescales), tf.float32) * -0.5)
+  scaled = tf.expand_dims(position, 1) * tf.expand_dims(inverse, 0)
+  signal = tf.concat([tf.sin(scaled), tf.cos(scaled)], axis=1)
+  return tf.matmul(signal, tf.constant(np.random.RandomState(9).randn(
+      2 * timescales, HIDDEN).astype(np.float32)))
+
+
 def pad_remover_model_fn(features, labels, mode):
   tokens = features["tokens"]
   embedding = tf.compat.v1.get_variable(
@@ -411,6 +427,7 @@ def pad_remover_model_fn(features, labels, mode):
       initializer=tf.compat.v1.random_normal_initializer(stddev=0.5, seed=6))
   padding = tf.cast(tf.equal(tokens, 0), tf.float32)
   hidden = tf.gather(embedding, tokens)
+  hidden += _position_encoding(tf.shape(hidden)[1])
   hidden += _feed_forward(hidden, padding)
   logits = tf.compat.v1.layers.dense(hidden, VOCAB, name="logits",
                                      kernel_initializer=_seeded(5))
