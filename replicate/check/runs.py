@@ -139,7 +139,10 @@ def tower_shapes(session, built: Built, draws, batch):
     if len(tensors) != len(values):
       return {}
     feed.update(zip(tensors, values))
-  return session.run(wanted, feed_dict=feed)
+  try:
+    return session.run(wanted, feed_dict=feed)
+  except (tf.errors.OpError, TypeError, ValueError):
+    return {}  # then fed as before: by rows along the first axis
 
 
 def _session(setup, built, checkpoint, hooks):
