@@ -143,6 +143,20 @@ _TRAIN_ARGS = ("static", "known_rows", "step_fetches", "after_fetches",
                "in_graph", "named_inputs", "session_towers", "like")
 
 
+def classifier_spec(h, labels, mode=TRAIN):
+  """A 3-class softmax head on `h` trained by gradient descent (0.5), its
+  kernel seeded: the spec the row tests' model_fns end in."""
+  logits = tf.compat.v1.layers.dense(
+      h, 3, kernel_initializer=tf.compat.v1.glorot_uniform_initializer(
+          seed=4))
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  optimizer = replicate.TowerOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.5))
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=optimizer.minimize(
+          loss, tf.compat.v1.train.get_global_step()))
+
+
 def _unwrapped(kwargs):
   return {key: value for key, value in kwargs.items() if key in _TRAIN_ARGS}
 

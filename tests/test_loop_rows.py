@@ -291,18 +291,6 @@ def test_a_dynamic_rnns_outputs_train_evaluate_predict_and_summarize_exactly(
                                err_msg=tag)
 
 
-def _head(h, labels):
-  logits = tf.compat.v1.layers.dense(
-      h, 3, kernel_initializer=tf.compat.v1.glorot_uniform_initializer(
-          seed=4))
-  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
-  optimizer = replicate.TowerOptimizer(
-      tf.compat.v1.train.GradientDescentOptimizer(0.5))
-  return tf.estimator.EstimatorSpec(
-      tf.estimator.ModeKeys.TRAIN, loss=loss, train_op=optimizer.minimize(
-          loss, tf.compat.v1.train.get_global_step()))
-
-
 def _weights():
   return tf.compat.v1.get_variable(
       "w", [DEPTH, DEPTH],
@@ -315,13 +303,13 @@ def _scan_model_fn(features, labels, mode):
   w = _weights()
   out = tf.scan(lambda a, e: tf.tanh(tf.matmul(a, w) + e), steps,
                 initializer=tf.zeros_like(steps[0]))
-  return _head(tf.reverse(out, [0])[0], labels)  # the last step, by time
+  return harness.classifier_spec(tf.reverse(out, [0])[0], labels)  # the last step, by time
 
 
 def _map_fn_model_fn(features, labels, mode):
   del mode
   w = _weights()
-  return _head(tf.map_fn(lambda r: tf.reduce_sum(tf.matmul(r, w), 0),
+  return harness.classifier_spec(tf.map_fn(lambda r: tf.reduce_sum(tf.matmul(r, w), 0),
                          features["x"]), labels)
 
 
@@ -341,7 +329,7 @@ def _running_sum_model_fn(pick):
     _, _, sums = tf.while_loop(
         lambda i, total, sums: i < rows, body,
         [0, tf.zeros([4]), tf.TensorArray(tf.float32, size=rows)])
-    return _head(sums.stack(), labels)
+    return harness.classifier_spec(sums.stack(), labels)
 
   return model_fn
 
@@ -373,7 +361,7 @@ def test_rows_reversed_after_a_loop_are_refused(loop, control_flow):
     else:
       values = tf.map_fn(lambda row: tf.reduce_sum(row, 0), features["x"])
     rows = tf.shape(values)[0]
-    return _head(tf.gather(values, tf.range(rows - 1, -1, -1)), labels)
+    return harness.classifier_spec(tf.gather(values, tf.range(rows - 1, -1, -1)), labels)
 
   with pytest.raises(ValueError, match="GatherV2 op 'GatherV2' combines "
                      "different rows.*Fix: index the whole batch's rows"):
@@ -418,7 +406,7 @@ def _rows_meet_in_a_loop_model_fn(meet):
 
     steps = tf.transpose(features["x"], [1, 0, 2])
     states = tf.scan(step, steps, initializer=steps[0])
-    return _head(states[-1], labels)
+    return harness.classifier_spec(states[-1], labels)
 
   return model_fn
 

@@ -219,16 +219,7 @@ def _rnn_model_fn(pick):
       last = tf.gather_nd(outputs, tf.stack([tf.range(rows), lengths - 1], 1))
     else:  # "reversed": every row reads another row's last output
       last = tf.gather(outputs[:, -1], tf.range(rows - 1, -1, -1))
-    logits = tf.compat.v1.layers.dense(
-        last, 3, kernel_initializer=tf.compat.v1.glorot_uniform_initializer(
-            seed=4))
-    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
-    optimizer = replicate.TowerOptimizer(
-        tf.compat.v1.train.GradientDescentOptimizer(0.5))
-    return tf.estimator.EstimatorSpec(mode, loss=loss,
-                                      train_op=optimizer.minimize(
-                                          loss,
-                                          tf.compat.v1.train.get_global_step()))
+    return harness.classifier_spec(last, labels, mode)
 
   return model_fn
 
